@@ -1,0 +1,93 @@
+"""The prepared-data folder that `eyas prepare` writes and every later stage reads.
+
+prepared/
+  prepared.json          eyas version, target identity, max_len, source, counts
+  samples.safetensors    input_ids [T] int32, loss_mask [T] uint8, offsets [n+1] int64,
+                         source_index [n] int64 (the record's position in the source)
+  conversations.jsonl    the normalised messages of each kept sample, in the same order
+                         (regeneration and `prepare --show` read them)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors.torch import load_file, save
+
+from eyas import __version__
+from eyas.errors import EyasError
+from eyas.models.identity import ModelIdentity
+from eyas.paths import atomic_write_bytes, atomic_write_json
+
+META = "prepared.json"
+SAMPLES = "samples.safetensors"
+CONVERSATIONS = "conversations.jsonl"
+
+
+@dataclass
+class PreparedSample:
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] bool, True on assistant (trained) tokens
+    source_index: int
+
+
+class PreparedData:
+    """Random access to prepared samples; the whole token array is small enough to load."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            self.meta = json.loads((self.path / META).read_text())
+        except FileNotFoundError:
+            raise EyasError(f"{self.path} is not prepared data (no {META}); run `eyas prepare` first.") from None
+        t = load_file(self.path / SAMPLES)
+        self.input_ids, self.loss_mask = t["input_ids"], t["loss_mask"]
+        self.offsets, self.source_index = t["offsets"], t["source_index"]
+        if len(self) == 0:
+            raise EyasError(f"{self.path} holds no samples.")
+
+    @property
+    def identity(self) -> ModelIdentity:
+        return ModelIdentity.from_dict(self.meta["target"])
+
+    def __len__(self) -> int:
+        return len(self.source_index)
+
+    def length(self, i: int) -> int:
+        return int(self.offsets[i + 1] - self.offsets[i])
+
+    def __getitem__(self, i: int) -> PreparedSample:
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return PreparedSample(self.input_ids[a:b].long(), self.loss_mask[a:b].bool(), int(self.source_index[i]))
+
+    def __iter__(self) -> Iterator[PreparedSample]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def conversations(self) -> list[list[dict[str, str]]]:
+        with open(self.path / CONVERSATIONS) as f:
+            return [json.loads(line) for line in f]
+
+
+def write_prepared(path: str | Path, samples: list[PreparedSample], conversations: list[list[dict[str, str]]],
+                   meta: dict[str, Any]) -> None:
+    """Write the three files atomically; `prepared.json` last, so its presence means complete."""
+    path = Path(path)
+    ids = [s.input_ids.to(torch.int32) for s in samples]
+    lengths = torch.tensor([len(x) for x in ids], dtype=torch.int64)
+    tensors = {
+        "input_ids": torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int32),
+        "loss_mask": torch.cat([s.loss_mask.to(torch.uint8) for s in samples]) if ids else torch.zeros(0, dtype=torch.uint8),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
+        "source_index": torch.tensor([s.source_index for s in samples], dtype=torch.int64),
+    }
+    (path / META).unlink(missing_ok=True)  # an interrupted rewrite must not look complete
+    atomic_write_bytes(path / SAMPLES, save(tensors))
+    atomic_write_bytes(path / CONVERSATIONS, "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in conversations).encode())
+    atomic_write_json(path / META, {"eyas_version": __version__, **meta})

@@ -1,0 +1,125 @@
+"""The drafter's configuration: one dataclass, written as an HF-style `config.json` that is
+also the shape vLLM's `LlamaForCausalLMEagle3` expects, plus an `eyas` block recording the
+target and the training-time-test settings."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from eyas.errors import EyasError
+from eyas.models.identity import ModelIdentity, text_config
+
+CONFIG_VERSION = 1
+
+
+@dataclass(kw_only=True)
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int  # the target's vocabulary
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...]  # vLLM convention: id k = input of target layer k
+    label_layer_id: int  # N: the target's last-layer output before its final norm
+    target: dict[str, Any]  # ModelIdentity.to_dict()
+    rms_norm_eps: float = 1e-5
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int = 8192
+    hidden_act: str = "silu"
+    norm_before_residual: bool = False
+    ttt_steps: int = 7
+    ttt_decay: float = 0.8
+
+    def __post_init__(self) -> None:
+        self.aux_layer_ids = tuple(int(k) for k in self.aux_layer_ids)
+        if self.draft_vocab_size > self.vocab_size:
+            raise EyasError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocabulary {self.vocab_size}.")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise EyasError("num_attention_heads must be a multiple of num_key_value_heads.")
+
+    @property
+    def identity(self) -> ModelIdentity:
+        return ModelIdentity.from_dict(self.target)
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        """Aux ids then the label id, exactly as a store records them."""
+        return (*self.aux_layer_ids, self.label_layer_id)
+
+    @classmethod
+    def for_target(cls, target_config, identity: ModelIdentity, layer_ids: tuple[int, ...], draft_vocab_size: int,
+                   **overrides: Any) -> "DraftConfig":
+        """A one-layer Llama-style head with the target's width, heads and rotary settings."""
+        tc = text_config(target_config)
+        heads = tc.num_attention_heads
+        rope = getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)}
+        kwargs = dict(
+            hidden_size=tc.hidden_size,
+            intermediate_size=getattr(tc, "intermediate_size", 4 * tc.hidden_size),
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+            vocab_size=tc.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            aux_layer_ids=layer_ids[:-1],
+            label_layer_id=layer_ids[-1],
+            target=identity.to_dict(),
+            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-5),
+            rope_parameters=dict(rope),
+            max_position_embeddings=getattr(tc, "max_position_embeddings", 8192),
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """config.json: vLLM's Eagle-3 Llama fields at top level, eyas's own under `eyas`."""
+        return {
+            "architectures": ["LlamaForCausalLMEagle3"],
+            "model_type": "llama",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": 1,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_parameters.get("rope_theta", 10000.0),
+            "rope_scaling": None if self.rope_parameters.get("rope_type", "default") == "default" else self.rope_parameters,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.hidden_size,
+            "tie_word_embeddings": False,
+            "norm_before_residual": self.norm_before_residual,
+            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            "eyas": {"config_version": CONFIG_VERSION, **{k: v for k, v in asdict(self).items()}},
+        }
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "DraftConfig":
+        if "eyas" not in d:
+            raise EyasError("config.json has no `eyas` block: not an eyas drafter (use `eyas import` for others).")
+        own = dict(d["eyas"])
+        if own.pop("config_version", None) != CONFIG_VERSION:
+            raise EyasError("This drafter was written by an incompatible eyas version.")
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in own.items() if k in names})
+
+    def save(self, folder: str | Path) -> None:
+        from eyas.paths import atomic_write_json
+
+        atomic_write_json(Path(folder) / "config.json", self.to_hf_dict())
+
+    @classmethod
+    def load(cls, folder: str | Path) -> "DraftConfig":
+        path = Path(folder) / "config.json"
+        try:
+            return cls.from_hf_dict(json.loads(path.read_text()))
+        except FileNotFoundError:
+            raise EyasError(f"{folder} is not a drafter checkpoint: no config.json.") from None

@@ -1,0 +1,164 @@
+"""The EAGLE-3 drafter: `fc` fuses the target's aux states, one Llama-style decoder layer
+whose attention reads `cat([embed(token), hidden])` (2H), a final norm, and `lm_head` over
+the draft vocabulary. Weight names are vLLM's (`midlayer.*`, `fc`, `norm`, `lm_head`,
+`d2t`, `t2d`); the embeddings are the target's, frozen, and never saved.
+
+The layer is split into `pre_attention` / `attn.qkv` / `post_attention` so that training
+(training-time test over whole sequences) and decoding (KV cache, trees) share every
+weight-touching line and differ only in how attention is computed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+from eyas.draft.config import DraftConfig
+
+
+def _llama_config(cfg: DraftConfig) -> LlamaConfig:
+    return LlamaConfig(
+        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, hidden_act=cfg.hidden_act,
+        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
+        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters=dict(cfg.rope_parameters), mlp_bias=False, attention_bias=False,
+    )
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [B, T, 2H] -> q [B, nH, T, d], k and v [B, nH, T, d] (kv heads repeated for GQA)."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        rep = self.n_heads // self.n_kv
+        return q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.norm_before_residual = cfg.norm_before_residual
+        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg)
+        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(_llama_config(cfg))
+
+    def pre_attention(self, embeds: torch.Tensor, hidden: torch.Tensor):
+        """embeds, hidden [B, T, H] -> attention input [B, T, 2H] and the residual [B, T, H]."""
+        h = self.hidden_norm(hidden)
+        residual = h if self.norm_before_residual else hidden
+        return torch.cat([self.input_layernorm(embeds), h], dim=-1), residual
+
+    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """attn_out [B, T, nH*d] -> the layer's pre-norm output [B, T, H] (next step's hidden)."""
+        h = self.self_attn.o_proj(attn_out) + residual
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: DraftConfig, embed_weight: torch.Tensor | None = None):
+        super().__init__()
+        self.config = cfg
+        H = cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
+        self.embed_tokens.requires_grad_(False)
+        if embed_weight is not None:
+            self.embed_tokens.weight.data.copy_(embed_weight)
+        self.fc = nn.Linear(len(cfg.aux_layer_ids) * H, H, bias=False)
+        self.midlayer = DraftLayer(cfg)
+        self.norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
+        self.rotary = LlamaRotaryEmbedding(_llama_config(cfg))
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))  # target = draft + d2t[draft]
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # target ids in the draft vocab
+
+    def set_vocab(self, draft_to_target: torch.Tensor) -> None:
+        """draft_to_target [Vd] int64: the target id of each draft id (ascending)."""
+        self.d2t.copy_(draft_to_target - torch.arange(len(draft_to_target), device=draft_to_target.device))
+        self.t2d.zero_()
+        self.t2d[draft_to_target] = True
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def rope(self, x: torch.Tensor, position_ids: torch.Tensor):
+        """cos, sin for position_ids [B, T]."""
+        return self.rotary(x, position_ids)
+
+    def combine(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """aux_hidden [..., L_aux, H] (the target's aux states) -> [..., H]."""
+        return self.fc(aux_hidden.flatten(-2))
+
+    def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """prenorm [B, T, H] -> draft-vocab logits [B, T, Vd]."""
+        return self.lm_head(self.norm(prenorm))
+
+    def forward_ttt(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int | None = None):
+        """Training-time test over whole sequences.
+
+        input_ids [B, T]: the sample's tokens; aux_hidden [B, T, L_aux, H]: target states.
+        Step k at position i reads token i+1+k and, as hidden, the target's state at i (k=0)
+        or the drafter's own step-(k-1) output; it predicts the target's distribution at
+        position i+1+k. Its query sees step-0 keys at positions <= i and the position-i key
+        of each step 1..k. Returns a list of `steps` logits tensors [B, T, Vd]; entries whose
+        input token lies past the end are garbage and must be masked by the caller.
+        """
+        steps = steps or self.config.ttt_steps
+        B, T = input_ids.shape
+        hidden = self.combine(aux_hidden)  # [B, T, H]
+        padded = F.pad(input_ids, (0, steps))  # [B, T + steps]
+        base_pos = torch.arange(T, device=input_ids.device).expand(B, T)
+        k0 = v0 = None
+        extra: list[tuple[torch.Tensor, torch.Tensor]] = []
+        all_logits = []
+        for k in range(steps):
+            x, residual = self.midlayer.pre_attention(self.embed_tokens(padded[:, 1 + k : 1 + k + T]), hidden)
+            cos, sin = self.rope(x, base_pos + k)
+            q, kk, vv = self.midlayer.self_attn.qkv(x, cos, sin)
+            if k == 0:
+                k0, v0 = kk, vv
+            else:
+                extra.append((kk, vv))
+            out = ttt_attention(q, k0, v0, extra)  # [B, nH, T, d]
+            hidden = self.midlayer.post_attention(out.transpose(1, 2).flatten(2), residual)
+            all_logits.append(self.compute_logits(hidden))
+        return all_logits
+
+
+def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
+                  extra: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Exact TTT attention without a per-position loop.
+
+    q, k0, v0 [B, nH, T, d]; extra: (k_j, v_j) [B, nH, T, d] for steps 1..k. Scores against
+    step-0 keys are causal [B, nH, T, T]; each later step contributes one same-position score
+    [B, nH, T, 1]; one softmax runs over all T + k of them.
+    """
+    T = q.shape[-2]
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    scores = (q @ k0.transpose(-1, -2)).float().mul(scale).masked_fill(~causal, float("-inf"))
+    if extra:
+        diag = torch.stack([(q * kj).sum(-1) for kj, _ in extra], dim=-1).float() * scale  # [B, nH, T, k]
+        scores = torch.cat([scores, diag], dim=-1)
+    probs = scores.softmax(-1).to(q.dtype)
+    out = probs[..., :T] @ v0
+    for j, (_, vj) in enumerate(extra):
+        out = out + probs[..., T + j : T + j + 1] * vj
+    return out

@@ -1,0 +1,85 @@
+"""What makes two stages agree on a target: the same config and the same tokenizer.
+
+Every artifact eyas writes records a `ModelIdentity`; a later stage compares hashes, not
+paths, so `packaged:smollm2-135m` and its cached folder count as the same model while a
+different checkpoint of the same family does not.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from eyas.errors import EyasError
+
+# Config keys that say how a model was stored or run, not what it computes.
+_VOLATILE_KEYS = {
+    "_name_or_path", "transformers_version", "torch_dtype", "dtype", "quantization_config",
+    "_attn_implementation", "attn_implementation", "_attn_implementation_autoset", "use_cache",
+    "architectures", "output_hidden_states", "return_dict", "_commit_hash",
+}
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    model: str  # what the user passed; informative only
+    config_hash: str
+    tokenizer_hash: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ModelIdentity":
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+
+    def check_same(self, other: "ModelIdentity", what: str) -> None:
+        """Raise unless `other` (recorded in `what`) describes the same model and tokenizer."""
+        if self.tokenizer_hash != other.tokenizer_hash:
+            raise EyasError(
+                f"{what} was made with a different tokenizer ({other.model}) than the one given ({self.model})."
+            )
+        if self.config_hash != other.config_hash:
+            raise EyasError(f"{what} was made for model {other.model}, not for {self.model} (configs differ).")
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def config_hash(config) -> str:
+    d = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_KEYS}
+    return _digest(d)
+
+
+def tokenizer_hash(tokenizer) -> str:
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return _digest({
+        "vocab": vocab,
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
+    })
+
+
+def text_config(config):
+    """The language-model part of a config (multimodal wrappers nest it)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def model_identity(spec: str, config, tokenizer) -> ModelIdentity:
+    tc = text_config(config)
+    if not hasattr(tc, "num_hidden_layers"):
+        raise EyasError(f"{type(config).__name__} has no num_hidden_layers: not a decoder-only language model.")
+    return ModelIdentity(
+        model=spec,
+        config_hash=config_hash(config),
+        tokenizer_hash=tokenizer_hash(tokenizer),
+        num_layers=int(tc.num_hidden_layers),
+        hidden_size=int(tc.hidden_size),
+        vocab_size=int(tc.vocab_size),
+    )

@@ -1,0 +1,78 @@
+"""Find a decoder-only model's layer stack and final norm without per-family code, and turn
+`--layers` into the ids eyas captures.
+
+Layer-id convention (vLLM's): id k < N is the input of decoder layer k (transformers'
+`hidden_states[k]`, the pre-norm residual stream); id N is the last layer's output before
+the final norm. Both are read with forward *pre*-hooks, so no family-specific code is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from eyas.errors import EyasError
+from eyas.models.identity import text_config
+
+_NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm", "norm_f")
+
+
+@dataclass
+class DecoderParts:
+    layers: nn.ModuleList  # the N decoder layers, in order
+    norm: nn.Module  # the final norm, whose input is id N
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+
+def decoder_parts(model: nn.Module) -> DecoderParts:
+    """The decoder layers are the ModuleList of `num_hidden_layers` modules; the final norm
+    sits beside them in the same parent module."""
+    n = text_config(model.config).num_hidden_layers
+    candidates = [
+        (name, module) for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList) and len(module) == n and name.split(".")[-1] in ("layers", "h", "blocks")
+    ]
+    if not candidates:
+        raise EyasError(f"Cannot find the {n} decoder layers of {type(model).__name__}; eyas does not support it yet.")
+    name, layers = min(candidates, key=lambda c: c[0].count("."))
+    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    for norm_name in _NORM_NAMES:
+        norm = getattr(parent, norm_name, None)
+        if isinstance(norm, nn.Module):
+            return DecoderParts(layers=layers, norm=norm)
+    raise EyasError(
+        f"Cannot find the final norm of {type(model).__name__} next to {name}; eyas does not support it yet."
+    )
+
+
+def default_aux_ids(num_layers: int) -> tuple[int, ...]:
+    ids = (2, num_layers // 2, num_layers - 3)
+    if len(set(ids)) != 3 or min(ids) < 0:
+        raise EyasError(f"The model has only {num_layers} layers, too few for the default ids; pass --layers.")
+    return ids
+
+
+def resolve_layer_ids(spec: str | list[int] | tuple[int, ...], num_layers: int) -> tuple[int, ...]:
+    """Aux ids from `--layers` ("auto" or "2,15,27"), followed by id N, the label source."""
+    if spec == "auto":
+        aux = default_aux_ids(num_layers)
+    else:
+        try:
+            aux = tuple(int(x) for x in spec.split(",")) if isinstance(spec, str) else tuple(int(x) for x in spec)
+        except ValueError:
+            raise EyasError(f"--layers must be 'auto' or comma-separated integers, not {spec!r}.") from None
+    if not aux:
+        raise EyasError("--layers names no layer.")
+    bad = [k for k in aux if not 0 <= k < num_layers]
+    if bad:
+        raise EyasError(
+            f"Layer id(s) {bad} out of range: aux ids must lie in 0..{num_layers - 1} for this {num_layers}-layer "
+            f"model (id k is the input of decoder layer k; id {num_layers}, the last layer's output, is always added)."
+        )
+    if len(set(aux)) != len(aux):
+        raise EyasError(f"Layer ids {list(aux)} repeat an id.")
+    return tuple(sorted(aux)) + (num_layers,)

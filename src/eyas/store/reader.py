@@ -1,0 +1,110 @@
+"""Read a store: memory-mapped shards, samples by position, and a full verification."""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors import safe_open
+
+from eyas.errors import EyasError
+from eyas.models.identity import ModelIdentity
+from eyas.store.format import FORMAT, MANIFEST, dequantize
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        raise EyasError(f"{path} is not an eyas store: it has no {MANIFEST}.") from None
+    except json.JSONDecodeError as e:
+        raise EyasError(f"{path / MANIFEST} is corrupt: {e}") from None
+    if manifest.get("format") != FORMAT:
+        raise EyasError(f"{path / MANIFEST} is not an eyas store manifest.")
+    return manifest
+
+
+class Store:
+    """A store opened for reading. Samples are addressed by position 0..len-1 in shard order;
+    `sample_index` says which prepared sample each one is."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        self._handles: dict[int, Any] = {}
+        self._offsets: dict[int, torch.Tensor] = {}
+        counts = [s["num_samples"] for s in self.manifest["shards"]]
+        self._starts = [sum(counts[:i]) for i in range(len(counts))]
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return tuple(self.manifest["layer_ids"])
+
+    @property
+    def identity(self) -> ModelIdentity:
+        return ModelIdentity.from_dict(self.manifest["target"])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.manifest["hidden_size"])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.manifest["num_tokens"])
+
+    def __len__(self) -> int:
+        return int(self.manifest["num_samples"])
+
+    def _shard(self, i: int):
+        if i not in self._handles:
+            file = self.path / self.manifest["shards"][i]["file"]
+            try:
+                self._handles[i] = safe_open(str(file), framework="pt")  # memory-mapped
+            except FileNotFoundError:
+                raise EyasError(f"Shard {file} listed in the manifest is missing.") from None
+            self._offsets[i] = self._handles[i].get_tensor("offsets")
+        return self._handles[i]
+
+    def shard_tensor(self, i: int, name: str) -> torch.Tensor:
+        return self._shard(i).get_tensor(name)
+
+    def sample_indices(self) -> torch.Tensor:
+        """`[len]` int64: the prepared-data position of every stored sample, in store order."""
+        if not self.manifest["shards"]:
+            return torch.zeros(0, dtype=torch.int64)
+        return torch.cat([self.shard_tensor(i, "sample_index") for i in range(len(self.manifest["shards"]))])
+
+    def sample(self, pos: int) -> dict[str, torch.Tensor]:
+        """One sample: `input_ids [T] int64`, `loss_mask [T] bool`, `hidden [T, L, H] float32`."""
+        if not 0 <= pos < len(self):
+            raise IndexError(pos)
+        shard = bisect.bisect_right(self._starts, pos) - 1
+        j = pos - self._starts[shard]
+        handle = self._shard(shard)
+        a, b = self._offsets[shard][j].item(), self._offsets[shard][j + 1].item()
+        scale = handle.get_slice("scale")[a:b] if "scale" in handle.keys() else None
+        return {
+            "input_ids": handle.get_slice("input_ids")[a:b].long(),
+            "loss_mask": handle.get_slice("loss_mask")[a:b].bool(),
+            "hidden": dequantize(handle.get_slice("hidden")[a:b], scale),
+            "index": torch.tensor(handle.get_slice("sample_index")[j : j + 1].item()),
+        }
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for pos in range(len(self)):
+            yield self.sample(pos)
+
+    def bytes_per_token(self) -> float:
+        total = sum(s["bytes"] for s in self.manifest["shards"])
+        return total / max(self.num_tokens, 1)
+
+    def verify(self) -> None:
+        """Check every shard against the manifest; raise `EyasError` naming the first problem."""
+        from eyas.store.verify import verify_store
+
+        verify_store(self)
