@@ -1,0 +1,41 @@
+"""Run the target over prepared samples and store its hidden states.
+
+Captures, for every token, the aux layer ids (vLLM's convention: id k is the input of
+decoder layer k) plus id N (the last layer's output before the final norm, from which
+training derives its labels) into sharded, checksummed safetensors. Re-running the same
+command after a crash or Ctrl-C completes only what is missing.
+
+examples:
+  eyas capture --model packaged:smollm2-135m --data prepared --out store
+  eyas capture --model ./llama --data prepared --out store --device cuda --layers 2,16,29 --dtype fp8
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "run the target and store its hidden states (transformers or vLLM)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="target model: folder, .gguf, packaged:smollm2-135m or hub id")
+    p.add_argument("--data", required=True, help="prepared folder (from eyas prepare)")
+    p.add_argument("--out", required=True, help="store folder (created, or resumed if it exists)")
+    p.add_argument("--backend", default="hf", help="hf (transformers, default) or vllm")
+    p.add_argument("--layers", default="auto", help="aux layer ids, e.g. 2,15,27; auto = (2, N//2, N-3). Id N is always added")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"], help="store dtype (default bf16; fp8 halves it)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (hf backend)")
+    p.add_argument("--model-dtype", default=None, help="dtype the target runs in (default float32 on cpu, bf16 on cuda)")
+    p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per forward (default 8192)")
+    p.add_argument("--shard-mb", type=int, default=1024, help="target shard size in MiB (default 1024)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from eyas.capture.run import capture
+    from eyas.store import Store
+    from eyas.store.cli import summary
+
+    capture(args.model, args.data, args.out, backend=args.backend, layers=args.layers, dtype=args.dtype,
+            device=args.device, model_dtype=args.model_dtype, batch_tokens=args.batch_tokens, shard_mb=args.shard_mb)
+    print(summary(Store(args.out)))
+    return 0

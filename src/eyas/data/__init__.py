@@ -1,0 +1,1 @@
+"""Data preparation: sources, chat-template loss masks, and the prepared-data format."""

@@ -1,0 +1,48 @@
+"""Turn conversations into training samples for one target model.
+
+Applies the target's chat template and marks assistant tokens as trained (the loss mask),
+whatever the template family. Sources: a ShareGPT-style .json/.jsonl (`conversations:
+[{from, value}]`), an OpenAI-style .jsonl (`messages: [{role, content}]`),
+`packaged:sharegpt` or `packaged:chitchat`. Bad records are skipped and counted by reason.
+
+examples:
+  eyas prepare --model packaged:smollm2-135m --data packaged:sharegpt --out prepared --limit 1000
+  eyas prepare --show 0 prepared        # check the mask by eye
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+HELP = "conversations -> token ids + assistant-only loss mask"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="target model: folder, .gguf, packaged:smollm2-135m or hub id")
+    p.add_argument("--data", help="source: FILE.json, FILE.jsonl, packaged:sharegpt or packaged:chitchat")
+    p.add_argument("--out", help="output folder for the prepared samples")
+    p.add_argument("--max-len", type=int, default=2048, help="truncate samples to this many tokens (default 2048)")
+    p.add_argument("--limit", type=int, help="keep at most this many samples")
+    p.add_argument("--strict", action="store_true", help="stop at the first bad record instead of skipping it")
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the tokenizer's")
+    p.add_argument("--show", type=int, metavar="N", help="print sample N of DIR with trained tokens highlighted")
+    p.add_argument("dir", nargs="?", help="prepared folder to read (with --show)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from eyas.data.prepare import format_summary, prepare, show_sample
+    from eyas.errors import EyasError
+
+    if args.show is not None:
+        if not args.dir:
+            raise EyasError("--show N needs the prepared folder: eyas prepare --show N DIR")
+        print(show_sample(args.dir, args.show, color=sys.stdout.isatty()))
+        return 0
+    missing = [f"--{k}" for k in ("model", "data", "out") if not getattr(args, k)]
+    if missing:
+        raise EyasError(f"missing {', '.join(missing)} (see eyas prepare --help)")
+    summary = prepare(args.model, args.data, args.out, max_len=args.max_len, limit=args.limit,
+                      strict=args.strict, chat_template=args.chat_template)
+    print(format_summary(summary, args.out))
+    return 0

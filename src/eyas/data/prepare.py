@@ -1,0 +1,109 @@
+"""`eyas prepare`: conversations -> token ids + assistant-only loss mask, for one target."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from eyas.data.prepared import PreparedSample, write_prepared
+from eyas.data.sources import BadRecord, iter_records, normalize
+from eyas.data.template import require_chat_template, tokenize_conversation
+from eyas.errors import EyasError
+
+
+def prepare(model: str, source: str, out: str | Path, max_len: int = 2048, limit: int | None = None,
+            strict: bool = False, chat_template: str | None = None, progress: bool = True) -> dict[str, Any]:
+    """Tokenize `source` for `model`; keep at most `limit` samples. Returns the summary."""
+    from transformers import AutoConfig
+
+    from eyas.models import load_tokenizer, model_identity, resolve_model
+
+    if max_len < 2:
+        raise EyasError("--max-len must be at least 2.")
+    tokenizer = load_tokenizer(model)
+    if chat_template:
+        tokenizer.chat_template = Path(chat_template).read_text()
+    require_chat_template(tokenizer, model)
+    identity = model_identity(model, AutoConfig.from_pretrained(resolve_model(model)), tokenizer)
+
+    samples: list[PreparedSample] = []
+    conversations: list[list[dict[str, str]]] = []
+    dropped: Counter[str] = Counter()
+    truncated = records = 0
+    bar = tqdm(desc="prepare", unit=" conv", total=limit, disable=not progress)
+    for index, record in enumerate(iter_records(source)):
+        if limit is not None and len(samples) >= limit:
+            break
+        records += 1
+        try:
+            messages = normalize(record)
+            ids, mask, was_truncated = tokenize_conversation(tokenizer, messages, max_len)
+        except BadRecord as e:
+            if strict:
+                raise EyasError(f"record {index} of {source}: {e}") from None
+            dropped[str(e)] += 1
+            continue
+        truncated += was_truncated
+        samples.append(PreparedSample(ids, mask, index))
+        conversations.append(messages)
+        bar.update(1)
+    bar.close()
+    if not samples:
+        reasons = ", ".join(f"{n} {r}" for r, n in dropped.most_common()) or "the source is empty"
+        raise EyasError(f"No usable conversation in {source} ({records} records read: {reasons}).")
+
+    tokens = sum(len(s.input_ids) for s in samples)
+    trained = sum(int(s.loss_mask.sum()) for s in samples)
+    summary = {
+        "records_read": records, "kept": len(samples), "dropped": dict(dropped), "truncated": truncated,
+        "tokens": tokens, "trained_tokens": trained, "trained_share": trained / tokens,
+    }
+    fingerprint = hashlib.sha256()
+    for s in samples:
+        fingerprint.update(s.input_ids.numpy().tobytes() + s.loss_mask.numpy().tobytes())
+    write_prepared(out, samples, conversations, {
+        "target": identity.to_dict(), "source": source, "max_len": max_len,
+        "fingerprint": fingerprint.hexdigest()[:16], "summary": summary,
+    })
+    return summary
+
+
+def format_summary(summary: dict[str, Any], out: str | Path) -> str:
+    lines = [
+        f"kept {summary['kept']} of {summary['records_read']} records -> {out}",
+        f"tokens {summary['tokens']:,}, trained (assistant) {summary['trained_tokens']:,} "
+        f"({100 * summary['trained_share']:.1f}%), truncated to --max-len: {summary['truncated']}",
+    ]
+    if summary["dropped"]:
+        lines.append("dropped: " + ", ".join(f"{n} {reason}" for reason, n in sorted(summary["dropped"].items(), key=lambda kv: -kv[1])))
+    else:
+        lines.append("dropped: none")
+    return "\n".join(lines)
+
+
+def show_sample(path: str | Path, n: int, color: bool) -> str:
+    """Sample n with trained tokens highlighted (green, or [[...]] without a terminal)."""
+    from eyas.data.prepared import PreparedData
+    from eyas.models import load_tokenizer
+
+    data = PreparedData(path)
+    if not 0 <= n < len(data):
+        raise EyasError(f"Sample {n} does not exist; {path} holds samples 0..{len(data) - 1}.")
+    sample = data[n]
+    tokenizer = load_tokenizer(data.identity.model)
+    pieces, start = [], 0
+    ids, mask = sample.input_ids.tolist(), sample.loss_mask.tolist()
+    for end in range(1, len(ids) + 1):
+        if end == len(ids) or mask[end] != mask[start]:
+            text = tokenizer.decode(ids[start:end])
+            if mask[start]:
+                text = f"\033[42;30m{text}\033[0m" if color else f"[[{text}]]"
+            pieces.append(text)
+            start = end
+    header = (f"sample {n} (source record {sample.source_index}): {len(ids)} tokens, "
+              f"{int(sample.loss_mask.sum())} trained ({'highlighted' if color else 'inside [[ ]]'})")
+    return header + "\n" + "".join(pieces)

@@ -1,0 +1,75 @@
+"""Tokenize a conversation with the target's own chat template and mark the assistant tokens.
+
+The mask is derived from the template itself, not from per-family regexes: for assistant
+turn i, the text the template adds when that message is appended after
+`messages[:i] + generation prompt` (its content plus the template's end-of-turn text) is
+located in the rendering of the whole conversation, and the tokens starting inside it are
+trained. Templates that render history differently from the last turn (e.g. ones that drop
+earlier reasoning) fall back to locating the turn's content followed by the same closing text.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eyas.data.sources import BadRecord
+from eyas.errors import EyasError
+
+
+def require_chat_template(tokenizer, model: str) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise EyasError(
+            f"The tokenizer of {model} has no chat template, so eyas cannot tell assistant tokens from the rest. "
+            f"Use the instruct/chat variant of the model, or pass --chat-template FILE.jinja."
+        )
+    if not getattr(tokenizer, "is_fast", False):
+        raise EyasError(f"The tokenizer of {model} is not a fast tokenizer; eyas needs character offsets.")
+
+
+def _render(tokenizer, messages, generation_prompt: bool = False) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except Exception as e:  # jinja raises for conversations a template forbids
+        raise BadRecord(f"chat template rejected it ({type(e).__name__})") from None
+
+
+def assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the [start, end) character span of each assistant turn."""
+    full = _render(tokenizer, messages)
+    spans, cursor = [], 0
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = _render(tokenizer, messages[:i], generation_prompt=True) if i else ""
+        through = _render(tokenizer, messages[: i + 1])
+        segment = through[len(before):] if through.startswith(before) else message["content"]
+        start = full.find(segment, cursor)
+        if start >= 0:
+            end = start + len(segment)
+        else:
+            content = message["content"]
+            start = full.find(content, cursor)
+            k = segment.find(content)
+            closing = segment[k + len(content):] if k >= 0 else ""
+            if start < 0 or not full.startswith(closing, start + len(content)):
+                raise BadRecord("assistant turn not found in the rendered template")
+            end = start + len(content) + len(closing)
+        spans.append((start, end))
+        cursor = end
+    return full, spans
+
+
+def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_len: int):
+    """-> (input_ids [T] int64, loss_mask [T] bool, truncated). Raises BadRecord."""
+    text, spans = assistant_spans(tokenizer, messages)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    starts = torch.tensor([a for a, _ in enc["offset_mapping"]], dtype=torch.int64)
+    mask = torch.zeros(len(starts), dtype=torch.bool)
+    for a, b in spans:
+        mask |= (starts >= a) & (starts < b)
+    ids = torch.tensor(enc["input_ids"], dtype=torch.int64)
+    truncated = len(ids) > max_len
+    ids, mask = ids[:max_len], mask[:max_len]
+    if not mask.any():
+        raise BadRecord("no assistant token within --max-len" if truncated else "no assistant token after templating")
+    return ids, mask, truncated
