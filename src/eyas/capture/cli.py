@@ -27,7 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (hf backend)")
     p.add_argument("--model-dtype", default=None, help="dtype the target runs in (default float32 on cpu, bf16 on cuda)")
     p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per forward (default 8192)")
-    p.add_argument("--shard-mb", type=int, default=1024, help="target shard size in MiB (default 1024)")
+    p.add_argument("--shard-mb", type=float, default=1024, help="target shard size in MiB (default 1024)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -28,7 +28,7 @@ def default_model_dtype(device: str) -> str:
 
 def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", layers: str = "auto",
             dtype: str = "bf16", device: str = "cpu", model_dtype: str | None = None, batch_tokens: int = 8192,
-            shard_mb: int = 1024, progress: bool = True, **backend_options: Any) -> dict[str, Any]:
+            shard_mb: float = 1024, progress: bool = True, **backend_options: Any) -> dict[str, Any]:
     """Capture every prepared sample of `data` not yet in the store at `out`; return the manifest."""
     if backend not in BACKENDS:
         raise EyasError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
@@ -42,7 +42,7 @@ def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", 
         "target": engine.identity.to_dict(), "layer_ids": list(engine.layer_ids), "dtype": dtype,
         "hidden_size": engine.hidden_size, "prepared": prepared.meta["fingerprint"],
     }
-    writer = StoreWriter(out, header, shard_bytes=shard_mb << 20)
+    writer = StoreWriter(out, header, shard_bytes=int(shard_mb * (1 << 20)))
     lengths = [prepared.length(i) for i in range(len(prepared))]
     todo = [i for i in range(len(prepared)) if i not in writer.done]
     bar = tqdm(total=sum(lengths[i] for i in todo), unit="tok", unit_scale=True, desc=f"capture ({backend})",

@@ -1,0 +1,57 @@
+"""Shared fixtures: the real SmolLM2 (packaged, converted once), tiny random models, and a
+small prepared set and store built from real conversations. Everything runs offline."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+SMOLLM2 = "packaged:smollm2-135m"
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from eyas.models import resolve_model
+
+    return Path(resolve_model(SMOLLM2))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    from tiny import build_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny-tokenizer")
+    build_tokenizer(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    from tiny import build_model
+
+    return build_model(tmp_path_factory.mktemp("tiny-llama"), "llama", tokenizer_dir=tiny_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_prepared(tmp_path_factory, smollm2_dir) -> Path:
+    """16 real ShareGPT conversations for SmolLM2, at most 256 tokens each."""
+    from eyas.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("smollm2-prepared")
+    prepare(SMOLLM2, "packaged:sharegpt", out, max_len=256, limit=16, progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_store(tmp_path_factory, smollm2_prepared) -> Path:
+    """A float32 store of `smollm2_prepared` with the default layer ids (2, 15, 27, 30)."""
+    from eyas.capture.run import capture
+
+    out = tmp_path_factory.mktemp("smollm2-store") / "store"
+    capture(SMOLLM2, smollm2_prepared, out, dtype="fp32", batch_tokens=2048, progress=False)
+    return out

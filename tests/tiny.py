@@ -1,0 +1,97 @@
+"""Tiny random models of each supported family, with a small offline-trained tokenizer.
+
+For fast unit tests only: quality claims use the real SmolLM2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+LLAMA3 = (
+    "{{ '<|begin_of_text|>' }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+GEMMA = (
+    "{{ '<bos>' }}{% for message in messages %}{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+           "<|end_header_id|>", "<|eot_id|>", "<bos>", "<start_of_turn>", "<end_of_turn>", "<think>", "</think>"]
+
+FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)),
+    "gemma3": ("Gemma3TextConfig", dict(sliding_window=16)),
+    "deepseek_v3": ("DeepseekV3Config", dict(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+        kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
+        head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16)),
+}
+
+
+def corpus() -> list[str]:
+    """Real English text from the packaged chitchat dialogues."""
+    import importlib.util
+
+    path = Path(importlib.util.find_spec("chitchat_dataset").origin).parent / "dataset.json"
+    texts = []
+    for dialogue in list(json.loads(path.read_text()).values())[:1500]:
+        for turn in dialogue["messages"]:
+            texts.extend(m["text"] for m in turn)
+    return texts
+
+
+def build_tokenizer(out: Path, template: str = CHATML, vocab_size: int = 512):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus(), trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token="<|endoftext|>")
+    fast.chat_template = template
+    fast.save_pretrained(out)
+    return fast
+
+
+def build_model(out: Path, family: str = "llama", layers: int = 8, tokenizer_dir: Path | None = None,
+                seed: int = 0) -> Path:
+    """A random tiny model of `family` saved with the tiny tokenizer into `out`."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else build_tokenizer(out)
+    if tokenizer_dir:
+        tokenizer.save_pretrained(out)
+    config_name, extra = FAMILIES[family]
+    kwargs = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+                  tie_word_embeddings=False)
+    kwargs.update(extra)
+    config = getattr(transformers, config_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    # Random init gives near-identical layers; scale weights up so layers differ visibly.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)
+    model.save_pretrained(out)
+    return out
