@@ -36,7 +36,7 @@ FAMILIES = {
     "deepseek_v3": ("DeepseekV3Config", dict(
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
         kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,
-        head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+        num_key_value_heads=4, head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16)),
 }
 

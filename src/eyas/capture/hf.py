@@ -34,6 +34,8 @@ class HFCapturer:
 
     def _hook(self, slot: int, last: bool):
         def hook(module, args, kwargs):
+            if self._out is None:  # a forward outside capture_padded (e.g. generation)
+                return None
             hidden = args[0] if args else kwargs["hidden_states"]  # [B, T, H]
             self._out[:, :, slot].copy_(hidden)
             if last:

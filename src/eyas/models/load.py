@@ -32,13 +32,15 @@ def load_tokenizer(spec: str):
         raise EyasError(f"Could not load a tokenizer for {spec!r}: {e}") from e
 
 
-def load_target(spec: str, dtype: str = "float32", device: str = "cpu", attn: str = "sdpa"):
-    """Return `(model, tokenizer)`, the model in eval mode with gradients off."""
+def load_target(spec: str, dtype: str = "float32", device: str = "cpu", attn: str | None = None):
+    """Return `(model, tokenizer)`, the model in eval mode with gradients off. `attn=None`
+    lets transformers pick its best attention for the family (sdpa where supported)."""
     from transformers import AutoModelForCausalLM
 
     folder = resolve_model(spec)
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=parse_dtype(dtype), attn_implementation=attn)
+        extra = {"attn_implementation": attn} if attn else {}
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=parse_dtype(dtype), **extra)
     except (OSError, ValueError) as e:
         raise EyasError(f"Could not load model {spec!r}: {e}") from e
     model.to(device).eval().requires_grad_(False)
