@@ -1,0 +1,16 @@
+"""The vLLM capture backend, on vLLM's own `extract_hidden_states` path.
+
+  engine     tested versions, the speculative + KV-transfer configs, --engine-arg parsing
+  connector  the KV connector vLLM loads into its scheduler and workers (imports vLLM)
+  spool      the per-request file the connector writes and the client reads (no vLLM)
+  target     identity and layer ids from config + tokenizer, before any engine starts
+  backend    in-process `vllm.LLM`            endpoint   client of a running `vllm serve`
+  serve      the `vllm serve` command line    options    CLI flags and the backend factory
+
+eyas never builds vLLM's Scheduler, Request or KVCacheConfig objects: it passes configs
+to `vllm.LLM` / `vllm serve` and implements the connector interface, nothing more.
+"""
+
+from eyas.capture.vllm.options import add_vllm_arguments, make_vllm_backend, print_serve_command, vllm_options
+
+__all__ = ["add_vllm_arguments", "make_vllm_backend", "print_serve_command", "vllm_options"]

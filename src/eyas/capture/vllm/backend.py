@@ -1,0 +1,125 @@
+"""The in-process vLLM capture backend: `vllm.LLM` with `extract_hidden_states` and eyas's
+connector, prefill only (`max_tokens=1`).
+
+vLLM runs its engine core and workers in their own processes (tensor, pipeline and data
+parallel as asked); the connector in the worker writes each prompt's states to a spool
+file, and `capture` reads them back, checks them against the prompt, and deletes them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas.capture.vllm.engine import check_vllm_version, engine_kwargs
+from eyas.capture.vllm.spool import read_hidden, spool_file, wait_for
+from eyas.capture.vllm.target import check_vllm_can_load, describe_target
+from eyas.data.prepared import PreparedSample
+from eyas.errors import EyasError
+
+PARAM_KEY, PARAM_ERROR = "eyas_key", "eyas_error"  # as in connector.py, which only vLLM may import
+
+
+class VLLMCapturer:
+    """Returns the states at `layer_ids` of each sample, computed by vLLM."""
+
+    def __init__(self, model: str, layers: str = "auto", dtype: str = "auto", tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1, data_parallel_size: int = 1, engine_args: dict | None = None,
+                 spool: str | None = None, file_timeout: float = 600.0):
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # eyas's progress bar, not vLLM's INFO lines
+        self.vllm_version = check_vllm_version()
+        target = describe_target(model, layers)
+        self.identity, self.layer_ids = target.identity, target.layer_ids
+        self.hidden_size = self.identity.hidden_size
+        check_vllm_can_load(target, engine_args or {})
+        _cpu_defaults(tensor_parallel_size * pipeline_parallel_size)
+        self.file_timeout = file_timeout
+        self._keys = (f"{uuid.uuid4().hex[:12]}-{i}" for i in itertools.count())
+        self.spool = Path(tempfile.mkdtemp(prefix="eyas-spool-", dir=spool))
+        try:
+            kwargs = engine_kwargs(target.folder, self.layer_ids, self.spool, dtype, tensor_parallel_size,
+                                   pipeline_parallel_size, data_parallel_size, engine_args)
+            self.llm = _start(kwargs, model)
+        except BaseException:
+            shutil.rmtree(self.spool, ignore_errors=True)
+            raise
+
+    def capture(self, batch: list[PreparedSample]) -> list[torch.Tensor]:
+        """Prefill the batch in one `generate` call -> per sample [T_i, L, H] (engine dtype, CPU)."""
+        from vllm import SamplingParams
+
+        keys = [next(self._keys) for _ in batch]
+        params = [SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": {PARAM_KEY: k}})
+                  for k in keys]
+        prompts = [{"prompt_token_ids": s.input_ids.tolist()} for s in batch]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [self._collect(out, key, sample) for out, key, sample in zip(outputs, keys, batch)]
+
+    def _collect(self, output: Any, key: str, sample: PreparedSample) -> torch.Tensor:
+        reply = output.kv_transfer_params or {}
+        if reply.get(PARAM_KEY) != key or PARAM_ERROR in reply:
+            raise EyasError(f"vLLM did not save hidden states for sample {sample.source_index}: "
+                            f"{reply.get(PARAM_ERROR) or f'kv_transfer_params {reply!r}'}.")
+        path = spool_file(self.spool, key)
+        try:
+            error = wait_for(path, self.file_timeout)
+        except TimeoutError as e:
+            raise EyasError(f"eyas's connector never wrote the states of sample {sample.source_index} ({e}).") from None
+        if error:
+            raise EyasError(f"eyas's connector failed on sample {sample.source_index}: {error}")
+        hidden, token_ids, layer_ids = read_hidden(path)
+        path.unlink()
+        check_hidden(hidden, token_ids, layer_ids, sample.input_ids, self.layer_ids, self.hidden_size)
+        return hidden
+
+    def close(self) -> None:
+        llm, self.llm = getattr(self, "llm", None), None
+        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        shutil.rmtree(self.spool, ignore_errors=True)
+
+
+def check_hidden(hidden: torch.Tensor, token_ids: torch.Tensor, layer_ids: tuple[int, ...], prompt: torch.Tensor,
+                 want_ids: tuple[int, ...], hidden_size: int) -> None:
+    """Refuse states that do not belong to this prompt, these layers and this model."""
+    if not torch.equal(token_ids, prompt.to(token_ids.dtype)):
+        raise EyasError(f"the engine saved states for a different prompt ({len(token_ids)} tokens, "
+                        f"expected {len(prompt)}); nothing was written.")
+    if tuple(layer_ids) != tuple(want_ids):
+        raise EyasError(f"the engine extracts layer ids {list(layer_ids)}, not {list(want_ids)}; "
+                        f"start it with the same --layers.")
+    if tuple(hidden.shape) != (len(prompt), len(want_ids), hidden_size):
+        raise EyasError(f"the engine returned states of shape {tuple(hidden.shape)}, expected "
+                        f"{(len(prompt), len(want_ids), hidden_size)}: is it serving the same model?")
+
+
+def _cpu_defaults(parallel: int) -> None:
+    """Settings the CPU backend needs to start at all (no effect on GPU machines)."""
+    if torch.cuda.is_available():
+        return
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if parallel > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < parallel:
+            raise EyasError(f"{parallel} CPU workers need at least {parallel} cores; this machine allows {len(cores)}.")
+        per = len(cores) // parallel
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            ",".join(map(str, cores[i * per:(i + 1) * per])) for i in range(parallel))
+
+
+def _start(kwargs: dict[str, Any], model: str):
+    from vllm import LLM
+
+    try:
+        return LLM(**kwargs)
+    except Exception as e:
+        raise EyasError(f"vLLM could not start model {model!r}: {type(e).__name__}: {e} "
+                        f"(vLLM's log above names the cause).") from e
