@@ -8,19 +8,23 @@ command after a crash or Ctrl-C completes only what is missing.
 examples:
   eyas capture --model packaged:smollm2-135m --data prepared --out store
   eyas capture --model ./llama --data prepared --out store --device cuda --layers 2,16,29 --dtype fp8
+  eyas capture --backend vllm --model ./big-moe --data prepared --out store --tensor-parallel-size 8
+  eyas capture --backend vllm --model ./big-moe --spool /shared/spool --print-serve-command
+  eyas capture --backend vllm --model ./big-moe --data prepared --out store --endpoint http://gpu-node:8000 --spool /shared/spool
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 HELP = "run the target and store its hidden states (transformers or vLLM)"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="target model: folder, .gguf, packaged:smollm2-135m or hub id")
-    p.add_argument("--data", required=True, help="prepared folder (from eyas prepare)")
-    p.add_argument("--out", required=True, help="store folder (created, or resumed if it exists)")
+    p.add_argument("--data", help="prepared folder (from eyas prepare); required")
+    p.add_argument("--out", help="store folder (created, or resumed if it exists); required")
     p.add_argument("--backend", default="hf", help="hf (transformers, default) or vllm")
     p.add_argument("--layers", default="auto", help="aux layer ids, e.g. 2,15,27; auto = (2, N//2, N-3). Id N is always added")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"], help="store dtype (default bf16; fp8 halves it)")
@@ -28,14 +32,34 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-dtype", default=None, help="dtype the target runs in (default float32 on cpu, bf16 on cuda)")
     p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per forward (default 8192)")
     p.add_argument("--shard-mb", type=float, default=1024, help="target shard size in MiB (default 1024)")
+    # --- vLLM backend: flags defined in src/eyas/capture/vllm/options.py ---
+    from eyas.capture.vllm import add_vllm_arguments
+
+    add_vllm_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
     from eyas.capture.run import capture
+    from eyas.errors import EyasError
     from eyas.store import Store
     from eyas.store.cli import summary
 
+    # --- vLLM backend (src/eyas/capture/vllm): serve command, options, vLLM's own dtype default ---
+    options, model_dtype = {}, args.model_dtype
+    if args.backend == "vllm":
+        from eyas.capture.vllm import print_serve_command, vllm_options
+
+        if args.print_serve_command:
+            print_serve_command(args)
+            return 0
+        options, model_dtype = vllm_options(args), model_dtype or "auto"
+    # --- end vLLM backend ---
+    missing = [f"--{k}" for k in ("data", "out") if not getattr(args, k)]
+    if missing:
+        raise EyasError(f"missing {', '.join(missing)} (see eyas capture --help)")
     capture(args.model, args.data, args.out, backend=args.backend, layers=args.layers, dtype=args.dtype,
-            device=args.device, model_dtype=args.model_dtype, batch_tokens=args.batch_tokens, shard_mb=args.shard_mb)
-    print(summary(Store(args.out)))
+            device=args.device, model_dtype=model_dtype, batch_tokens=args.batch_tokens, shard_mb=args.shard_mb,
+            **options)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one summary
+        print(summary(Store(args.out)))
     return 0

@@ -8,6 +8,7 @@ from typing import Any, Callable
 from tqdm import tqdm
 
 from eyas.capture.batching import token_budget_batches
+from eyas.capture.vllm import make_vllm_backend  # light: vLLM itself is imported only when used
 from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
 from eyas.store import StoreWriter
@@ -19,7 +20,7 @@ def make_hf_backend(model: str, layers: str, model_dtype: str, device: str, **_:
     return HFCapturer(model, layers=layers, dtype=model_dtype, device=device)
 
 
-BACKENDS: dict[str, Callable[..., Any]] = {"hf": make_hf_backend}
+BACKENDS: dict[str, Callable[..., Any]] = {"hf": make_hf_backend, "vllm": make_vllm_backend}
 
 
 def default_model_dtype(device: str) -> str:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from eyas.errors import EyasError
@@ -13,7 +14,8 @@ def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group(
         "vLLM backend (--backend vllm)",
         "Runs the target in vLLM with its extract_hidden_states method and eyas's KV connector, prefill only. "
-        "In process by default; with --endpoint, through a running `vllm serve` that writes to a shared --spool.",
+        "In process by default; with --endpoint, through a running `vllm serve` that writes to a shared --spool. "
+        "--model-dtype defaults to vLLM's 'auto' (the checkpoint's dtype); use float32 to compare with transformers.",
     )
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help="GPUs per model replica (tensor parallel)")
     g.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N", help="pipeline stages (e.g. across nodes)")
@@ -54,6 +56,8 @@ def print_serve_command(args: argparse.Namespace) -> None:
     if not args.spool:
         raise EyasError("--print-serve-command needs --spool DIR: the folder the server writes states to.")
     o = vllm_options(args)
+    print("# eyas must be installed where vLLM runs (its connector is imported from eyas); the server writes to "
+          f"{args.spool}, which must be the same folder for the capture client.", file=sys.stderr)
     print(serve_command(describe_target(args.model, args.layers), args.spool, args.model_dtype or "auto",
                         o["tensor_parallel_size"], o["pipeline_parallel_size"], o["data_parallel_size"], o["engine_args"]))
 
