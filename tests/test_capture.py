@@ -222,21 +222,48 @@ def test_writer_refuses_nan_and_survives_a_full_disk(tmp_path, smollm2_store, mo
 
     import eyas.store.writer as writer_module
 
-    real_write = writer_module.atomic_write_bytes
     writer = StoreWriter(tmp_path / "full", header, shard_bytes=1)  # one shard per sample
     writer.add(0, s["input_ids"], s["loss_mask"], s["hidden"])
-    writer.close(complete=False)
+    writer.close()
 
-    def no_space(path, data):
+    def no_space(fd):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(writer_module, "atomic_write_bytes", no_space)
     writer = StoreWriter(tmp_path / "full", header, shard_bytes=1)
     assert writer.done == {0}
+    monkeypatch.setattr(writer_module.os, "fsync", no_space)
     with pytest.raises(EyasError, match="Disk full.*run the same command again to resume"):
         writer.add(1, s["input_ids"], s["loss_mask"], s["hidden"])
         writer.close()
-    monkeypatch.setattr(writer_module, "atomic_write_bytes", real_write)
+    monkeypatch.undo()
     kept = Store(tmp_path / "full")
     assert len(kept) == 1 and not list(Path(tmp_path / "full").glob(".*tmp"))
     kept.verify()
+
+
+def test_two_rank_capture_equals_one_process_and_resumes_after_a_kill(tmp_path, smollm2_prepared, smollm2_store):
+    """torchrun with 2 gloo processes on the CPU: same store as one process, and a killed
+    run resumed by a second torchrun duplicates nothing."""
+    out = tmp_path / "dp"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29731",
+           "-m", "eyas", *_capture_cmd(smollm2_prepared, out)[3:]]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        manifest = out / "manifest.json"
+        if manifest.is_file() and len(json.loads(manifest.read_text())["shards"]) >= 2:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "capture finished before it could be killed"
+    os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
+    proc.wait()
+    assert 0 < json.loads((out / "manifest.json").read_text())["num_samples"] < 16
+
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    store = Store(out)
+    assert store.manifest["complete"] and len(store) == 16
+    assert store.sample_indices().unique().numel() == 16
+    store.verify()
+    _assert_same_store(out, smollm2_store, atol=ATOL)

@@ -12,6 +12,7 @@ from eyas.capture.vllm import make_vllm_backend  # light: vLLM itself is importe
 from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
 from eyas.store import StoreWriter
+from eyas.store.reader import read_manifest
 
 
 def make_hf_backend(model: str, layers: str, model_dtype: str, device: str, **_: Any):
@@ -30,14 +31,24 @@ def default_model_dtype(device: str) -> str:
 def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", layers: str = "auto",
             dtype: str = "bf16", device: str = "cpu", model_dtype: str | None = None, batch_tokens: int = 8192,
             shard_mb: float = 1024, progress: bool = True, **backend_options: Any) -> dict[str, Any]:
-    """Capture every prepared sample of `data` not yet in the store at `out`; return the manifest."""
+    """Capture every prepared sample of `data` not yet in the store at `out`; return the manifest.
+
+    Under `torchrun`, rank r of W owns the samples whose position is r modulo W: ownership
+    does not depend on what is already stored, so ranks resume independently and never
+    capture a sample twice, whatever the other ranks have done.
+    """
+    from eyas.train.distributed import barrier, init, shutdown
+
     if backend not in BACKENDS:
         raise EyasError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
     if batch_tokens < 1:
         raise EyasError("--batch-tokens must be positive.")
     prepared = PreparedData(data)
+    ranks, dev = init(device, fsdp=False)
+    if ranks.enabled and backend != "hf":
+        raise EyasError(f"--backend {backend} parallelises inside the engine; run it without torchrun.")
     engine = BACKENDS[backend](model=model, layers=layers, model_dtype=model_dtype or default_model_dtype(device),
-                               device=device, **backend_options)
+                               device=str(dev), **backend_options)
     engine.identity.check_same(prepared.identity, f"The prepared data in {data}")
     header = {
         "target": engine.identity.to_dict(), "layer_ids": list(engine.layer_ids), "dtype": dtype,
@@ -45,9 +56,10 @@ def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", 
     }
     writer = StoreWriter(out, header, shard_bytes=int(shard_mb * (1 << 20)))
     lengths = [prepared.length(i) for i in range(len(prepared))]
-    todo = [i for i in range(len(prepared)) if i not in writer.done]
-    bar = tqdm(total=sum(lengths[i] for i in todo), unit="tok", unit_scale=True, desc=f"capture ({backend})",
-               disable=not progress)
+    todo = [i for i in range(ranks.rank, len(prepared), ranks.world) if i not in writer.done]
+    desc = f"capture ({backend})" + (f" rank {ranks.rank}/{ranks.world}" if ranks.enabled else "")
+    bar = tqdm(total=sum(lengths[i] for i in todo), unit="tok", unit_scale=True, desc=desc,
+               disable=not progress or not ranks.main)
     try:
         for batch in token_budget_batches(todo, lengths, batch_tokens):
             samples = [prepared[i] for i in batch]
@@ -55,7 +67,7 @@ def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", 
                 writer.add(i, sample.input_ids, sample.loss_mask, hidden)
             bar.update(sum(lengths[i] for i in batch))
     except KeyboardInterrupt:
-        writer.close(complete=False)  # keep what was captured; the next run resumes after it
+        writer.close()  # keep what was captured; the next run resumes after it
         raise
     except BaseException:
         writer.abort()
@@ -63,4 +75,7 @@ def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", 
     finally:
         bar.close()
         getattr(engine, "close", lambda: None)()
-    return writer.close()
+    manifest = writer.close(expected_samples=len(prepared))
+    barrier(ranks)  # every rank's shards are in the manifest
+    shutdown(ranks)
+    return read_manifest(out) if ranks.enabled else manifest

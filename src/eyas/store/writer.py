@@ -1,28 +1,55 @@
 """Append captured samples to a store, so that a killed run loses nothing and repeats nothing.
 
 Samples are buffered until a shard is full, then packed and handed to one background
-thread, which writes the shard atomically (temp file, fsync, rename) and only then records
-it in the manifest. A shard that is on disk but not in the manifest is an orphan of a killed
-run: it is overwritten, and its samples are captured again.
+thread. It writes the shard to a temp file (fsync), then, holding the store's lock, names
+it with the next shard number (rename) and records it in the manifest. Several writers —
+the ranks of a data-parallel capture — can therefore append to one store with one
+manifest. A shard on disk but not in the manifest is an orphan of a killed run: the next
+writer to take its number overwrites it, and its samples are captured again.
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
+import os
 import queue
+import tempfile
 import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors.torch import save
 
 from eyas import __version__
 from eyas.errors import EyasError
-from eyas.paths import atomic_write_bytes, atomic_write_json
+from eyas.paths import atomic_write_json, fsync_dir
 from eyas.store.format import FORMAT, FORMAT_VERSION, MANIFEST, quantize_fp8, shard_name, store_dtype
 from eyas.store.reader import Store, read_manifest
+
+LOCK = ".lock"
+
+
+@contextmanager
+def store_lock(path: Path) -> Iterator[None]:
+    """Exclusive lock on the store folder: one writer at a time touches the manifest."""
+    path.mkdir(parents=True, exist_ok=True)
+    with open(path / LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _disk_full(path: Path) -> EyasError:
+    return EyasError(
+        f"Disk full while writing {path}; the store holds every shard recorded before it intact. "
+        f"Free space and run the same command again to resume."
+    )
 
 
 class StoreWriter:
@@ -31,10 +58,11 @@ class StoreWriter:
 
     def __init__(self, path: str | Path, header: dict[str, Any], shard_bytes: int = 1 << 30):
         self.path = Path(path)
-        self.dtype_name = header["dtype"]
-        self.dtype = store_dtype(self.dtype_name)
+        self.dtype = store_dtype(header["dtype"])
+        self.layer_ids = list(header["layer_ids"])
         self.shard_bytes = shard_bytes
-        self.manifest = self._open(header)
+        with store_lock(self.path):
+            self.manifest = self._open(header)
         self.done: set[int] = set(Store(self.path).sample_indices().tolist()) if self.manifest["shards"] else set()
         self._buffer: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._buffer_bytes = 0
@@ -53,7 +81,7 @@ class StoreWriter:
                         f"({manifest.get(key)!r} vs {value!r}); use another --out or delete it."
                     )
             return manifest
-        if self.path.exists() and any(self.path.iterdir()):
+        if any(p.name != LOCK for p in self.path.iterdir()):
             raise EyasError(f"{self.path} exists, is not empty and is not an eyas store; choose another --out.")
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "eyas_version": __version__,
                     **header, "shards": [], "num_samples": 0, "num_tokens": 0, "complete": False}
@@ -65,10 +93,9 @@ class StoreWriter:
         self._raise_pending()
         if not torch.isfinite(hidden).all():
             bad = (~torch.isfinite(hidden)).nonzero()[0].tolist()
-            layer = self.manifest["layer_ids"][bad[1]]
             raise EyasError(
-                f"Sample {index} has non-finite hidden states (token {bad[0]}, layer id {layer}); nothing of it "
-                f"was written. Capture in float32 or bf16 (fp16 can overflow)."
+                f"Sample {index} has non-finite hidden states (token {bad[0]}, layer id {self.layer_ids[bad[1]]}); "
+                f"nothing of it was written. Capture in float32 or bf16 (fp16 can overflow)."
             )
         hidden = hidden.detach().to("cpu", torch.float32 if self.dtype == torch.float8_e4m3fn else self.dtype)
         self._buffer.append((index, input_ids.to("cpu", torch.int32), loss_mask.to("cpu", torch.uint8), hidden))
@@ -102,47 +129,61 @@ class StoreWriter:
                     self._write_shard(tensors)
                 except BaseException as e:  # handed to the main thread by _raise_pending
                     self._error = e
-            self._queue.task_done()
-        self._queue.task_done()
 
     def _write_shard(self, tensors: dict[str, torch.Tensor]) -> None:
-        name = shard_name(len(self.manifest["shards"]))
-        data = save(tensors, metadata={"format": FORMAT, "layer_ids": ",".join(map(str, self.manifest["layer_ids"]))})
+        data = save(tensors, metadata={"format": FORMAT, "layer_ids": ",".join(map(str, self.layer_ids))})
+        tmp = self._write_temp(data)
         try:
-            atomic_write_bytes(self.path / name, data)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise EyasError(
-                    f"Disk full while writing {self.path / name}; the store holds every shard before it intact. "
-                    f"Free space and run the same command again to resume."
-                ) from e
-            raise
-        indices = tensors["sample_index"].tolist()
-        self.manifest["shards"].append({
-            "file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
-            "num_samples": len(indices), "num_tokens": int(tensors["input_ids"].numel()),
-        })
-        self.manifest["num_samples"] += len(indices)
-        self.manifest["num_tokens"] += int(tensors["input_ids"].numel())
-        atomic_write_json(self.path / MANIFEST, self.manifest)
+            with store_lock(self.path):
+                manifest = read_manifest(self.path)  # other ranks may have appended
+                name = shard_name(len(manifest["shards"]))
+                os.replace(tmp, self.path / name)
+                fsync_dir(self.path)
+                indices = tensors["sample_index"].tolist()
+                tokens = int(tensors["input_ids"].numel())
+                manifest["shards"].append({"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+                                           "num_samples": len(indices), "num_tokens": tokens})
+                manifest["num_samples"] += len(indices)
+                manifest["num_tokens"] += tokens
+                atomic_write_json(self.path / MANIFEST, manifest)
+                self.manifest = manifest
+        finally:
+            Path(tmp).unlink(missing_ok=True)
         self.done.update(indices)
+
+    def _write_temp(self, data: bytes) -> str:
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".shard.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:
+            Path(tmp).unlink(missing_ok=True)
+            if e.errno == errno.ENOSPC:
+                raise _disk_full(self.path) from e
+            raise
+        return tmp
 
     def _raise_pending(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
 
-    def close(self, complete: bool = True) -> dict[str, Any]:
-        """Write what is buffered, wait for the thread, and mark the store complete."""
+    def close(self, expected_samples: int | None = None) -> dict[str, Any]:
+        """Write what is buffered and wait for the thread. The store is marked complete once
+        it holds `expected_samples` samples, whichever writer gets there."""
         try:
             self._flush()
         finally:
             self._queue.put(None)
             self._thread.join()
         self._raise_pending()
-        if complete:
-            self.manifest["complete"] = True
-            atomic_write_json(self.path / MANIFEST, self.manifest)
+        with store_lock(self.path):
+            self.manifest = read_manifest(self.path)
+            if expected_samples is not None and self.manifest["num_samples"] == expected_samples:
+                self.manifest["complete"] = True
+                atomic_write_json(self.path / MANIFEST, self.manifest)
         return self.manifest
 
     def abort(self) -> None:
