@@ -17,6 +17,7 @@ from eyas.errors import EyasError
 # subcommand -> module; the order is the pipeline's.
 SUBCOMMANDS = {
     "prepare": "eyas.data.cli",
+    "regenerate": "eyas.regenerate.cli",
     "capture": "eyas.capture.cli",
     "inspect": "eyas.store.cli",
 }

@@ -9,7 +9,6 @@ file, and `capture` reads them back, checks them against the prompt, and deletes
 from __future__ import annotations
 
 import itertools
-import os
 import shutil
 import tempfile
 import uuid
@@ -18,7 +17,7 @@ from typing import Any
 
 import torch
 
-from eyas.capture.vllm.engine import check_vllm_version, engine_kwargs
+from eyas.capture.vllm.engine import check_vllm_version, vllm_environment, engine_kwargs, start_llm, stop_llm
 from eyas.capture.vllm.spool import read_hidden, spool_file, wait_for
 from eyas.capture.vllm.target import check_vllm_can_load, describe_target
 from eyas.data.prepared import PreparedSample
@@ -33,20 +32,19 @@ class VLLMCapturer:
     def __init__(self, model: str, layers: str = "auto", dtype: str = "auto", tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1, engine_args: dict | None = None,
                  spool: str | None = None, file_timeout: float = 600.0):
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # eyas's progress bar, not vLLM's INFO lines
         self.vllm_version = check_vllm_version()
         target = describe_target(model, layers)
         self.identity, self.layer_ids = target.identity, target.layer_ids
         self.hidden_size = self.identity.hidden_size
+        vllm_environment(tensor_parallel_size * pipeline_parallel_size)
         check_vllm_can_load(target, engine_args or {})
-        _cpu_defaults(tensor_parallel_size * pipeline_parallel_size)
         self.file_timeout = file_timeout
         self._keys = (f"{uuid.uuid4().hex[:12]}-{i}" for i in itertools.count())
         self.spool = Path(tempfile.mkdtemp(prefix="eyas-spool-", dir=spool))
         try:
             kwargs = engine_kwargs(target.folder, self.layer_ids, self.spool, dtype, tensor_parallel_size,
                                    pipeline_parallel_size, data_parallel_size, engine_args)
-            self.llm = _start(kwargs, model)
+            self.llm = start_llm(kwargs, model)
         except BaseException:
             shutil.rmtree(self.spool, ignore_errors=True)
             raise
@@ -80,10 +78,8 @@ class VLLMCapturer:
         return hidden
 
     def close(self) -> None:
-        llm, self.llm = getattr(self, "llm", None), None
-        core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-        if core is not None:
-            core.shutdown()
+        stop_llm(getattr(self, "llm", None))
+        self.llm = None
         shutil.rmtree(self.spool, ignore_errors=True)
 
 
@@ -99,27 +95,3 @@ def check_hidden(hidden: torch.Tensor, token_ids: torch.Tensor, layer_ids: tuple
     if tuple(hidden.shape) != (len(prompt), len(want_ids), hidden_size):
         raise EyasError(f"the engine returned states of shape {tuple(hidden.shape)}, expected "
                         f"{(len(prompt), len(want_ids), hidden_size)}: is it serving the same model?")
-
-
-def _cpu_defaults(parallel: int) -> None:
-    """Settings the CPU backend needs to start at all (no effect on GPU machines)."""
-    if torch.cuda.is_available():
-        return
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if parallel > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        cores = sorted(os.sched_getaffinity(0))
-        if len(cores) < parallel:
-            raise EyasError(f"{parallel} CPU workers need at least {parallel} cores; this machine allows {len(cores)}.")
-        per = len(cores) // parallel
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-            ",".join(map(str, cores[i * per:(i + 1) * per])) for i in range(parallel))
-
-
-def _start(kwargs: dict[str, Any], model: str):
-    from vllm import LLM
-
-    try:
-        return LLM(**kwargs)
-    except Exception as e:
-        raise EyasError(f"vLLM could not start model {model!r}: {type(e).__name__}: {e} "
-                        f"(vLLM's log above names the cause).") from e

@@ -83,30 +83,74 @@ def parse_engine_args(pairs: list[str] | None) -> dict[str, Any]:
     return out
 
 
-# Engine arguments eyas sets itself; a user value for these would break extraction.
-RESERVED = {"model", "speculative_config", "kv_transfer_config", "enable_prefix_caching"}
-
-
-def engine_kwargs(model_dir: str, layer_ids: tuple[int, ...], spool: str | Path, dtype: str,
-                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
-                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Keyword arguments for `vllm.LLM` (and, dashed, for `vllm serve`)."""
+def base_kwargs(model_dir: str, dtype: str, tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1,
+                data_parallel_size: int = 1, extra: dict[str, Any] | None = None,
+                reserved: frozenset[str] = frozenset({"model"})) -> dict[str, Any]:
+    """Keyword arguments for `vllm.LLM` (and, dashed, for `vllm serve`); `extra` is the
+    user's `--engine-arg`s, which may not override what eyas sets for correctness."""
     extra = dict(extra or {})
-    if clash := RESERVED & extra.keys():
-        raise EyasError(f"--engine-arg cannot set {', '.join(sorted(clash))}: eyas sets them for extraction.")
-    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
-        raise EyasError("VLLM_ENABLE_V1_MULTIPROCESSING=0 stops vLLM from finishing hidden-state saves between "
-                        "calls; unset it for eyas capture.")
+    if clash := reserved & extra.keys():
+        raise EyasError(f"--engine-arg cannot set {', '.join(sorted(clash))}: eyas sets it.")
     kwargs = {
         "model": model_dir,
         "dtype": {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype),
         "tensor_parallel_size": tensor_parallel_size,
         "pipeline_parallel_size": pipeline_parallel_size,
         "data_parallel_size": data_parallel_size,
+    }
+    return {**kwargs, **extra}
+
+
+def engine_kwargs(model_dir: str, layer_ids: tuple[int, ...], spool: str | Path, dtype: str,
+                  tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`base_kwargs` plus hidden-state extraction."""
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
+        raise EyasError("VLLM_ENABLE_V1_MULTIPROCESSING=0 stops vLLM from finishing hidden-state saves between "
+                        "calls; unset it for eyas capture.")
+    kwargs = base_kwargs(model_dir, dtype, tensor_parallel_size, pipeline_parallel_size, data_parallel_size, extra,
+                         reserved=frozenset({"model", "speculative_config", "kv_transfer_config", "enable_prefix_caching"}))
+    return {
+        **kwargs,
         # Prefix caching would hand a request blocks computed for another: extraction reads every row.
         "enable_prefix_caching": False,
         "speculative_config": speculative_config(layer_ids),
         "kv_transfer_config": kv_transfer_config(spool),
     }
-    kwargs.update(extra)
-    return kwargs
+
+
+def vllm_environment(workers: int) -> None:
+    """Call before vLLM is first imported. Quiet logs (eyas shows its own progress), and what
+    the CPU backend needs to start at all: a KV-cache size, and one core set per worker when
+    there are several. Anything the user set wins; nothing CPU-specific changes on GPUs."""
+    import torch
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if torch.cuda.is_available():
+        return
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) < workers:
+            raise EyasError(f"{workers} CPU workers need at least {workers} cores; this machine allows {len(cores)}.")
+        per = len(cores) // workers
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            ",".join(map(str, cores[i * per:(i + 1) * per])) for i in range(workers))
+
+
+def start_llm(kwargs: dict[str, Any], model: str):
+    """`vllm.LLM(**kwargs)`, with start-up failures as `EyasError`."""
+    from vllm import LLM
+
+    try:
+        return LLM(**kwargs)
+    except Exception as e:
+        raise EyasError(f"vLLM could not start model {model!r}: {type(e).__name__}: {e} "
+                        f"(vLLM's log above names the cause).") from e
+
+
+def stop_llm(llm) -> None:
+    """Shut down the engine's processes now rather than at interpreter exit."""
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    if core is not None:
+        core.shutdown()

@@ -17,12 +17,7 @@ def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
         "In process by default; with --endpoint, through a running `vllm serve` that writes to a shared --spool. "
         "--model-dtype defaults to vLLM's 'auto' (the checkpoint's dtype); use float32 to compare with transformers.",
     )
-    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help="GPUs per model replica (tensor parallel)")
-    g.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N", help="pipeline stages (e.g. across nodes)")
-    g.add_argument("--data-parallel-size", type=int, default=1, metavar="N", help="model replicas")
-    g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other vllm.LLM / `vllm serve` argument, repeatable: --engine-arg max_model_len=8192 "
-                        "--engine-arg gpu_memory_utilization=0.85 (values read as JSON when they parse)")
+    add_engine_arguments(g)
     g.add_argument("--endpoint", metavar="URL", help="capture through a running `vllm serve` at URL (http://host:8000)")
     g.add_argument("--spool", metavar="DIR",
                    help="folder the engine writes states to before they enter the store (default: a temp folder); "
@@ -35,6 +30,16 @@ def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--print-serve-command", action="store_true",
                    help="print the `vllm serve` command a server for --endpoint needs (with --model, --layers, --spool, "
                         "parallel sizes, --engine-arg) and exit")
+
+
+def add_engine_arguments(g) -> None:
+    """Parallel sizes and free-form engine arguments: shared by `capture` and `regenerate`."""
+    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help="GPUs per model replica (tensor parallel)")
+    g.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N", help="pipeline stages (e.g. across nodes)")
+    g.add_argument("--data-parallel-size", type=int, default=1, metavar="N", help="model replicas")
+    g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other vllm.LLM / `vllm serve` argument, repeatable: --engine-arg max_model_len=8192 "
+                        "--engine-arg gpu_memory_utilization=0.85 (values read as JSON when they parse)")
 
 
 def vllm_options(args: argparse.Namespace) -> dict[str, Any]:

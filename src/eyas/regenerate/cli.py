@@ -1,0 +1,51 @@
+"""Replace each assistant turn of prepared conversations with the target's own answer.
+
+Turn by turn: every later turn is generated after the target's earlier answers, as in a
+real chat with it. Drafters trained on the target's own outputs accept more tokens. The
+result is a prepared folder (same target, same --max-len) ready for `eyas capture`; the
+run resumes where it stopped if killed. --temperature 0 (default) is greedy.
+
+examples:
+  eyas regenerate --model packaged:smollm2-135m --data prepared --out regen
+  eyas regenerate --model ./llama --data prepared --out regen --backend vllm --tensor-parallel-size 4 --temperature 0.7
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "replace assistant turns with the target's own answers (hf or vLLM)"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="target model (the one the data was prepared for)")
+    p.add_argument("--data", required=True, help="prepared folder (from eyas prepare)")
+    p.add_argument("--out", required=True, help="new prepared folder (resumed if it exists)")
+    p.add_argument("--backend", default="hf", choices=["hf", "vllm"], help="hf (transformers, default) or vllm")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    p.add_argument("--max-new-tokens", type=int, default=1024, help="longest answer per turn (default 1024)")
+    p.add_argument("--group-size", type=int, default=64,
+                   help="conversations generated together, and saved together for resume (default 64)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature > 0)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (hf backend)")
+    p.add_argument("--model-dtype", default=None,
+                   help="dtype the target runs in (hf: float32 on cpu, bf16 on cuda; vllm: the checkpoint's)")
+    from eyas.capture.vllm.options import add_engine_arguments
+
+    add_engine_arguments(p.add_argument_group("vLLM backend (--backend vllm)"))
+
+
+def run(args: argparse.Namespace) -> int:
+    from eyas.capture.vllm.engine import parse_engine_args
+    from eyas.data.prepare import format_summary
+    from eyas.regenerate.run import regenerate
+
+    vllm = {}
+    if args.backend == "vllm":
+        vllm = {"tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
+                "data_parallel_size": args.data_parallel_size, "engine_args": parse_engine_args(args.engine_arg)}
+    summary = regenerate(args.model, args.data, args.out, backend=args.backend, temperature=args.temperature,
+                         max_new_tokens=args.max_new_tokens, group_size=args.group_size, seed=args.seed,
+                         device=args.device, model_dtype=args.model_dtype, **vllm)
+    print(format_summary(summary, args.out))
+    return 0

@@ -1,0 +1,95 @@
+"""Generators: token-id prompts in, the target's continuation (up to its end-of-turn
+token) out. Both stop on the same ids: the tokenizer's EOS and the generation config's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from eyas.errors import EyasError
+
+
+def stop_ids(folder: str, tokenizer) -> list[int]:
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        eos = GenerationConfig.from_pretrained(folder).eos_token_id
+    except OSError:  # no generation_config.json
+        eos = None
+    ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if not ids:
+        raise EyasError("The target defines no end-of-sequence token; eyas cannot tell where an answer ends.")
+    return sorted(ids)
+
+
+def cut_at_stop(ids: list[int], stops: list[int]) -> list[int]:
+    for i, t in enumerate(ids):
+        if t in stops:
+            return ids[:i]
+    return ids
+
+
+class HFGenerator:
+    """Batched `model.generate` with left padding."""
+
+    def __init__(self, model: str, dtype: str = "float32", device: str = "cpu"):
+        from eyas.models import load_target, resolve_model
+
+        self.model, self.tokenizer = load_target(model, dtype=dtype, device=device)
+        self.device = torch.device(device)
+        self.stops = stop_ids(resolve_model(model), self.tokenizer)
+        self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stops[0]
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, seed: int) -> list[list[int]]:
+        T = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), T), self.pad, dtype=torch.long)  # [B, T], left-padded
+        attention_mask = torch.zeros(len(prompts), T, dtype=torch.long)
+        for b, p in enumerate(prompts):
+            input_ids[b, T - len(p):] = torch.tensor(p)
+            attention_mask[b, T - len(p):] = 1
+        torch.manual_seed(seed)
+        sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {
+            "do_sample": False, "temperature": None, "top_k": None, "top_p": None}
+        out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                                  max_new_tokens=max(max_new_tokens), eos_token_id=self.stops, pad_token_id=self.pad,
+                                  **sampling)  # [B, T + new]
+        new = out[:, T:].tolist()
+        return [cut_at_stop(ids[:n], self.stops) for ids, n in zip(new, max_new_tokens)]
+
+    def close(self) -> None:
+        self.model = None
+
+
+class VLLMGenerator:
+    """`vllm.LLM.generate` over all prompts at once; vLLM batches and caches shared prefixes."""
+
+    def __init__(self, model: str, dtype: str = "auto", max_len: int = 2048, tensor_parallel_size: int = 1,
+                 pipeline_parallel_size: int = 1, data_parallel_size: int = 1, engine_args: dict[str, Any] | None = None):
+        from eyas.capture.vllm.engine import base_kwargs, check_vllm_version, start_llm, vllm_environment
+        from eyas.models import load_tokenizer, resolve_model
+
+        check_vllm_version()
+        folder = resolve_model(model)
+        self.tokenizer = load_tokenizer(model)
+        self.stops = stop_ids(folder, self.tokenizer)
+        vllm_environment(tensor_parallel_size * pipeline_parallel_size)
+        kwargs = base_kwargs(folder, dtype, tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
+                             {"max_model_len": max_len, **(engine_args or {})})
+        self.llm = start_llm(kwargs, model)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, seed: int) -> list[list[int]]:
+        from vllm import SamplingParams
+
+        params = [SamplingParams(max_tokens=n, temperature=temperature, stop_token_ids=self.stops,
+                                 seed=seed + i if temperature > 0 else None) for i, n in enumerate(max_new_tokens)]
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [cut_at_stop(list(o.outputs[0].token_ids), self.stops) for o in outputs]
+
+    def close(self) -> None:
+        from eyas.capture.vllm.engine import stop_llm
+
+        stop_llm(self.llm)
+        self.llm = None

@@ -1,0 +1,145 @@
+"""The regeneration loop: turn by turn, so a later turn sees the target's earlier answers.
+
+Conversations are processed in groups; within a group, round r generates the r-th
+assistant turn of every conversation in one generator call. A finished group is appended
+to `regenerated.jsonl` in the output folder (one fsync'd line per conversation), so a
+killed run resumes after the last complete group. At the end the regenerated
+conversations go through `eyas prepare` (same target, same --max-len), which writes a
+valid prepared folder next to them.
+
+A turn is generated only while its prompt is shorter than --max-len: later turns would be
+truncated away by `prepare` anyway, so they are dropped instead of generated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from eyas.data.prepared import PreparedData
+from eyas.errors import EyasError
+
+PROGRESS = "regenerated.jsonl"
+CONVERSATIONS = "regenerated-conversations.jsonl"  # the input handed to `prepare`
+
+
+def make_generator(backend: str, model: str, model_dtype: str | None, device: str, max_len: int, **vllm: Any):
+    if backend == "hf":
+        from eyas.regenerate.generate import HFGenerator
+
+        return HFGenerator(model, dtype=model_dtype or ("float32" if device == "cpu" else "bf16"), device=device)
+    if backend == "vllm":
+        from eyas.regenerate.generate import VLLMGenerator
+
+        return VLLMGenerator(model, dtype=model_dtype or "auto", max_len=max_len, **vllm)
+    raise EyasError(f"Unknown backend {backend!r}; choose hf or vllm.")
+
+
+def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf", temperature: float = 0.0,
+               max_new_tokens: int = 1024, group_size: int = 64, seed: int = 0, device: str = "cpu",
+               model_dtype: str | None = None, progress: bool = True, **vllm: Any) -> dict[str, Any]:
+    """Regenerate every conversation of `data` not yet in `out`, then prepare `out`; return prepare's summary."""
+    from eyas.capture.vllm.target import describe_target
+    from eyas.data.prepare import prepare
+    from eyas.models import load_tokenizer
+
+    if temperature < 0 or max_new_tokens < 1 or group_size < 1:
+        raise EyasError("--temperature must be >= 0, --max-new-tokens and --group-size >= 1.")
+    source = PreparedData(data)
+    out = Path(out)
+    if out.resolve() == source.path.resolve():
+        raise EyasError("--out must be a new folder, not the prepared data being regenerated.")
+    conversations, max_len, fingerprint = source.conversations(), int(source.meta["max_len"]), source.meta["fingerprint"]
+    describe_target(model).identity.check_same(source.identity, f"The prepared data in {data}")
+    tokenizer = load_tokenizer(model)
+    out.mkdir(parents=True, exist_ok=True)
+    done = read_progress(out / PROGRESS, fingerprint)
+    todo = [i for i in range(len(conversations)) if i not in done]
+    if todo:
+        generator = make_generator(backend, model, model_dtype, device, max_len, **vllm)
+        bar = tqdm(total=len(todo), unit=" conv", desc=f"regenerate ({backend})", disable=not progress)
+        try:
+            with open(out / PROGRESS, "a", encoding="utf-8") as log:
+                if log.tell() == 0:
+                    _append(log, {"data": str(source.path.resolve()), "fingerprint": fingerprint})
+                for start in range(0, len(todo), group_size):
+                    group = todo[start:start + group_size]
+                    answers = regenerate_group(generator, tokenizer, [conversations[i] for i in group],
+                                               max_len, max_new_tokens, temperature, seed + start)
+                    for i, messages in zip(group, answers):
+                        _append(log, {"index": i, "messages": messages})
+                        done[i] = messages
+                    bar.update(len(group))
+        finally:
+            bar.close()
+            generator.close()
+    with open(out / CONVERSATIONS, "w", encoding="utf-8") as f:
+        for i in range(len(conversations)):
+            f.write(json.dumps({"messages": done[i]}, ensure_ascii=False) + "\n")
+    return prepare(model, str(out / CONVERSATIONS), out, max_len=max_len, progress=progress)
+
+
+def regenerate_group(generator, tokenizer, conversations: list[list[dict[str, str]]], max_len: int,
+                     max_new_tokens: int, temperature: float, seed: int) -> list[list[dict[str, str]]]:
+    """Replace the assistant turns of each conversation, one round per turn."""
+    convs = [[dict(m) for m in c] for c in conversations]
+    turn = [_next_assistant(c, 0) for c in convs]  # index of each conversation's next assistant message
+    while True:
+        pending, prompts, budgets = [], [], []
+        for c, j in enumerate(turn):
+            if j is None:
+                continue
+            text = tokenizer.apply_chat_template(convs[c][:j], tokenize=False, add_generation_prompt=True)
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            if len(ids) >= max_len:  # this turn and later ones would be truncated away
+                del convs[c][j:]
+                turn[c] = None
+                continue
+            pending.append(c)
+            prompts.append(ids)
+            budgets.append(min(max_new_tokens, max_len - len(ids)))
+        if not pending:
+            return convs
+        for c, new in zip(pending, generator.generate(prompts, budgets, temperature, seed)):
+            j = turn[c]
+            convs[c][j]["content"] = tokenizer.decode(new, skip_special_tokens=True)
+            turn[c] = _next_assistant(convs[c], j + 1)
+        seed += len(pending)
+
+
+def _next_assistant(messages: list[dict[str, str]], start: int) -> int | None:
+    return next((j for j in range(start, len(messages)) if messages[j]["role"] == "assistant"), None)
+
+
+def read_progress(path: Path, fingerprint: str) -> dict[int, list[dict[str, str]]]:
+    """Conversations finished by an earlier run. A torn last line (a run killed mid-write)
+    is cut off, so the next append starts on a fresh line."""
+    if not path.exists():
+        return {}
+    done: dict[int, list[dict[str, str]]] = {}
+    data = path.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    for n, line in enumerate(complete.decode("utf-8").splitlines()):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            raise EyasError(f"{path} line {n + 1} is corrupt; delete it to start over.") from None
+        if "fingerprint" in record and record["fingerprint"] != fingerprint:
+            raise EyasError(f"{path.parent} holds a regeneration of other prepared data ({record['data']}); "
+                            f"choose another --out.")
+        if "index" in record:
+            done[record["index"]] = record["messages"]
+    if len(complete) < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(len(complete))
+    return done
+
+
+def _append(log, record: dict[str, Any]) -> None:
+    log.write(json.dumps(record, ensure_ascii=False) + "\n")
+    log.flush()
+    os.fsync(log.fileno())
