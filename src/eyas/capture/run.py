@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any, Callable
 
+import torch
 from tqdm import tqdm
 
 from eyas.capture.batching import token_budget_batches
@@ -24,6 +26,14 @@ def make_hf_backend(model: str, layers: str, model_dtype: str, device: str, **_:
 BACKENDS: dict[str, Callable[..., Any]] = {"hf": make_hf_backend, "vllm": make_vllm_backend}
 
 
+def _all_max(t: torch.Tensor, ranks) -> torch.Tensor:
+    if ranks.enabled:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t
+
+
 def default_model_dtype(device: str) -> str:
     return "float32" if device == "cpu" else "bf16"
 
@@ -37,7 +47,7 @@ def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", 
     does not depend on what is already stored, so ranks resume independently and never
     capture a sample twice, whatever the other ranks have done.
     """
-    from eyas.train.distributed import barrier, init, shutdown
+    from eyas.train.distributed import all_reduce, barrier, init, shutdown
 
     if backend not in BACKENDS:
         raise EyasError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
@@ -60,6 +70,7 @@ def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", 
     desc = f"capture ({backend})" + (f" rank {ranks.rank}/{ranks.world}" if ranks.enabled else "")
     bar = tqdm(total=sum(lengths[i] for i in todo), unit="tok", unit_scale=True, desc=desc,
                disable=not progress or not ranks.main)
+    started = time.monotonic()
     try:
         for batch in token_budget_batches(todo, lengths, batch_tokens):
             samples = [prepared[i] for i in batch]
@@ -76,6 +87,12 @@ def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", 
         bar.close()
         getattr(engine, "close", lambda: None)()
     manifest = writer.close(expected_samples=len(prepared))
+    # The job's rate: tokens summed over ranks, over the slowest rank's time.
+    tokens = all_reduce(torch.tensor([float(sum(lengths[i] for i in todo))], device=dev), ranks).item()
+    seconds = _all_max(torch.tensor([time.monotonic() - started], device=dev), ranks).item()
+    if progress and ranks.main and tokens:
+        print(f"captured {int(tokens):,} tokens in {seconds:.1f} s: {tokens / seconds:,.0f} tok/s"
+              + (f" over {ranks.world} processes" if ranks.enabled else ""))
     barrier(ranks)  # every rank's shards are in the manifest
     shutdown(ranks)
     return read_manifest(out) if ranks.enabled else manifest
