@@ -1,0 +1,113 @@
+"""Write an eyas drafter checkpoint in the layout a serving engine loads, and say how to serve it."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas.draft.config import DraftConfig
+from eyas.errors import EyasError
+from eyas.export.layouts import Layout, get_layout
+from eyas.export.weights import build_drafter, prepare_out, read_tensors, write_folder
+from eyas.models.load import parse_dtype
+from eyas.models.resolve import resolve_model
+
+
+def export_drafter(ckpt: str | Path, to: str, out: str | Path, *, target: str | None = None, dtype: str = "keep",
+                   num_speculative_tokens: int = 3, force: bool = False) -> dict[str, Any]:
+    """Export the drafter in `ckpt` as `to` (vllm, speculators or sglang) into `out`; return a summary."""
+    layout = get_layout(to)
+    if num_speculative_tokens < 1:
+        raise EyasError("--num-speculative-tokens must be at least 1.")
+    cfg = DraftConfig.load(ckpt)
+    state = read_tensors(ckpt)
+    build_drafter(cfg, state, str(ckpt))
+    layout.check(cfg)
+    out = Path(out).resolve()
+    serving = serving_info(cfg, target, num_speculative_tokens)
+    tensors = export_tensors(cfg, state, layout, dtype)
+    config = layout.config(cfg, serving)
+    prepare_out(out, force)
+    size = write_folder(out, config, tensors)
+    return {
+        "format": layout.name, "out": str(out), "tensors": len(tensors), "bytes": size,
+        "aux_layer_ids": written_layer_ids(config),
+        "serve_command": serve_command(layout.engine, serving["target"], out, num_speculative_tokens),
+    }
+
+
+def planned_serve_command(ckpt: str | Path, to: str, out: str | Path, *, target: str | None = None,
+                          num_speculative_tokens: int = 3) -> str:
+    """The serve command for exporting `ckpt` to `out`, without writing anything."""
+    serving = serving_info(DraftConfig.load(ckpt), target, num_speculative_tokens)
+    return serve_command(get_layout(to).engine, serving["target"], Path(out).resolve(), num_speculative_tokens)
+
+
+def export_tensors(cfg: DraftConfig, state: dict[str, torch.Tensor], layout: Layout, dtype: str) -> dict[str, torch.Tensor]:
+    """Rename to the layout's names and cast floating tensors (`d2t`/`t2d` keep their integer/bool types)."""
+    cast = None if dtype == "keep" else parse_dtype(dtype)
+    full_vocab = cfg.draft_vocab_size == cfg.vocab_size
+    if full_vocab and state["d2t"].any():
+        raise EyasError("The draft vocabulary is the whole target vocabulary but reordered (d2t is not all zero); "
+                        "engines assume the identity mapping then.")
+    out = {}
+    for name, t in state.items():
+        if name in ("d2t", "t2d") and full_vocab and not layout.full_vocab_mapping:
+            continue  # vLLM has no draft-to-target table when the vocabularies are the same
+        if cast is not None and t.is_floating_point():
+            t = t.to(cast)
+        out[layout.export_name(name)] = t
+    return out
+
+
+def serving_info(cfg: DraftConfig, target: str | None, num_speculative_tokens: int) -> dict[str, Any]:
+    """The target as a serving engine should be given it, checked against the drafter's record when
+    the user names one explicitly."""
+    if target is not None:
+        check_target(cfg, target)
+    spec = target or cfg.identity.model
+    try:
+        path = resolve_model(spec)
+    except EyasError:
+        if target is not None:
+            raise
+        path = spec  # recorded as a path that no longer exists here; the user may serve it elsewhere
+    config = Path(path) / "config.json"
+    architectures = (json.loads(config.read_text()).get("architectures") or []) if config.is_file() else []
+    return {"target": path, "target_architectures": architectures, "num_speculative_tokens": num_speculative_tokens}
+
+
+def check_target(cfg: DraftConfig, target: str) -> None:
+    from transformers import AutoConfig
+
+    from eyas.models import load_tokenizer, model_identity
+
+    given = model_identity(target, AutoConfig.from_pretrained(resolve_model(target)), load_tokenizer(target))
+    given.check_same(cfg.identity, "The drafter")
+
+
+def written_layer_ids(config: dict[str, Any]) -> dict[str, list[int]]:
+    """The aux ids as each engine will read them from `config` (for the summary)."""
+    ids = {}
+    if "eagle_aux_hidden_state_layer_ids" in config:
+        ids["vllm (input of layer k)"] = config["eagle_aux_hidden_state_layer_ids"]
+    if "eagle_config" in config:
+        ids["sglang (output of layer k)"] = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    return ids
+
+
+def serve_command(engine: str, target: str, drafter: str | Path, num_speculative_tokens: int) -> str:
+    """The command line that serves `target` with the exported drafter, chain drafting k tokens."""
+    k = num_speculative_tokens
+    if engine == "vllm":
+        spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k})
+        return shlex.join(["vllm", "serve", target, "--speculative-config", spec])
+    return shlex.join([
+        "python", "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm", "EAGLE3",
+        "--speculative-draft-model-path", str(drafter), "--speculative-num-steps", str(k),
+        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(k + 1),
+    ])

@@ -1,0 +1,36 @@
+"""Read an EAGLE-3 drafter trained elsewhere into an eyas checkpoint, so `eyas eval` can score it.
+
+Understood: official EAGLE-3 (SafeAILab), SpecForge / SGLang, vLLM and speculators
+(Eagle3Speculator) folders, and eyas's own exports. Layer ids are converted to eyas's
+convention (id k = input of target layer k): SGLang's `eagle_config` ids get +1; a folder
+without ids gets the engines' default (2, N/2, N-3). Anything eyas's drafter does not
+implement (EAGLE 3.1 norms, biases, several layers, a non-Llama layer, its own embeddings)
+is refused with the field that says so.
+
+examples:
+  eyas import downloads/EAGLE3-LLaMA3.1-Instruct-8B --target meta-llama/Llama-3.1-8B-Instruct --out runs/eagle3
+  eyas import exported/sglang --out runs/back        # an eyas export knows its target
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "EAGLE-3 drafter from elsewhere -> an eyas checkpoint"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir", help="the drafter folder (config.json + model.safetensors or pytorch_model.bin)")
+    p.add_argument("--out", required=True, help="the eyas checkpoint folder to write")
+    p.add_argument("--target", help="the model the drafter was trained for (needed unless the folder names it)")
+    p.add_argument("--force", action="store_true", help="replace the drafter files in a non-empty --out")
+
+
+def run(args: argparse.Namespace) -> int:
+    from eyas.export.importer import import_drafter
+
+    s = import_drafter(args.dir, args.out, target=args.target, force=args.force)
+    print(f"imported {args.dir} ({s['layout']}) to {s['out']}: target {s['target']}, "
+          f"aux layer ids {s['aux_layer_ids']} (input of layer k), draft vocabulary {s['draft_vocab_size']}, "
+          f"embed_tokens {s['embed_tokens']}")
+    return 0

@@ -1,0 +1,155 @@
+"""The layouts serving engines load an EAGLE-3 drafter from, one definition each.
+
+Every field here was read from the engine's own loader, not from memory:
+
+vllm         vLLM 0.32 `model_executor/models/llama_eagle3.py` + `v1/worker/gpu_model_runner.py`:
+             architecture `LlamaForCausalLMEagle3`; aux ids from top-level
+             `eagle_aux_hidden_state_layer_ids` (input-of-layer ids, eyas's own convention);
+             `fc` width from `num_aux_hidden_states` (else 3); weights `midlayer.*` (renamed to
+             `layers.0.*` by vLLM), `fc`, `norm`, `lm_head`, `d2t` (offsets; no `d2t` when the draft
+             vocabulary is the whole target vocabulary); `t2d` ignored; the target's embeddings shared.
+speculators  vLLM's `transformers_utils/configs/speculators/`: `speculators_model_type: eagle3`,
+             `architectures: [Eagle3Speculator]`, the decoder layer in `transformer_layer_config`,
+             `norm_before_residual` defaulting to True when absent (so it is always written),
+             weights under `layers.0.*`; `speculators_config.verifier` names the target.
+sglang       SGLang `srt/models/llama_eagle3.py` + `llama.py` + `model_executor/model_runner.py`:
+             architecture `LlamaForCausalLMEagle3`; aux ids only from
+             `eagle_config.eagle_aux_hidden_state_layer_ids`, counted as *outputs* of layers (it
+             captures at id + 1), so eyas's ids are shifted by -1; `fc` is hard-wired to three aux
+             states; the residual is always the un-normed hidden state (no `norm_before_residual`);
+             weights `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t` (read as offsets), `t2d`.
+             The top-level vLLM ids are written too, so the folder also serves correctly in vLLM
+             (which reads top level first) instead of silently off by one layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from eyas.draft.config import DraftConfig
+from eyas.errors import EyasError
+
+EYAS_PREFIX = "midlayer."  # eyas's (and vLLM's, SGLang's, EAGLE's) name for the decoder layer
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    engine: str
+    layer_prefix: str  # what the decoder layer's weights are called in this layout
+    full_vocab_mapping: bool  # write d2t/t2d even when the draft vocabulary is the whole target vocabulary
+    config: Callable[[DraftConfig, dict[str, Any]], dict[str, Any]]  # (cfg, serving info) -> config.json
+    check: Callable[[DraftConfig], None]
+
+    def export_name(self, name: str) -> str:
+        return self.layer_prefix + name.removeprefix(EYAS_PREFIX) if name.startswith(EYAS_PREFIX) else name
+
+
+def _needs_silu(cfg: DraftConfig) -> None:
+    # Both engines' LlamaMLP raise on anything else.
+    if cfg.hidden_act != "silu":
+        raise EyasError(f"hidden_act is {cfg.hidden_act!r}; vLLM and SGLang serve EAGLE-3 heads only with 'silu'.")
+
+
+def _sglang_check(cfg: DraftConfig) -> None:
+    _needs_silu(cfg)
+    if len(cfg.aux_layer_ids) != 3:
+        raise EyasError(f"SGLang's EAGLE-3 head fuses exactly three aux layers (fc is 3H wide); this drafter uses "
+                        f"{len(cfg.aux_layer_ids)} ({list(cfg.aux_layer_ids)}). Export it --to vllm instead.")
+    if cfg.norm_before_residual:
+        raise EyasError("This drafter was trained with norm_before_residual=true, which SGLang's EAGLE-3 layer does "
+                        "not implement (its residual is always the un-normed hidden state). Export it --to vllm.")
+    if min(cfg.aux_layer_ids) < 1:
+        raise EyasError("Aux layer id 0 (the embeddings) has no output-of-layer id in SGLang's convention.")
+
+
+def layer_fields(cfg: DraftConfig) -> dict[str, Any]:
+    """The decoder layer as an HF Llama config: what every layout shares."""
+    rope = dict(cfg.rope_parameters)
+    return {
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": rope.get("rope_theta", 10000.0),
+        "rope_scaling": None if rope.get("rope_type", "default") == "default" else {
+            k: v for k, v in rope.items() if k != "rope_theta"},
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "num_aux_hidden_states": len(cfg.aux_layer_ids),
+    }
+
+
+def _eyas_block(cfg: DraftConfig) -> dict[str, Any]:
+    """eyas's own record (target identity, ids in eyas's convention, TTT settings); engines ignore it."""
+    return {"eyas": cfg.to_hf_dict()["eyas"]}
+
+
+def vllm_config(cfg: DraftConfig, serving: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **layer_fields(cfg),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.hidden_size,
+        "norm_before_residual": cfg.norm_before_residual,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        **_eyas_block(cfg),
+    }
+
+
+def sglang_config(cfg: DraftConfig, serving: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **vllm_config(cfg, serving),
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [k - 1 for k in cfg.aux_layer_ids],
+            "use_aux_hidden_state": True,
+        },
+    }
+
+
+def speculators_config(cfg: DraftConfig, serving: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{
+                "proposal_type": "greedy", "speculative_tokens": serving["num_speculative_tokens"],
+                "verifier_accept_k": 1, "accept_tolerance": 0.0,
+            }],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": serving["target"], "architectures": serving["target_architectures"]},
+        },
+        "transformer_layer_config": layer_fields(cfg),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": cfg.hidden_size,
+        "norm_before_residual": cfg.norm_before_residual,
+        "norm_before_fc": False,
+        "fc_norm": False,
+        "norm_output": False,
+        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        **_eyas_block(cfg),
+    }
+
+
+LAYOUTS: dict[str, Layout] = {
+    "vllm": Layout("vllm", "vllm", EYAS_PREFIX, False, vllm_config, _needs_silu),
+    "speculators": Layout("speculators", "vllm", "layers.0.", False, speculators_config, _needs_silu),
+    "sglang": Layout("sglang", "sglang", EYAS_PREFIX, True, sglang_config, _sglang_check),
+}
+
+
+def get_layout(name: str) -> Layout:
+    try:
+        return LAYOUTS[name]
+    except KeyError:
+        raise EyasError(f"Unknown export format {name!r}; choose one of {', '.join(LAYOUTS)}.") from None
