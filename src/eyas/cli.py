@@ -20,6 +20,8 @@ SUBCOMMANDS = {
     "regenerate": "eyas.regenerate.cli",
     "capture": "eyas.capture.cli",
     "inspect": "eyas.store.cli",
+    "export": "eyas.export.cli",
+    "import": "eyas.export.import_cli",
 }
 
 
