@@ -1,7 +1,8 @@
 """Append captured samples to a store, so that a killed run loses nothing and repeats nothing.
 
-Samples are buffered until a shard is full, then packed and handed to one background
-thread. It writes the shard to a temp file (fsync), then, holding the store's lock, names
+Samples are buffered until a shard is full, then packed and handed to background threads
+(serialising, hashing and writing a shard release the GIL, so several overlap each other and
+the capture). Each writes the shard to a temp file (fsync), then, holding the store's lock, names
 it with the next shard number (rename) and records it in the manifest. Several writers —
 the ranks of a data-parallel capture — can therefore append to one store with one
 manifest. A shard on disk but not in the manifest is an orphan of a killed run: the next
@@ -56,7 +57,7 @@ class StoreWriter:
     """Open (or resume) a store. `header` fixes what every shard must agree with: target
     identity, layer ids, dtype, hidden size, and the prepared data it was captured from."""
 
-    def __init__(self, path: str | Path, header: dict[str, Any], shard_bytes: int = 1 << 30):
+    def __init__(self, path: str | Path, header: dict[str, Any], shard_bytes: int = 1 << 30, threads: int = 3):
         self.path = Path(path)
         self.dtype = store_dtype(header["dtype"])
         self.layer_ids = list(header["layer_ids"])
@@ -66,10 +67,12 @@ class StoreWriter:
         self.done: set[int] = set(Store(self.path).sample_indices().tolist()) if self.manifest["shards"] else set()
         self._buffer: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._buffer_bytes = 0
-        self._queue: queue.Queue = queue.Queue(maxsize=2)  # bounds memory held by pending shards
+        self._queue: queue.Queue = queue.Queue(maxsize=threads)  # bounds memory held by pending shards
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._drain, name="eyas-store-writer", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._drain, name=f"eyas-store-writer-{i}", daemon=True)
+                         for i in range(threads)]
+        for thread in self._threads:
+            thread.start()
 
     def _open(self, header: dict[str, Any]) -> dict[str, Any]:
         if (self.path / MANIFEST).is_file():
@@ -176,8 +179,7 @@ class StoreWriter:
         try:
             self._flush()
         finally:
-            self._queue.put(None)
-            self._thread.join()
+            self._stop_threads()
         self._raise_pending()
         with store_lock(self.path):
             self.manifest = read_manifest(self.path)
@@ -189,5 +191,10 @@ class StoreWriter:
     def abort(self) -> None:
         """Stop after the shards already queued; nothing half-written stays behind."""
         self._buffer, self._buffer_bytes = [], 0
-        self._queue.put(None)
-        self._thread.join()
+        self._stop_threads()
+
+    def _stop_threads(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for thread in self._threads:
+            thread.join()
