@@ -68,14 +68,13 @@ class VLLMGenerator:
 
     def __init__(self, model: str, dtype: str = "auto", max_len: int = 2048, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, data_parallel_size: int = 1, engine_args: dict[str, Any] | None = None):
-        from eyas.capture.vllm.engine import base_kwargs, check_vllm_version, start_llm, vllm_environment
+        from eyas.capture.vllm.engine import base_kwargs, check_vllm_version, start_llm
         from eyas.models import load_tokenizer, resolve_model
 
         check_vllm_version()
         folder = resolve_model(model)
         self.tokenizer = load_tokenizer(model)
         self.stops = stop_ids(folder, self.tokenizer)
-        vllm_environment(tensor_parallel_size * pipeline_parallel_size)
         kwargs = base_kwargs(folder, dtype, tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
                              {"max_model_len": max_len, **(engine_args or {})})
         self.llm = start_llm(kwargs, model)

@@ -9,6 +9,7 @@ file, and `capture` reads them back, checks them against the prompt, and deletes
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 import tempfile
 import uuid
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-from eyas.capture.vllm.engine import check_vllm_version, vllm_environment, engine_kwargs, start_llm, stop_llm
+from eyas.capture.vllm.engine import check_vllm_version, engine_kwargs, start_llm, stop_llm, vllm_environment
 from eyas.capture.vllm.spool import read_hidden, spool_file, wait_for
 from eyas.capture.vllm.target import check_vllm_can_load, describe_target
 from eyas.data.prepared import PreparedSample
@@ -36,14 +37,14 @@ class VLLMCapturer:
         target = describe_target(model, layers)
         self.identity, self.layer_ids = target.identity, target.layer_ids
         self.hidden_size = self.identity.hidden_size
-        vllm_environment(tensor_parallel_size * pipeline_parallel_size)
+        vllm_environment()  # before check_vllm_can_load imports vLLM
         check_vllm_can_load(target, engine_args or {})
         self.file_timeout = file_timeout
         self._keys = (f"{uuid.uuid4().hex[:12]}-{i}" for i in itertools.count())
         self.spool = Path(tempfile.mkdtemp(prefix="eyas-spool-", dir=spool))
         try:
             kwargs = engine_kwargs(target.folder, self.layer_ids, self.spool, dtype, tensor_parallel_size,
-                                   pipeline_parallel_size, data_parallel_size, engine_args)
+                                   pipeline_parallel_size, data_parallel_size, engine_args, owner_pid=os.getpid())
             self.llm = start_llm(kwargs, model)
         except BaseException:
             shutil.rmtree(self.spool, ignore_errors=True)

@@ -20,6 +20,10 @@ pipeline stage that holds the cache writes; `get_finished_count() == 1` tells vL
 
 from __future__ import annotations
 
+import os
+import signal
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,6 +81,9 @@ class EyasHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
             raise ValueError(f"{CONNECTOR}: vLLM made no hidden-state cache layer.")
         # scheduler side
         self._queued: list[PendingSave] = []
+        owner = self._kv_transfer_config.get_from_extra_config("owner_pid", None)
+        if role == KVConnectorRole.SCHEDULER and owner:
+            threading.Thread(target=_stop_when_gone, args=(int(owner),), name="eyas-owner-watch", daemon=True).start()
         # worker side
         self._cache: torch.Tensor | None = None  # [blocks, L, block_size, H]
         self._writes_here = False
@@ -187,6 +194,22 @@ class EyasHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
         return None
+
+
+def _stop_when_gone(owner: int) -> None:
+    """vLLM's engine processes outlive a capture process that is killed (SIGKILL, OOM) and
+    keep their memory, so the rerun that should resume cannot start. The engine core
+    (where the scheduler-side connector lives) stops itself once its owner is gone."""
+    while True:
+        time.sleep(1.0)
+        try:
+            os.kill(owner, 0)
+        except ProcessLookupError:
+            logger.error("eyas: the capture process %d is gone; stopping this engine.", owner)
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        except PermissionError:
+            pass  # alive, owned by another user
 
 
 def _complete(event: Any) -> bool:

@@ -58,12 +58,17 @@ def speculative_config(layer_ids: tuple[int, ...]) -> dict[str, Any]:
     }
 
 
-def kv_transfer_config(spool: str | Path, writer_threads: int = 2) -> dict[str, Any]:
+def kv_transfer_config(spool: str | Path, writer_threads: int = 2, owner_pid: int | None = None) -> dict[str, Any]:
+    """`owner_pid`: the engine stops itself when that process dies (in-process capture only;
+    a `vllm serve` outlives the shell that started it)."""
+    extra = {"spool_dir": str(spool), "writer_threads": writer_threads}
+    if owner_pid is not None:
+        extra["owner_pid"] = owner_pid
     return {
         "kv_connector": CONNECTOR,
         "kv_connector_module_path": CONNECTOR_MODULE,
         "kv_role": "kv_producer",
-        "kv_connector_extra_config": {"spool_dir": str(spool), "writer_threads": writer_threads},
+        "kv_connector_extra_config": extra,
     }
 
 
@@ -103,7 +108,7 @@ def base_kwargs(model_dir: str, dtype: str, tensor_parallel_size: int = 1, pipel
 
 def engine_kwargs(model_dir: str, layer_ids: tuple[int, ...], spool: str | Path, dtype: str,
                   tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
-                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                  extra: dict[str, Any] | None = None, owner_pid: int | None = None) -> dict[str, Any]:
     """`base_kwargs` plus hidden-state extraction."""
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0":
         raise EyasError("VLLM_ENABLE_V1_MULTIPROCESSING=0 stops vLLM from finishing hidden-state saves between "
@@ -115,38 +120,54 @@ def engine_kwargs(model_dir: str, layer_ids: tuple[int, ...], spool: str | Path,
         # Prefix caching would hand a request blocks computed for another: extraction reads every row.
         "enable_prefix_caching": False,
         "speculative_config": speculative_config(layer_ids),
-        "kv_transfer_config": kv_transfer_config(spool),
+        "kv_transfer_config": kv_transfer_config(spool, owner_pid=owner_pid),
     }
 
 
-def vllm_environment(workers: int) -> None:
-    """Call before vLLM is first imported. Quiet logs (eyas shows its own progress), and what
-    the CPU backend needs to start at all: a KV-cache size, and one core set per worker when
-    there are several. Anything the user set wins; nothing CPU-specific changes on GPUs."""
+def vllm_environment() -> None:
+    """Call before vLLM is first imported: quiet logs (eyas shows its own progress) and, on
+    a CPU-only machine, a KV-cache size (vLLM's CPU backend fails to start without one).
+    Anything the user set wins."""
     import torch
 
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-    if torch.cuda.is_available():
-        return
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    if workers > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        cores = sorted(os.sched_getaffinity(0))
-        if len(cores) < workers:
-            raise EyasError(f"{workers} CPU workers need at least {workers} cores; this machine allows {len(cores)}.")
-        per = len(cores) // workers
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-            ",".join(map(str, cores[i * per:(i + 1) * per])) for i in range(workers))
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def cpu_thread_binding(workers: int) -> dict[str, str]:
+    """Several CPU workers need one core set each ("Not enough allowed NUMA nodes" otherwise)."""
+    import torch
+
+    if workers < 2 or torch.cuda.is_available() or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return {}
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < workers:
+        raise EyasError(f"{workers} CPU workers need at least {workers} cores; this machine allows {len(cores)}.")
+    per = len(cores) // workers
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, cores[i * per:(i + 1) * per])) for i in range(workers))}
 
 
 def start_llm(kwargs: dict[str, Any], model: str):
-    """`vllm.LLM(**kwargs)`, with start-up failures as `EyasError`."""
+    """`vllm.LLM(**kwargs)`, with start-up failures as `EyasError`. Per-engine environment
+    (CPU thread binding) is set only while the engine's processes start."""
+    vllm_environment()
     from vllm import LLM
 
+    env = cpu_thread_binding(kwargs.get("tensor_parallel_size", 1) * kwargs.get("pipeline_parallel_size", 1))
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         return LLM(**kwargs)
     except Exception as e:
         raise EyasError(f"vLLM could not start model {model!r}: {type(e).__name__}: {e} "
                         f"(vLLM's log above names the cause).") from e
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def stop_llm(llm) -> None:

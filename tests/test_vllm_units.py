@@ -1,0 +1,193 @@
+"""The vLLM backend's checks that need no running engine: version range, engine arguments,
+the CI rule for vLLM tests, errors before any work, and the endpoint client's retries
+against a local HTTP server that misbehaves on purpose (down, slow, wrong prompt)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from eyas.capture.run import capture
+from eyas.capture.vllm import engine
+from eyas.capture.vllm.spool import spool_file, write_hidden
+from eyas.errors import EyasError
+from eyas.store.reader import Store
+
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def tiny_prepared(tmp_path_factory, tiny_llama_dir) -> Path:
+    from eyas.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("tiny-prepared")
+    prepare(str(tiny_llama_dir), "packaged:chitchat", out, max_len=96, limit=4, progress=False)
+    return out
+
+
+def test_tested_version_range():
+    assert engine.version_in_tested_range("0.32.0")
+    assert engine.version_in_tested_range("0.32.7+cpu")
+    assert not engine.version_in_tested_range("0.31.2")
+    assert not engine.version_in_tested_range("0.33.0")
+    assert not engine.version_in_tested_range("1.0.0rc1")
+
+
+def test_untested_vllm_version_is_said_clearly(monkeypatch, capsys):
+    monkeypatch.setattr(engine, "installed_vllm_version", lambda: "0.40.1")
+    assert engine.check_vllm_version() == "0.40.1"
+    err = capsys.readouterr().err
+    assert "vLLM 0.40.1 is outside the range eyas was tested with (>=0.32,<0.33)" in err
+    monkeypatch.setattr(engine, "installed_vllm_version", lambda: "0.32.0")
+    engine.check_vllm_version()
+    assert capsys.readouterr().err == ""
+
+
+def test_engine_args_parse_and_cannot_override_extraction():
+    args = engine.parse_engine_args(["max_model_len=4096", "enforce-eager=true", "kv_cache_dtype=fp8",
+                                     'hf_overrides={"rope_theta": 1e6}'])
+    assert args == {"max_model_len": 4096, "enforce_eager": True, "kv_cache_dtype": "fp8",
+                    "hf_overrides": {"rope_theta": 1e6}}
+    with pytest.raises(EyasError, match="takes key=value"):
+        engine.parse_engine_args(["max_model_len"])
+    kwargs = engine.engine_kwargs("/m", (2, 4, 8), "/spool", "bf16", extra=args)
+    assert kwargs["dtype"] == "bfloat16" and kwargs["enable_prefix_caching"] is False
+    assert kwargs["speculative_config"]["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 8]
+    assert kwargs["kv_transfer_config"]["kv_connector_module_path"] == "eyas.capture.vllm.connector"
+    for key in ("speculative_config", "enable_prefix_caching", "model"):
+        with pytest.raises(EyasError, match=f"cannot set {key}"):
+            engine.engine_kwargs("/m", (2, 4, 8), "/spool", "bf16", extra={key: 1})
+
+
+def test_spool_keys_cannot_leave_the_folder(tmp_path):
+    assert spool_file(tmp_path, "abc-1.x") == tmp_path / "abc-1.x.safetensors"
+    for bad in ("../x", "/etc/passwd", ".hidden", "a/b", ""):
+        with pytest.raises(ValueError):
+            spool_file(tmp_path, bad)
+
+
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_vllm_tests_fail_under_ci_when_vllm_is_missing(tmp_path, ci):
+    """The shared helper, run for real in a child pytest whose `import vllm` fails."""
+    (tmp_path / "test_needs_vllm.py").write_text(
+        "import sys\nsys.modules['vllm'] = None  # what a missing or broken install looks like\n"
+        "from vllm_util import require_vllm\n\ndef test_engine():\n    require_vllm()\n")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(TESTS), "CI": ci, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", str(tmp_path)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    if ci:
+        assert done.returncode == 1 and "1 failed" in done.stdout, done.stdout
+        assert "vLLM is required here (CI=true)" in done.stdout
+    else:
+        assert done.returncode == 0 and "1 skipped" in done.stdout, done.stdout
+
+
+def test_layer_id_past_n_fails_before_any_work(tmp_path, tiny_llama_dir, tiny_prepared):
+    out = tmp_path / "store"
+    with pytest.raises(EyasError, match=r"Layer id\(s\) \[8\] out of range"):
+        capture(str(tiny_llama_dir), tiny_prepared, out, backend="vllm", layers="2,8", progress=False)
+    assert not out.exists()
+
+
+def test_model_vllm_cannot_load_fails_before_any_work(tmp_path, tiny_llama_dir, tiny_prepared):
+    pytest.importorskip("vllm")  # reads vLLM's model registry; starts no engine
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    config["architectures"] = ["EyasUnknownForCausalLM"]
+    (model / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "store"
+    with pytest.raises(EyasError, match=r"vLLM cannot load .*'EyasUnknownForCausalLM'"):
+        capture(str(model), tiny_prepared, out, backend="vllm", progress=False)
+    assert not out.exists()
+
+
+class FakeServer:
+    """A local HTTP server that answers like `vllm serve`, but badly: `mode` is "slow" (replies
+    after the client's timeout) or "mismatch" (saves states for another prompt)."""
+
+    def __init__(self, mode: str, spool: Path, layer_ids: tuple[int, ...], hidden_size: int):
+        self.completions = 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def _reply(self, body):
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self._reply({"data": [{"id": "tiny"}]})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                server.completions += 1
+                key = body["kv_transfer_params"]["eyas_key"]
+                if mode == "slow":
+                    time.sleep(1.5)
+                else:
+                    prompt = torch.tensor(body["prompt"])
+                    write_hidden(spool_file(spool, key), torch.zeros(len(prompt), len(layer_ids), hidden_size),
+                                 prompt.flip(0) + 1, list(layer_ids))
+                try:
+                    self._reply({"choices": [{"text": "x"}], "kv_transfer_params": {"eyas_key": key}})
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the client gave up waiting
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def _endpoint_capture(model, prepared, out, url, spool):
+    return capture(str(model), prepared, out, backend="vllm", endpoint=url, spool=str(spool), retries=1,
+                   request_timeout=0.5, concurrency=2, dtype="fp32", progress=False)
+
+
+def test_endpoint_down_is_retried_then_reported_before_any_work(tmp_path, tiny_llama_dir, tiny_prepared):
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    free = ThreadingHTTPServer(("127.0.0.1", 0), BaseHTTPRequestHandler)
+    url = f"http://127.0.0.1:{free.server_address[1]}"
+    free.server_close()  # nothing listens there now
+    out = tmp_path / "store"
+    with pytest.raises(EyasError, match=r"failed for GET /v1/models after 2 attempts.*(refused|URLError)"):
+        _endpoint_capture(tiny_llama_dir, tiny_prepared, out, url, spool)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("mode,reason", [("slow", "timed out"), ("mismatch", "states for a different prompt")])
+def test_endpoint_failures_are_retried_then_reported_never_written(tmp_path, tiny_llama_dir, tiny_prepared, mode, reason):
+    from eyas.models import resolve_layer_ids
+
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    server = FakeServer(mode, spool, resolve_layer_ids("auto", 8), 64)
+    out = tmp_path / "store"
+    try:
+        with pytest.raises(EyasError, match=f"failed for sample .* after 2 attempts; nothing of it was written.*{reason}"):
+            _endpoint_capture(tiny_llama_dir, tiny_prepared, out, server.url, spool)
+    finally:
+        server.close()
+    assert server.completions >= 2  # each failing sample was sent twice
+    assert len(Store(out)) == 0
+    assert not list(spool.glob("*.safetensors"))
