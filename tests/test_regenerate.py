@@ -1,0 +1,154 @@
+"""`eyas regenerate` with the real SmolLM2, both backends, greedy.
+
+Claim checked: the text of every regenerated assistant turn is what greedy decoding of the
+target produces after everything before it (the earlier turns being the target's own
+answers). Reference: a plain float32 transformers loop, one full forward per token (no
+cache, no batching). A step may take any token whose logit is within 1e-3 of the maximum
+(float32 kernels summing in a different order can flip a near-tie), provided the text so
+far stays a prefix of the turn. Text, not token ids: the turn is stored as text and
+tokenized again by `prepare`, which may split a word differently than the sampler did.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eyas.data.prepared import PreparedData
+from eyas.errors import EyasError
+from eyas.regenerate.run import PROGRESS, regenerate
+from vllm_util import require_vllm
+
+SMOLLM2 = "packaged:smollm2-135m"
+NEW = 12  # --max-new-tokens
+TIE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory, smollm2_dir) -> Path:
+    """Three real multi-turn ShareGPT conversations, at most 160 tokens."""
+    from eyas.data.prepare import prepare
+
+    out = tmp_path_factory.mktemp("regen-source")
+    prepare(SMOLLM2, "packaged:sharegpt", out, max_len=160, limit=3, progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir):
+    from eyas.models import load_target
+
+    model, _ = load_target(SMOLLM2, dtype="float32")
+    return model
+
+
+def greedy_continuation(model, tokenizer, prompt: list[int], text: str, budget: int, stops: list[int]) -> bool:
+    """Can greedy decoding (near-ties either way) of `prompt` produce exactly `text`?"""
+    ids, out = list(prompt), []
+    for _ in range(budget):
+        with torch.no_grad():
+            row = model(torch.tensor([ids])).logits[0, -1]  # [V]
+        candidates = sorted((row >= row.max() - TIE).nonzero().flatten().tolist(), key=lambda t: -row[t])
+        for t in candidates:
+            if t in stops:
+                if tokenizer.decode(out, skip_special_tokens=True) == text:
+                    return True
+            elif text.startswith(tokenizer.decode(out + [t], skip_special_tokens=True).rstrip("\ufffd")):
+                break
+        else:
+            return False
+        out.append(t)
+        ids.append(t)
+    return tokenizer.decode(out, skip_special_tokens=True) == text
+
+
+def assert_greedy_turns(folder: Path, source: Path, model) -> None:
+    from eyas.models import load_tokenizer, resolve_model
+    from eyas.regenerate.generate import stop_ids
+
+    data, before = PreparedData(folder), PreparedData(source)
+    assert data.identity == before.identity and data.meta["max_len"] == before.meta["max_len"]
+    assert len(data) == len(before) and data.loss_mask.any()
+    tokenizer = load_tokenizer(SMOLLM2)
+    stops = stop_ids(resolve_model(SMOLLM2), tokenizer)
+    max_len = data.meta["max_len"]
+    conversations, originals = data.conversations(), before.conversations()
+    assert max(sum(m["role"] == "assistant" for m in c) for c in conversations) >= 2  # a turn after a regenerated one
+    changed = 0
+    for i, (conversation, original) in enumerate(zip(conversations, originals)):
+        assert len(conversation) <= len(original)  # turns past --max-len are dropped, never added
+        for j, message in enumerate(conversation):
+            assert message["role"] == original[j]["role"]
+            if message["role"] != "assistant":
+                assert message["content"] == original[j]["content"]
+                continue
+            changed += message["content"] != original[j]["content"]
+            text = tokenizer.apply_chat_template(conversation[:j], tokenize=False, add_generation_prompt=True)
+            prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+            budget = min(NEW, max_len - len(prompt))
+            assert greedy_continuation(model, tokenizer, prompt, message["content"], budget, stops), \
+                f"conversation {i} turn {j}: {message['content']!r} is not the greedy answer"
+    assert changed >= 3
+
+
+@pytest.fixture(scope="module")
+def hf_regenerated(tmp_path_factory, source) -> Path:
+    out = tmp_path_factory.mktemp("regen-hf")
+    regenerate(SMOLLM2, source, out, backend="hf", max_new_tokens=NEW, group_size=2, progress=False)
+    return out
+
+
+def test_regenerate_hf_is_greedy(hf_regenerated, source, reference):
+    assert_greedy_turns(hf_regenerated, source, reference)
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_regenerate_vllm_is_greedy(tmp_path, source, reference):
+    require_vllm()
+    out = tmp_path / "regen"
+    regenerate(SMOLLM2, source, out, backend="vllm", max_new_tokens=NEW, model_dtype="float32",
+               engine_args={"enforce_eager": True}, progress=False)
+    assert_greedy_turns(out, source, reference)
+
+
+def test_killed_regenerate_resumes_to_the_same_result(tmp_path, source):
+    out = tmp_path / "killed"
+    argv = [sys.executable, "-m", "eyas", "regenerate", "--model", SMOLLM2, "--data", str(source), "--out", str(out),
+            "--max-new-tokens", str(NEW), "--group-size", "1"]
+    killed = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    progress = out / PROGRESS
+    deadline = time.monotonic() + 300
+    while killed.poll() is None and time.monotonic() < deadline:
+        if progress.exists() and progress.read_text().count("\n") >= 2:  # header + one conversation
+            break
+        time.sleep(0.01)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    lines = progress.read_text().splitlines()
+    assert 2 <= len(lines) <= 3 and not (out / "prepared.json").exists()  # stopped part-way
+    with open(progress, "a") as f:
+        f.write('{"index": 2, "messages": [{"role": "us')  # a line torn by the kill
+    resumed = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    indices = [json.loads(line)["index"] for line in progress.read_text().splitlines()[1:]]
+    assert sorted(indices) == [0, 1, 2]  # each conversation generated once
+
+    whole = tmp_path / "whole"
+    regenerate(SMOLLM2, source, whole, backend="hf", max_new_tokens=NEW, group_size=1, progress=False)
+    assert PreparedData(out).conversations() == PreparedData(whole).conversations()
+    assert torch.equal(PreparedData(out).input_ids, PreparedData(whole).input_ids)
+    assert torch.equal(PreparedData(out).loss_mask, PreparedData(whole).loss_mask)
+
+
+def test_regenerate_refuses_data_prepared_for_another_model(tmp_path, tiny_llama_dir, source):
+    with pytest.raises(EyasError, match="different tokenizer"):
+        regenerate(str(tiny_llama_dir), source, tmp_path / "out", progress=False)
+    assert not (tmp_path / "out").exists()
