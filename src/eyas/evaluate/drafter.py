@@ -1,0 +1,149 @@
+"""The EAGLE-3 drafter during decoding: its own KV cache over the committed context, chain
+drafting, and EAGLE-2-style dynamic trees.
+
+Cache entry i pairs the token at i + 1 with the target's aux states at i (rotary position
+i), exactly as training-time test step 0 does; its output predicts token i + 2. A drafted
+node at depth d is fed at position (context length - 1) + d with its parent's output as
+hidden state, and attends to the whole context plus its own ancestors: training-time test
+steps 1..k, decoded. Drafted entries are thrown away after each draft; the target's states
+for the accepted tokens replace them (`extend`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from eyas.draft import Eagle3Drafter
+from eyas.evaluate.tree import DraftTree
+
+
+class DrafterSession:
+    def __init__(self, drafter: Eagle3Drafter):
+        self.m = drafter
+        self.keys: torch.Tensor | None = None  # [1, nH, S, d] committed context
+        self.values: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None  # [H] output of the last context entry
+        self.logits: torch.Tensor | None = None  # [Vd] its draft-vocabulary logits
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def reset(self) -> None:
+        self.keys = self.values = self.hidden = self.logits = None
+
+    def _layer(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+               keys: torch.Tensor | None, values: torch.Tensor | None, visible: torch.Tensor):
+        """One pass of the decoder layer for new entries.
+
+        tokens [n], hidden [n, H], positions [n]; keys/values [1, nH, S, d] already cached;
+        visible [n, S + n] bool. Returns outputs [n, H], new keys and values [1, nH, n, d].
+        """
+        m = self.m
+        device = m.fc.weight.device
+        x, residual = m.midlayer.pre_attention(m.embed_tokens(tokens.to(device))[None], hidden[None])
+        cos, sin = m.rope(x, positions[None].to(device))
+        q, k, v = m.midlayer.self_attn.qkv(x, cos, sin)  # [1, nH, n, d]
+        all_k = k if keys is None else torch.cat([keys, k], dim=-2)
+        all_v = v if values is None else torch.cat([values, v], dim=-2)
+        out = F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=visible.to(device))
+        h = m.midlayer.post_attention(out.transpose(1, 2).flatten(2), residual)  # [1, n, H]
+        return h[0], k, v
+
+    @torch.inference_mode()
+    def extend(self, tokens: torch.Tensor, aux: torch.Tensor) -> None:
+        """Commit entries: tokens [n] are the tokens at positions S + 1 .. S + n, aux
+        [n, L, H] the target's aux states at S .. S + n - 1."""
+        S, n = self.length, len(tokens)
+        hidden = self.m.combine(aux.to(self.m.fc.weight.dtype))  # [n, H]
+        visible = torch.ones(n, S + n, dtype=torch.bool).tril(S)
+        h, k, v = self._layer(tokens, hidden, torch.arange(S, S + n), self.keys, self.values, visible)
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=-2)
+        self.values = v if self.values is None else torch.cat([self.values, v], dim=-2)
+        self.hidden = h[-1]
+        self.logits = self.m.compute_logits(h[-1:][None])[0, 0]
+
+    def _to_target(self, draft_ids: torch.Tensor) -> list[int]:
+        return self.m.draft_to_target(draft_ids).tolist()
+
+    @torch.inference_mode()
+    def chain(self, depth: int, temperature: float = 0.0, generator: torch.Generator | None = None) -> DraftTree:
+        """`depth` tokens, each the argmax (temperature 0) or a sample of the drafter's
+        distribution at `temperature`; sampled nodes carry that distribution."""
+        tree = DraftTree()
+        logits, hidden = self.logits, self.hidden
+        keys, values = self.keys, self.values
+        S = self.length
+        for d in range(1, depth + 1):
+            if temperature > 0:
+                q = torch.softmax(logits.float() / temperature, dim=-1)  # [Vd]
+                draft_id = torch.multinomial(q, 1, generator=generator)
+                dense = torch.zeros(self.m.config.vocab_size, dtype=q.dtype, device=q.device)
+                dense[self.m.draft_to_target(torch.arange(len(q), device=q.device))] = q
+                tree.add(self._to_target(draft_id)[0], d - 2, dense)
+            else:
+                draft_id = logits.argmax(-1, keepdim=True)
+                tree.add(self._to_target(draft_id)[0], d - 2)
+            if d == depth:
+                break
+            visible = torch.ones(1, keys.shape[-2] + 1, dtype=torch.bool)
+            h, k, v = self._layer(self.m.draft_to_target(draft_id), hidden[None], torch.tensor([S - 1 + d]),
+                                  keys, values, visible)
+            keys, values = torch.cat([keys, k], dim=-2), torch.cat([values, v], dim=-2)
+            hidden = h[0]
+            logits = self.m.compute_logits(h[None])[0, 0]
+        return tree
+
+    @torch.inference_mode()
+    def tree(self, depth: int, top_k: int, max_nodes: int) -> DraftTree:
+        """EAGLE-2 dynamic tree: expand the `top_k` most probable frontier nodes per level
+        (score: the drafter's cumulative log-probability), each proposing its `top_k` best
+        children; after `depth` levels keep the `max_nodes` best nodes (ancestors included)."""
+        S = self.length
+        k_eff = min(top_k, len(self.logits))
+        lp, ids = torch.log_softmax(self.logits.float(), -1).topk(k_eff)
+        tokens, parents = self._to_target(ids), [-1] * k_eff
+        scores = lp.tolist()
+        frontier = list(range(k_eff))  # nodes to feed next
+        hidden_of: dict[int, torch.Tensor] = {-1: self.hidden}
+        fed: list[int] = []  # node per drafted cache entry
+        keys, values = self.keys, self.values
+        for d in range(1, depth):
+            visible = torch.zeros(len(frontier), S + len(fed) + len(frontier), dtype=torch.bool)
+            visible[:, :S] = True
+            for r, node in enumerate(frontier):
+                anc = _ancestors(parents, node)
+                visible[r, [S + j for j, f in enumerate(fed) if f in anc]] = True
+                visible[r, S + len(fed) + r] = True
+            hid = torch.stack([hidden_of[parents[n]] for n in frontier])  # [F, H]
+            h, k, v = self._layer(torch.tensor([tokens[n] for n in frontier]), hid,
+                                  torch.full((len(frontier),), S - 1 + d), keys, values, visible)
+            keys, values = torch.cat([keys, k], dim=-2), torch.cat([values, v], dim=-2)
+            fed += frontier
+            for r, node in enumerate(frontier):
+                hidden_of[node] = h[r]
+            lp, ids = torch.log_softmax(self.m.compute_logits(h[None])[0].float(), -1).topk(k_eff)  # [F, k]
+            cand = (torch.tensor([scores[n] for n in frontier], device=lp.device)[:, None] + lp).flatten()
+            first = len(tokens)
+            tokens += self._to_target(ids.flatten())
+            parents += [frontier[i // k_eff] for i in range(len(cand))]
+            scores += cand.tolist()
+            frontier = [first + i for i in cand.topk(min(k_eff, len(cand))).indices.tolist()]
+        keep = set(sorted(range(len(tokens)), key=lambda n: -scores[n])[:max_nodes])
+        for n in list(keep):
+            keep |= _ancestors(parents, n)
+        order = sorted(keep)  # creation order: parents first
+        index = {n: i for i, n in enumerate(order)}
+        out = DraftTree()
+        for n in order:
+            out.add(tokens[n], index[parents[n]] if parents[n] >= 0 else -1)
+        return out
+
+
+def _ancestors(parents: list[int], node: int) -> set[int]:
+    out = set()
+    while parents[node] >= 0:
+        node = parents[node]
+        out.add(node)
+    return out

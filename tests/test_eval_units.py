@@ -1,0 +1,233 @@
+"""The pieces of speculative decoding, each against a reference: tree masks against path
+enumeration, tree verification against decoding each path alone, the drafter's cached
+decoding against training-time test, the acceptance rule against the distribution it must
+preserve, and the report against recomputation from accept counts."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from eyas.draft import DraftConfig, Eagle3Drafter
+from eyas.evaluate.accept import accept_greedy, accept_sampled
+from eyas.evaluate.drafter import DrafterSession
+from eyas.evaluate.proposers import PromptLookup
+from eyas.evaluate.report import acceptance_rates, format_table, summarize
+from eyas.evaluate.target import TargetSession
+from eyas.evaluate.tree import DraftTree
+from eyas.models import ModelIdentity
+
+ATOL = 1e-4  # float32, same weights, different kernel shapes
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: one thread beats two (no cross-thread hand-off per small op)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def random_tree(rng: random.Random, n: int, vocab: int) -> DraftTree:
+    tree = DraftTree()
+    for i in range(n):
+        tree.add(rng.randrange(vocab), rng.randrange(-1, i))
+    return tree
+
+
+def path_to(tree: DraftTree, node: int) -> list[int]:
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = tree.parents[node]
+    return out[::-1]
+
+
+@pytest.fixture(scope="module")
+def toy():
+    """A tiny random Llama target and a random EAGLE-3 drafter for it (vocab 96, draft vocab 64)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256)
+    target = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in target.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    identity = ModelIdentity("toy", "c", "t", 4, 32, 96)
+    cfg = DraftConfig.for_target(config, identity, (0, 1, 2, 4), 64)
+    drafter = Eagle3Drafter(cfg, target.get_input_embeddings().weight.detach()).eval()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() > 1 and p.requires_grad:
+                p.normal_(0, 0.3)
+    drafter.set_vocab(torch.randperm(96)[:64].sort().values)
+    return target, drafter
+
+
+def test_ancestor_mask_is_exactly_the_path():
+    rng = random.Random(0)
+    for _ in range(20):
+        tree = random_tree(rng, rng.randrange(1, 30), 50)
+        mask = tree.ancestor_mask()
+        for i in range(len(tree)):
+            allowed = {0} | {n + 1 for n in path_to(tree, i)}
+            assert set(torch.nonzero(mask[i + 1]).flatten().tolist()) == allowed
+        assert mask[0].nonzero().flatten().tolist() == [0]
+    chain = DraftTree.chain([5, 6, 7])
+    assert torch.equal(chain.ancestor_mask(), torch.ones(4, 4, dtype=torch.bool).tril())
+    assert chain.depths() == [1, 2, 3]
+
+
+def test_tree_verification_equals_decoding_each_path(toy):
+    """One tree pass gives, for every node, the logits of the prefix + its path alone; and
+    after keeping a non-contiguous accepted path the cache continues exactly."""
+    target, _ = toy
+    rng = random.Random(1)
+    prefix = [rng.randrange(96) for _ in range(9)]
+    root = 17
+    tree = random_tree(rng, 14, 96)
+    session = TargetSession(target)
+    session.prefill(torch.tensor(prefix))
+    logits, _ = session.verify(root, tree)
+    with torch.no_grad():
+        full = target(torch.tensor([prefix + [root]])).logits[0, -1]
+        assert torch.allclose(logits[0], full, atol=ATOL)
+        for i in range(len(tree)):
+            ids = prefix + [root] + [tree.tokens[n] for n in path_to(tree, i)]
+            ref = target(torch.tensor([ids])).logits[0, -1]
+            assert torch.allclose(logits[i + 1], ref, atol=ATOL), f"node {i}"
+    deepest = max(range(len(tree)), key=lambda i: len(path_to(tree, i)))
+    path = path_to(tree, deepest)
+    assert path != list(range(len(path))), "pick a seed whose deepest path is not a prefix of the node order"
+    session.commit([0] + [n + 1 for n in path])
+    nxt, _ = session.verify(3, DraftTree())
+    with torch.no_grad():
+        ref = target(torch.tensor([prefix + [root] + [tree.tokens[n] for n in path] + [3]])).logits[0, -1]
+    assert session.length == len(prefix) + 1 + len(path)
+    assert torch.allclose(nxt[0], ref, atol=ATOL)
+
+
+def _ttt_logits(drafter, ids: list[int], aux: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    with torch.no_grad():
+        return [lg[0] for lg in drafter.forward_ttt(torch.tensor([ids]), aux[None], steps)]
+
+
+def test_drafter_chain_matches_training_time_test(toy):
+    """Cached decoding of a chain = forward_ttt with the drafted tokens as ground truth."""
+    target, drafter = toy
+    torch.manual_seed(2)
+    n, depth = 12, 4
+    ids = torch.randint(0, 96, (n + 1,)).tolist()  # t_0 .. t_n
+    aux = torch.randn(n + depth, 3, 32)  # aux rows past n are never read at position n - 1
+    session = DrafterSession(drafter)
+    session.extend(torch.tensor(ids[1:]), aux[:n])
+    chain = session.chain(depth, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    seq = ids + chain.tokens
+    ttt = _ttt_logits(drafter, seq[: n + depth], aux, depth)
+    d2t = drafter.draft_to_target(torch.arange(64))
+    for k in range(depth):
+        q = torch.zeros(96)
+        q[d2t] = torch.softmax(ttt[k][n - 1], -1)
+        assert torch.allclose(chain.proposals[k], q, atol=ATOL), f"draft position {k + 1}"
+    greedy = session.chain(depth)
+    assert session.tree(depth, top_k=1, max_nodes=depth).tokens == greedy.tokens
+
+
+def test_drafter_tree_nodes_are_top_k_of_their_path(toy):
+    """Each tree node is among the top-k draft tokens given its own ancestors (checked with
+    forward_ttt, which knows nothing of trees), and ancestors are always kept."""
+    _, drafter = toy
+    torch.manual_seed(3)
+    n, depth, k = 10, 3, 3
+    ids = torch.randint(0, 96, (n + 1,)).tolist()
+    aux = torch.randn(n + depth, 3, 32)
+    session = DrafterSession(drafter)
+    session.extend(torch.tensor(ids[1:]), aux[:n])
+    tree = session.tree(depth, top_k=k, max_nodes=20)
+    assert 0 < len(tree) <= 20 and max(tree.depths()) == depth
+    d2t = drafter.draft_to_target(torch.arange(64))
+    for i in range(len(tree)):
+        path = [tree.tokens[m] for m in path_to(tree, i)]
+        ttt = _ttt_logits(drafter, (ids + path + [0] * depth)[: n + depth], aux, len(path))
+        top = d2t[ttt[len(path) - 1][n - 1].topk(k).indices].tolist()
+        assert path[-1] in top, f"node {i} at depth {len(path)}"
+
+
+def test_greedy_acceptance_walks_the_argmax_path():
+    tree = DraftTree()
+    a = tree.add(4, -1)
+    tree.add(5, -1)
+    c = tree.add(6, a)
+    tree.add(7, c)
+    logits = torch.full((5, 10), -5.0)
+    logits[0, 4] = logits[1, 6] = logits[3, 9] = 5.0  # root -> 4 -> 6 -> (9, not drafted)
+    assert accept_greedy(tree, logits) == ([a, c], 9)
+    logits[0, 4], logits[0, 1] = -5.0, 5.0
+    assert accept_greedy(tree, logits) == ([], 1)
+
+
+def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test; cells expected under 5 are pooled."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]]).double()
+    exp = torch.cat([expected[~small], expected[small].sum()[None]]).double()
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), stat / 2))
+
+
+@pytest.mark.parametrize("kind", ["sampled-chain", "point-mass-siblings"])
+def test_acceptance_rule_emits_the_target_distribution(kind):
+    """The first emitted token (accepted draft or bonus) is distributed as p, whatever q is."""
+    g = torch.Generator().manual_seed(4)
+    V = 12
+    p_logits = torch.randn(V, generator=g) * 2
+    q = torch.softmax(torch.randn(V, generator=g) * 2, -1)
+    p = torch.softmax(p_logits, -1)
+    counts = torch.zeros(V)
+    trials = 6000
+    for _ in range(trials):
+        if kind == "sampled-chain":
+            x = int(torch.multinomial(q, 1, generator=g))
+            tree = DraftTree.chain([x], [q])
+        else:
+            tree = DraftTree()
+            for t in (int(p.argmin()), 3, 7):  # a bad first guess, then two more siblings
+                tree.add(t, -1)
+        logits = torch.stack([p_logits, torch.zeros(V)] + [torch.zeros(V)] * (len(tree) - 1))
+        path, bonus = accept_sampled(tree, logits, 1.0, g)
+        counts[tree.tokens[path[0]] if path else bonus] += 1
+    assert _chi2_pvalue(counts, p) > 1e-3
+    assert (counts - p * trials).abs().max() < 5 * (p * trials).sqrt().max()
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match():
+    pl = PromptLookup(num_tokens=3)
+    assert pl.propose([1, 2, 3, 4, 5, 9, 2, 3], budget=10).tokens == [4, 5, 9]
+    assert pl.propose([1, 2, 3, 4, 5, 9, 2, 3], budget=2).tokens == [4, 5]
+    assert pl.propose([7, 8, 9], budget=5).tokens == []
+    assert pl.propose([5, 1, 5, 2, 5], budget=5).tokens == [2, 5]  # unigram fallback, latest match
+    assert pl.propose([1, 2], budget=0).tokens == []
+
+
+def test_report_recomputes_tau_and_rates_from_counts():
+    records = [
+        {"method": "plain", "generated_ids": list(range(10)), "accept_counts": [0] * 9, "seconds": 2.0},
+        {"method": "eagle3-chain", "generated_ids": list(range(10)), "accept_counts": [3, 0, 2, 1], "seconds": 1.0},
+    ]
+    s = summarize(records, {"eagle3-chain": 4})
+    assert s["eagle3-chain"].tau == pytest.approx(1 + 6 / 4)
+    assert s["eagle3-chain"].acceptance == pytest.approx([0.75, 0.5, 0.25, 0.0])
+    assert s["eagle3-chain"].tau == pytest.approx(1 + sum(s["eagle3-chain"].acceptance))
+    assert s["eagle3-chain"].speedup == pytest.approx(2.0)
+    assert acceptance_rates([], 2) == [0.0, 0.0]
+    table = format_table(s)
+    assert "1 + accepted draft tokens per verification step" in table
+    assert "eagle3-chain     2.50" in table and "2.00x" in table
