@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "regenerate": "eyas.regenerate.cli",
     "capture": "eyas.capture.cli",
     "inspect": "eyas.store.cli",
+    "train": "eyas.train.cli",
     "eval": "eyas.evaluate.cli",
     "export": "eyas.export.cli",
     "import": "eyas.export.import_cli",

@@ -10,6 +10,7 @@ weight-touching line and differ only in how attention is computed.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -144,9 +145,16 @@ class Eagle3Drafter(nn.Module):
 
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
                   extra: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Exact TTT attention without a per-position loop.
+    """Exact TTT attention without a per-position loop: flex attention with a block-sparse
+    mask on CUDA, dense scores elsewhere. Same inputs and output as `ttt_attention_dense`."""
+    if q.is_cuda:
+        return ttt_attention_flex(q, k0, v0, extra)
+    return ttt_attention_dense(q, k0, v0, extra)
 
-    q, k0, v0 [B, nH, T, d]; extra: (k_j, v_j) [B, nH, T, d] for steps 1..k. Scores against
+
+def ttt_attention_dense(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
+                        extra: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """q, k0, v0 [B, nH, T, d]; extra: (k_j, v_j) [B, nH, T, d] for steps 1..k. Scores against
     step-0 keys are causal [B, nH, T, T]; each later step contributes one same-position score
     [B, nH, T, 1]; one softmax runs over all T + k of them.
     """
@@ -162,3 +170,32 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
     for j, (_, vj) in enumerate(extra):
         out = out + probs[..., T + j : T + j + 1] * vj
     return out
+
+
+def ttt_attention_flex(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
+                       extra: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """The same attention as one flex-attention call over the keys of all steps laid end to
+    end ([B, nH, (1+k)T, d]); the block mask skips every block that is neither causal step-0
+    nor on a same-position diagonal, so the cost is ~T^2/2 + kT, never (1+k)T^2."""
+    T = q.shape[-2]
+    k = torch.cat([k0, *(kj for kj, _ in extra)], dim=2)
+    v = torch.cat([v0, *(vj for _, vj in extra)], dim=2)
+    return _compiled_flex()(q, k, v, block_mask=_ttt_block_mask(T, 1 + len(extra), q.device))
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _ttt_block_mask(T: int, steps: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask(b, h, q_idx, kv_idx):  # kv_idx = step * T + position
+        step, pos = kv_idx // T, kv_idx % T
+        return ((step == 0) & (pos <= q_idx)) | ((step > 0) & (pos == q_idx))
+
+    return create_block_mask(mask, B=None, H=None, Q_LEN=T, KV_LEN=steps * T, device=device)

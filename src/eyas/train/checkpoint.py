@@ -1,0 +1,120 @@
+"""Training checkpoints.
+
+out/
+  config.json, model.safetensors     the newest drafter: what eval and export read
+  metrics.jsonl                      one row per logged step
+  checkpoints/step-0000500/          a complete, resumable checkpoint:
+      config.json, model.safetensors the drafter at that step
+      optimizer.pt                   AdamW state (tensors only; loaded with weights_only)
+      trainer.json                   step, the run's settings, the stream position
+  checkpoints/latest                 the name of the newest complete checkpoint folder
+
+A checkpoint folder is written under a temporary name and renamed when complete, and
+`latest` moves only after that, so a run killed at any moment resumes from a whole one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from eyas.draft.checkpoint import WEIGHTS, save_drafter
+from eyas.draft.config import DraftConfig
+from eyas.errors import EyasError
+from eyas.paths import atomic_write_bytes, fsync_dir
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+OPTIMIZER = "optimizer.pt"
+TRAINER = "trainer.json"
+
+
+def full_states(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Unsharded model and optimizer state dicts on the CPU (identical on every process;
+    collective under DDP/FSDP, so every process must call it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, optim_state: dict) -> None:
+    """Restore an unsharded optimizer state (as `full_states` saved it) into this process."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
+
+
+def save_checkpoint(out: Path, step: int, drafter_cpu: nn.Module, optim_state: dict, trainer: dict[str, Any],
+                    keep: int) -> Path:
+    """Write checkpoints/step-N completely, point `latest` at it, refresh the top-level drafter."""
+    root = out / CHECKPOINTS
+    name = f"step-{step:07d}"
+    final, tmp = root / name, root / f".{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_drafter(drafter_cpu, tmp)
+    buffer = _to_bytes(optim_state)
+    atomic_write_bytes(tmp / OPTIMIZER, buffer)
+    atomic_write_bytes(tmp / TRAINER, (json.dumps({**trainer, "step": step}, indent=2) + "\n").encode())
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    fsync_dir(root)
+    atomic_write_bytes(root / LATEST, f"{name}\n".encode())
+    for file in ("config.json", WEIGHTS):
+        atomic_write_bytes(out / file, (final / file).read_bytes())
+    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _to_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+OUR_FILES = {"config.json", WEIGHTS, "metrics.jsonl", "tensorboard", CHECKPOINTS}
+
+
+def check_out_folder(out: Path) -> None:
+    """Refuse to write into a folder that holds something other than a training run."""
+    if out.exists() and not out.is_dir():
+        raise EyasError(f"--out {out} is a file, not a folder.")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in OUR_FILES) if out.is_dir() else []
+    if foreign:
+        raise EyasError(f"--out {out} already holds other files ({', '.join(foreign[:3])}); choose an empty or new folder.")
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    pointer = out / CHECKPOINTS / LATEST
+    if not pointer.is_file():
+        return None
+    folder = out / CHECKPOINTS / pointer.read_text().strip()
+    if not (folder / TRAINER).is_file():
+        raise EyasError(f"{pointer} names {folder.name}, which is missing or incomplete; delete {out} to start over.")
+    return folder
+
+
+def read_checkpoint(folder: Path) -> tuple[DraftConfig, dict[str, Any]]:
+    return DraftConfig.load(folder), json.loads((folder / TRAINER).read_text())
+
+
+def read_optimizer(folder: Path) -> dict:
+    return torch.load(folder / OPTIMIZER, map_location="cpu", weights_only=True)
+
+
+def check_store_matches(cfg: DraftConfig, identity, layer_ids: tuple[int, ...], hidden_size: int, what: str) -> None:
+    """Refuse training data that disagrees with the drafter being resumed."""
+    cfg.identity.check_same(identity, what)
+    if tuple(layer_ids) != cfg.layer_ids:
+        raise EyasError(f"{what} holds layer ids {list(layer_ids)}, but the drafter being resumed was trained on "
+                        f"{list(cfg.layer_ids)}.")
+    if hidden_size != cfg.hidden_size:
+        raise EyasError(f"{what} has hidden size {hidden_size}, the drafter being resumed {cfg.hidden_size}.")

@@ -1,0 +1,79 @@
+"""Train an EAGLE-3 drafter with training-time test (TTT).
+
+Offline, from a hidden-state store (eyas capture); online, with the target loaded beside
+the drafter so hidden states are computed on the fly and no store touches the disk.
+
+The drafter reads the target's aux states (the store's layer ids) and learns, over
+--ttt-steps unrolled steps, to predict the target's next-token distribution (restricted
+to a --draft-vocab of the most frequent trained tokens). Step k's loss is weighted
+--ttt-decay^k. Per step k it reports the loss, the top-1 accuracy against the target's
+greedy token and a simulated acceptance length tau_sim = 1 + sum_k prod_{j<=k} acc_j, on
+the training batches and on a held-out --eval-fraction of the samples: on the progress
+bar, in OUT/metrics.jsonl and, when tensorboard is installed, under OUT/tensorboard.
+
+OUT ends up an HF-style drafter folder (config.json + model.safetensors) ready for eval
+and export; resumable checkpoints live in OUT/checkpoints (every --save-every steps and at
+the end). bf16 autocast on GPU, float32 on CPU. Under torchrun each process takes its
+share of every step's batches (DDP; --fsdp shards the head across GPUs).
+
+examples:
+  eyas train --store store --out drafter
+  eyas train --store store --out drafter --steps 200 --minutes 5 --batch-tokens 2048
+  eyas train --store store --out drafter --resume          # continue an interrupted run
+  eyas train --online --model packaged:smollm2-135m --data prepared --out drafter
+  torchrun --nproc-per-node 8 -m eyas train --store store --out drafter --epochs 3
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "train an EAGLE-3 drafter (training-time test) from a store or online"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_argument_group("data")
+    src.add_argument("--store", help="hidden-state store (offline training)")
+    src.add_argument("--online", action="store_true", help="capture on the fly with --model over --data (no store)")
+    src.add_argument("--model", help="the target (offline: default is the model the store records)")
+    src.add_argument("--data", help="prepared folder (with --online)")
+    src.add_argument("--layers", default="auto", help="aux layer ids with --online (default auto = 2, N//2, N-3)")
+    src.add_argument("--out", required=True, help="output folder: the drafter, metrics.jsonl, checkpoints/")
+    src.add_argument("--eval-fraction", type=float, default=0.05, help="share of samples held out (default 0.05)")
+    src.add_argument("--max-len", type=int, help="crop samples to this many tokens (default: --batch-tokens)")
+
+    head = p.add_argument_group("drafter")
+    head.add_argument("--draft-vocab", type=int, help="draft vocabulary size (default min(32000, target vocab))")
+    head.add_argument("--ttt-steps", type=int, default=7, help="unrolled training-time-test steps (default 7)")
+    head.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight decay^k of step k (default 0.8)")
+
+    opt = p.add_argument_group("schedule")
+    opt.add_argument("--epochs", type=float, help="passes over the training samples (default 1)")
+    opt.add_argument("--steps", type=int, help="optimizer steps instead of --epochs")
+    opt.add_argument("--minutes", type=float, help="stop after this many minutes with a checkpoint (schedule unchanged)")
+    opt.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4), cosine to 0")
+    opt.add_argument("--warmup", type=float, default=0.03, help="warm-up: share of steps if < 1, else steps (default 0.03)")
+    opt.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")
+    opt.add_argument("--clip", type=float, default=0.5, help="gradient-norm clipping (default 0.5)")
+    opt.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per micro-batch per process (default 8192)")
+    opt.add_argument("--grad-accum", type=int, default=1, help="micro-batches per process per step (default 1)")
+    opt.add_argument("--seed", type=int, default=0, help="seed for initialisation, split and order (default 0)")
+
+    run = p.add_argument_group("run")
+    run.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    run.add_argument("--device", help="cpu or cuda (default: cuda if available); torchrun picks the local GPU")
+    run.add_argument("--fsdp", action="store_true", help="under torchrun: shard the drafter across GPUs (FSDP2)")
+    run.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps (default 500) and at the end")
+    run.add_argument("--eval-every", type=int, default=500, help="held-out metrics every N steps (default 500) and at the end")
+    run.add_argument("--log-every", type=int, default=10, help="metrics row every N steps (default 10)")
+    run.add_argument("--keep", type=int, default=2, help="checkpoints kept in OUT/checkpoints (default 2)")
+    run.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from eyas.train.config import TrainConfig
+    from eyas.train.loop import train
+
+    options = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "command"}
+    train(TrainConfig(**options))
+    return 0

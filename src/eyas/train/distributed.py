@@ -1,0 +1,108 @@
+"""Data parallelism through torchrun's own environment: DDP (gloo on CPU, NCCL on GPU), or
+FSDP2 (`fully_shard`) for a head too big for one GPU. Nothing home-made: one process per
+device, torch's process group, torch's wrappers and torch's state-dict helpers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from eyas.errors import EyasError
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    fsdp: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def init(device: str | None, fsdp: bool) -> tuple[Dist, torch.device]:
+    """Join torchrun's process group when WORLD_SIZE > 1; pick this process's device."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise EyasError(f"--device {device}: no CUDA device is visible.")
+        dev = torch.device("cuda", local_rank if world > 1 else (dev.index or 0))
+        torch.cuda.set_device(dev)
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None)
+    return Dist(rank=rank, world=world, local_rank=local_rank, fsdp=fsdp), dev
+
+
+def wrap(module: nn.Module, d: Dist, device: torch.device) -> nn.Module:
+    """DDP, or FSDP2: weights, gradients and optimizer state sharded across the processes and
+    gathered once per forward (the drafter calls its layer piecewise during TTT, so it is one
+    group). The frozen target embeddings stay whole on every device: never updated, they
+    need no sharded optimizer state, and re-gathering them each TTT step would cost more."""
+    if d.fsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if not d.enabled:
+            raise EyasError("--fsdp shards across processes: start with torchrun --nproc-per-node N (N > 1).")
+        mesh = init_device_mesh(device.type, (d.world,))
+        fully_shard(module, mesh=mesh, ignored_params={module.drafter.embed_tokens.weight})
+        return module
+    if d.enabled:
+        from torch.nn.parallel import DistributedDataParallel
+
+        # The buffers (d2t, t2d) never change: no broadcast per forward.
+        return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
+                                       broadcast_buffers=False)
+    return module
+
+
+def no_sync(module: nn.Module, last: bool):
+    """Skip the gradient all-reduce on every micro-batch of a step but the last."""
+    if last:
+        return contextlib.nullcontext()
+    if hasattr(module, "no_sync"):  # DDP
+        return module.no_sync()
+    if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
+        return _fsdp_no_sync(module)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _fsdp_no_sync(module):
+    module.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def all_reduce(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    """Sum over processes (in place); returns t."""
+    if d.enabled:
+        dist.all_reduce(t)
+    return t
+
+
+def barrier(d: Dist) -> None:
+    if d.enabled:
+        dist.barrier()
+
+
+def shutdown(d: Dist) -> None:
+    if d.enabled and dist.is_initialized():
+        dist.destroy_process_group()

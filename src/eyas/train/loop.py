@@ -1,0 +1,355 @@
+"""`train(config)`: set up the source, the drafter and its optimizer, then run the steps.
+
+One step = G = processes x grad_accum token-budget micro-batches. The loss of a step is the
+token mean over all of them (per TTT step k, weighted decay^k), whatever the number of
+processes, so a DDP run and a single process over the same global batch take the same step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from eyas.draft.checkpoint import load_drafter
+from eyas.draft.config import DraftConfig
+from eyas.draft.model import Eagle3Drafter
+from eyas.draft.vocab import TokenCounter, build_draft_vocab, coverage, default_draft_vocab_size
+from eyas.errors import EyasError
+from eyas.train import checkpoint as ckpt
+from eyas.train import distributed
+from eyas.train.config import TrainConfig
+from eyas.train.data import Batch, BatchStream, OnlineSource, StoreSource, split
+from eyas.train.metrics import MetricsLog, format_table, summarize
+from eyas.train.objective import TTTObjective, make_labels, step_counts
+from eyas.train.target_head import TargetHead, load_target_head
+
+
+@dataclass
+class Run:
+    cfg: TrainConfig
+    d: distributed.Dist
+    device: torch.device
+    source: Any  # StoreSource | OnlineSource
+    head: TargetHead
+    draft: DraftConfig
+    model: torch.nn.Module  # TTTObjective, wrapped for DDP/FSDP
+    optimizer: torch.optim.Optimizer
+    train_stream: BatchStream
+    eval_positions: list[int]
+    total_steps: int
+    step: int = 0  # optimizer steps done
+    resumed_from: int | None = None
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def drafter(self) -> Eagle3Drafter:
+        return self.objective.drafter
+
+    @property
+    def objective(self) -> TTTObjective:
+        return getattr(self.model, "module", self.model)
+
+    @property
+    def group(self) -> int:
+        return self.d.world * self.cfg.grad_accum
+
+
+def train(cfg: TrainConfig, stop_at: int | None = None) -> dict[str, Any]:
+    """Train (or resume) the run described by `cfg`; return the final metrics.
+
+    `stop_at` ends the run after that step with a checkpoint, exactly as an interruption
+    would, while the schedule still spans the whole run (tests use it to prove resumption).
+    """
+    d, device = distributed.init(cfg.device, cfg.fsdp)
+    created_group = d.enabled
+    try:
+        run = setup(cfg, d, device)
+        return fit(run, stop_at)
+    finally:
+        if created_group:
+            distributed.shutdown(d)
+
+
+def _log(d: distributed.Dist, message: str) -> None:
+    if d.main:
+        print(f"eyas train: {message}", flush=True)
+
+
+# ---------------------------------------------------------------- setup
+
+
+def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device) -> Run:
+    out = Path(cfg.out)
+    ckpt.check_out_folder(out)
+    previous = ckpt.latest_checkpoint(out)
+    if previous is not None and not cfg.resume:
+        raise EyasError(f"{out} already holds a training run (at {previous.name}); pass --resume to continue it, "
+                        f"or choose another --out.")
+    source, folder = _open_source(cfg, device)
+    _check_layer_ids(source)
+    head = load_target_head(folder).to(device)
+    train_pos, eval_pos = split(source.sample_index, cfg.eval_fraction, cfg.seed)
+    if not train_pos:
+        raise EyasError("No training sample left after the held-out split; lower --eval-fraction or add data.")
+    if previous is not None:
+        draft, trainer = ckpt.read_checkpoint(previous)
+        where = f"The store {cfg.store}" if cfg.store else f"The target {cfg.model}"
+        ckpt.check_store_matches(draft, source.identity, source.layer_ids, source.hidden_size, where)
+        cfg.check_resumable(trainer["config"])
+        drafter = load_drafter(previous, head.embed_weight)
+        _log(d, f"resuming {out} from {previous.name}")
+    else:
+        draft, draft_ids = _new_draft_config(cfg, source, folder, train_pos, d)
+        torch.manual_seed(cfg.seed)
+        drafter = Eagle3Drafter(draft, head.embed_weight)
+        drafter.set_vocab(draft_ids)
+    model = distributed.wrap(TTTObjective(drafter).to(device), d, device)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
+                                  betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    stream = BatchStream(train_pos, source.lengths, cfg.batch_tokens, cfg.seed)
+    per_epoch = len(stream) / (d.world * cfg.grad_accum)
+    total = trainer["total_steps"] if previous is not None else cfg.steps or math.ceil((cfg.epochs or 1.0) * per_epoch)
+    run = Run(cfg=cfg, d=d, device=device, source=source, head=head, draft=draft, model=model, optimizer=optimizer,
+              train_stream=stream, eval_positions=eval_pos, total_steps=total)
+    if previous is not None:
+        run.step = run.resumed_from = trainer["step"]
+        ckpt.load_optimizer(model, optimizer, ckpt.read_optimizer(previous))
+    return run
+
+
+def _open_source(cfg: TrainConfig, device: torch.device):
+    """The sample source and the target's model folder (where its head weights are read)."""
+    from eyas.models import resolve_model
+
+    if cfg.online:
+        source = OnlineSource(cfg.model, cfg.data, cfg.layers, cfg.crop, device)
+        return source, resolve_model(cfg.model)
+    source = StoreSource(cfg.store, cfg.crop)
+    spec = cfg.model or source.identity.model
+    try:
+        folder = resolve_model(spec)
+    except EyasError as e:
+        raise EyasError(f"The store was captured from {spec!r}, which cannot be loaded here ({e}); pass --model.") from None
+    _check_identity(spec, folder, source)
+    return source, folder
+
+
+def _check_identity(spec: str, folder: str, source: StoreSource) -> None:
+    from transformers import AutoConfig
+
+    from eyas.models import load_tokenizer, model_identity
+
+    identity = model_identity(spec, AutoConfig.from_pretrained(folder), load_tokenizer(spec))
+    identity.check_same(source.identity, f"The store {source.store.path}")
+
+
+def _check_layer_ids(source) -> None:
+    ids, n = list(source.layer_ids), source.identity.num_layers
+    if len(ids) < 2 or ids[-1] != n or any(not 0 <= k < n for k in ids[:-1]):
+        raise EyasError(f"The store's layer ids {ids} do not fit the {n}-layer target: training needs aux ids in "
+                        f"0..{n - 1} followed by {n} (the last layer's output, the label source).")
+    if source.hidden_size != source.identity.hidden_size:
+        raise EyasError(f"The store's hidden size {source.hidden_size} differs from the target's "
+                        f"{source.identity.hidden_size}.")
+
+
+def _new_draft_config(cfg: TrainConfig, source, folder: str, train_pos: list[int], d: distributed.Dist):
+    from transformers import AutoConfig
+
+    counter = TokenCounter(source.identity.vocab_size).update(source.tokens(p) for p in train_pos)
+    size = cfg.draft_vocab or default_draft_vocab_size(source.identity.vocab_size)
+    draft_ids = build_draft_vocab(counter, size)
+    _log(d, f"draft vocabulary: {size} of {source.identity.vocab_size} tokens, covering "
+            f"{100 * coverage(counter, draft_ids):.2f}% of the trained tokens in the data")
+    draft = DraftConfig.for_target(AutoConfig.from_pretrained(folder), source.identity, source.layer_ids, size,
+                                   ttt_steps=cfg.ttt_steps, ttt_decay=cfg.ttt_decay)
+    return draft, draft_ids
+
+
+# ---------------------------------------------------------------- steps
+
+
+def lr_at(cfg: TrainConfig, step: int, total: int) -> float:
+    """Linear warm-up, then cosine decay to zero at the last step."""
+    warm = cfg.warmup if cfg.warmup >= 1 else cfg.warmup * total
+    if step < warm:
+        return cfg.lr * (step + 1) / (warm + 1)
+    progress = (step - warm) / max(total - warm, 1)
+    return cfg.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def _autocast(device: torch.device):
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _check_inputs(batch: Batch) -> None:
+    if not torch.isfinite(batch.hidden).all():
+        rows = (~torch.isfinite(batch.hidden)).flatten(1).any(-1).nonzero().flatten().tolist()
+        raise EyasError(f"Sample(s) {[batch.sample_index[r] for r in rows]} hold NaN/inf hidden states; "
+                        f"run `eyas inspect --verify` on the store and capture them again.")
+
+
+def forward(run: Run, batch: Batch, weights: torch.Tensor, wrapped: bool = True):
+    """One micro-batch: labels from the target head, then the TTT objective (through the
+    DDP/FSDP wrapper when `wrapped`, which training needs for its gradient hooks)."""
+    model = run.model if wrapped else run.objective
+    with _autocast(run.device):
+        labels = make_labels(run.head, batch.hidden[:, :, -1], batch.loss_mask, _draft_ids(run))
+        return model(batch.input_ids, batch.hidden[:, :, :-1], labels, weights)
+
+
+def _draft_ids(run: Run) -> torch.Tensor:
+    drafter = run.drafter
+    return torch.arange(len(drafter.d2t), device=drafter.d2t.device) + drafter.d2t
+
+
+def _weights(run: Run, positions: list[list[int]]) -> torch.Tensor:
+    """[K] decay^k x world / (trained pairs of step k over the whole global batch)."""
+    K = run.draft.ttt_steps
+    counts = torch.zeros(K)
+    for batch in positions:
+        for p in batch:
+            counts += step_counts(run.source.tokens(p)[1][None], K)
+    counts = distributed.all_reduce(counts.to(run.device), run.d)
+    decay = torch.tensor([run.draft.ttt_decay ** k for k in range(K)], device=run.device)
+    return torch.where(counts > 0, decay * run.d.world / counts.clamp_min(1), torch.zeros_like(decay))
+
+
+def accumulate(run: Run) -> tuple[torch.Tensor, list[int]]:
+    """Forward and backward over this process's micro-batches of the current step, leaving
+    the step's gradient in `.grad`; returns the statistics [K, 4] and the prepared indices
+    of any sample whose loss is not finite."""
+    micro = run.train_stream.for_step(run.step, run.group, run.d.rank, run.d.world)
+    weights = _weights(run, micro)
+    stats, bad = torch.zeros(run.draft.ttt_steps, 4, device=run.device), []
+    for i, positions in enumerate(micro):
+        batch = run.source.load(positions, run.device)
+        _check_inputs(batch)
+        with distributed.no_sync(run.model, last=i == len(micro) - 1):
+            loss, s, rows = forward(run, batch, weights)
+            loss.backward()
+        stats += s
+        bad += [batch.sample_index[r] for r in (~torch.isfinite(rows)).nonzero().flatten().tolist()]
+    return stats, bad
+
+
+def train_step(run: Run) -> torch.Tensor:
+    """One optimizer step; returns the summed statistics [K, 4] of its micro-batches."""
+    lr = lr_at(run.cfg, run.step, run.total_steps)
+    for g in run.optimizer.param_groups:
+        g["lr"] = lr
+    stats, bad = accumulate(run)
+    norm = torch.nn.utils.clip_grad_norm_([p for p in run.model.parameters() if p.requires_grad], run.cfg.clip)
+    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    if not torch.isfinite(norm):
+        where = f"sample(s) {bad}" if bad else "a sample on another process"
+        raise EyasError(f"The loss is not finite at step {run.step + 1} ({where}); stopping before the weights "
+                        f"are damaged. The last good checkpoint stays in {run.cfg.out}.")
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    return stats
+
+
+@torch.no_grad()
+def evaluate(run: Run, positions: list[int]) -> dict[str, Any] | None:
+    """Metrics over `positions` (split among the processes), with the current weights."""
+    if not positions:
+        return None
+    stream = BatchStream(positions, run.source.lengths, run.cfg.batch_tokens, run.cfg.seed)
+    K = run.draft.ttt_steps
+    stats = torch.zeros(K, 4, device=run.device)
+    weights = torch.zeros(K, device=run.device)
+    # FSDP gathers weights inside every forward, so each process runs the same number of them.
+    rounds = math.ceil(len(stream) / run.d.world)
+    for i in range(run.d.rank, rounds * run.d.world, run.d.world):
+        batch = run.source.load(stream.batches[min(i, len(stream) - 1)], run.device)
+        _check_inputs(batch)
+        s = forward(run, batch, weights, wrapped=run.cfg.fsdp)[1]
+        if i < len(stream):
+            stats += s
+    return summarize(distributed.all_reduce(stats, run.d))
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def save(run: Run) -> None:
+    """A resumable checkpoint (collective: every process takes part, the first one writes)."""
+    model_state, optim_state = ckpt.full_states(run.model, run.optimizer)
+    if run.d.main:
+        with torch.device("meta"):
+            cpu = Eagle3Drafter(run.draft)
+        cpu.load_state_dict({k.removeprefix("drafter."): v for k, v in model_state.items()}, assign=True)
+        trainer = {"config": run.cfg.to_dict(), "total_steps": run.total_steps}
+        ckpt.save_checkpoint(Path(run.cfg.out), run.step, cpu, optim_state, trainer, run.cfg.keep)
+    distributed.barrier(run.d)
+
+
+def _out_of_time(run: Run) -> bool:
+    if run.cfg.minutes is None:
+        return False
+    late = torch.tensor([float(time.monotonic() - run.started > 60 * run.cfg.minutes)], device=run.device)
+    return bool(distributed.all_reduce(late, run.d).item())
+
+
+def fit(run: Run, stop_at: int | None = None) -> dict[str, Any]:
+    cfg, d = run.cfg, run.d
+    log = MetricsLog(Path(cfg.out), run.resumed_from) if d.main else None
+    _log(d, f"{len(run.train_stream)} batches of <= {cfg.batch_tokens} tokens per epoch, {run.total_steps} steps, "
+            f"{d.world} process(es) on {run.device}" + (", FSDP" if cfg.fsdp else ""))
+    bar = tqdm(total=run.total_steps, initial=run.step, desc="train", unit="step", disable=not (cfg.progress and d.main))
+    window = torch.zeros(run.draft.ttt_steps, 4, device=run.device)
+    window_start, tokens, last = time.monotonic(), 0, {}
+    end = min(run.total_steps, stop_at or run.total_steps)
+    try:
+        while run.step < end:
+            tokens += sum(run.source.lengths[p] for b in run.train_stream.for_step(run.step, run.group, 0, 1) for p in b)
+            window += train_step(run)
+            bar.update(1)
+            if run.step % cfg.log_every == 0 or run.step == end:
+                last["train"] = summarize(distributed.all_reduce(window, d))
+                _write(log, run, "train", last["train"], bar, tokens / (time.monotonic() - window_start))
+                window.zero_()
+                window_start, tokens = time.monotonic(), 0
+            if run.step % cfg.eval_every == 0 and run.step < end and (m := evaluate(run, run.eval_positions)):
+                last["eval"] = m
+                _write(log, run, "eval", m, bar, None)
+            if run.step % cfg.save_every == 0 and run.step < end:
+                save(run)
+            if _out_of_time(run):
+                _log(d, f"--minutes {cfg.minutes} reached at step {run.step}; run the same command with --resume to go on.")
+                break
+    finally:
+        bar.close()
+    if (m := evaluate(run, run.eval_positions)) is not None:
+        last["eval"] = m
+        _write(log, run, "eval", m, None, None)
+    save(run)
+    if log is not None:
+        log.close()
+    if last:
+        _log(d, f"step {run.step}/{run.total_steps}; drafter in {cfg.out}\n" + format_table(last))
+    return {"step": run.step, **last}
+
+
+def _write(log: MetricsLog | None, run: Run, split_name: str, m: dict[str, Any], bar,
+           tokens_per_s: float | None) -> None:
+    if log is None:
+        return
+    row = {"step": run.step, "split": split_name, **m}
+    if split_name == "train":
+        row["lr"] = lr_at(run.cfg, run.step - 1, run.total_steps)
+        row["tokens_per_s"] = round(tokens_per_s, 1)
+    log.write(row)
+    if bar is not None and split_name == "train":
+        bar.set_postfix(loss=f"{m['loss']:.3f}", acc0=f"{m['acc_per_step'][0]:.3f}", tau=f"{m['tau_sim']:.2f}")

@@ -1,0 +1,80 @@
+"""Per-step training metrics: summed statistics turned into loss, accuracy and the simulated
+acceptance length, written as JSONL (and to TensorBoard when it is installed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas.train.objective import CORRECT, COUNT, IN_VOCAB, LOSS, simulated_acceptance
+
+METRICS_FILE = "metrics.jsonl"
+TAU_DEFINITION = "tau_sim = 1 + sum_k prod_{j<=k} acc_j (acceptance length if step k is accepted with prob. acc_k)"
+
+
+def summarize(stats: torch.Tensor) -> dict[str, Any]:
+    """stats [K, 4] summed over positions (and processes) -> per-step loss/accuracy, tau_sim."""
+    s = stats.double().cpu()
+    count = s[:, COUNT].clamp_min(1)
+    loss = (s[:, LOSS] / count).tolist()
+    acc = (s[:, CORRECT] / count).tolist()
+    return {
+        "loss": sum(loss) / len(loss),
+        "loss_per_step": [round(x, 5) for x in loss],
+        "acc_per_step": [round(x, 5) for x in acc],
+        "tau_sim": round(simulated_acceptance(acc), 4),
+        "vocab_coverage": round(float(s[0, IN_VOCAB] / count[0]), 5),
+        "positions": int(s[0, COUNT]),
+    }
+
+
+class MetricsLog:
+    """Appends one JSON row per logged step to `out/metrics.jsonl`; on resume, rows written
+    after the checkpoint being resumed (by the interrupted run) are dropped first."""
+
+    def __init__(self, out: Path, resume_step: int | None):
+        out.mkdir(parents=True, exist_ok=True)
+        self.path = out / METRICS_FILE
+        if resume_step is None:
+            self.path.unlink(missing_ok=True)
+        elif self.path.is_file():
+            rows = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            self.path.write_text("".join(r + "\n" for r in rows))
+        self.tb = _tensorboard(out)
+
+    def write(self, row: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            prefix = row["split"]
+            for key, value in row.items():
+                if isinstance(value, (int, float)) and key != "step":
+                    self.tb.add_scalar(f"{prefix}/{key}", value, row["step"])
+            for k, a in enumerate(row.get("acc_per_step", [])):
+                self.tb.add_scalar(f"{prefix}/acc_step{k}", a, row["step"])
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _tensorboard(out: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:  # tensorboard is optional
+        return None
+    return SummaryWriter(str(out / "tensorboard"))
+
+
+def format_table(rows: dict[str, dict[str, Any]]) -> str:
+    """Per-step accuracies of each split, one line per split, plus tau_sim and its definition."""
+    steps = max(len(r["acc_per_step"]) for r in rows.values())
+    lines = [f"{'':8}" + "".join(f"{'step ' + str(k):>9}" for k in range(steps)) + f"{'tau_sim':>10}{'loss':>9}"]
+    for split, r in rows.items():
+        lines.append(f"{split + ' acc':8}" + "".join(f"{a:9.3f}" for a in r["acc_per_step"])
+                     + f"{r['tau_sim']:10.3f}{r['loss']:9.3f}")
+    lines.append(f"acc = top-1 agreement with the target's greedy token on trained positions; {TAU_DEFINITION}")
+    return "\n".join(lines)

@@ -1,0 +1,110 @@
+"""The training-time-test objective: labels from the target, the drafter unrolled over
+`ttt_steps` steps, soft cross-entropy weighted decay^k, and per-step metric sums.
+
+Alignment (position i of a sample, step k = 0..K-1): the drafter reads token i+1+k and
+predicts the target's next-token distribution at position j = i+1+k, i.e. the target's
+guess for token j+1. The pair counts ("is trained") iff token j+1 exists and is an
+assistant token. Labels are the target's softmax restricted to the draft vocabulary;
+positions whose target argmax lies outside it add no loss but count as misses, so the
+reported accuracy is the share of trained positions where the drafter's top-1 token
+equals the target's (greedy) token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from eyas.draft.model import Eagle3Drafter
+from eyas.train.target_head import TargetHead
+
+# Columns of the per-step statistics: summed over trained positions.
+LOSS, CORRECT, COUNT, IN_VOCAB = range(4)
+
+
+@dataclass
+class Labels:
+    probs: torch.Tensor  # [B, T, Vd] the target's distribution over the draft vocab, at each position j
+    target_draft: torch.Tensor  # [B, T] long: draft id of the target's argmax at j, -1 if outside
+    trained: torch.Tensor  # [B, T] bool: position j is trained (token j+1 is an assistant token)
+
+
+def trained_positions(loss_mask: torch.Tensor) -> torch.Tensor:
+    """loss_mask [B, T] (assistant tokens) -> [B, T]: positions whose next token is trained."""
+    trained = torch.zeros_like(loss_mask)
+    trained[:, :-1] = loss_mask[:, 1:]
+    return trained
+
+
+def step_counts(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """[steps] float: trained pairs at each TTT step; known before any forward, so processes
+    can agree on the loss normaliser first."""
+    trained = trained_positions(loss_mask)
+    return torch.stack([trained[:, 1 + k :].sum() for k in range(steps)]).float()
+
+
+@torch.no_grad()
+def make_labels(head: TargetHead, last_hidden: torch.Tensor, loss_mask: torch.Tensor,
+                draft_ids: torch.Tensor) -> Labels:
+    """last_hidden [B, T, H] (id N), loss_mask [B, T] bool, draft_ids [Vd] (target ids)."""
+    B, T, _ = last_hidden.shape
+    target_to_draft = torch.full((head.lm_head_weight.shape[0],), -1, dtype=torch.long, device=last_hidden.device)
+    target_to_draft[draft_ids] = torch.arange(len(draft_ids), device=last_hidden.device)
+    probs, target_draft = [], []
+    for b in range(B):  # one row at a time bounds the [T, V] logits
+        logits = head.logits(last_hidden[b]).float()  # [T, V]
+        target_draft.append(target_to_draft[logits.argmax(-1)])
+        probs.append(logits[:, draft_ids].softmax(-1))
+    return Labels(torch.stack(probs), torch.stack(target_draft), trained_positions(loss_mask))
+
+
+class TTTObjective(nn.Module):
+    """Wraps the drafter so that DDP/FSDP see one forward per micro-batch."""
+
+    def __init__(self, drafter: Eagle3Drafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, labels: Labels,
+                weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """input_ids [B, T], aux_hidden [B, T, L_aux, H], weights [K] (decay^k / normaliser_k).
+
+        Returns the loss (sum_k weights[k] * summed soft CE of step k), per-step statistics
+        [K, 4] (loss sum, correct, trained, target argmax in draft vocab) and the per-row
+        loss [B] (to name a sample whose loss is not finite).
+        """
+        K = len(weights)
+        T = input_ids.shape[1]
+        all_logits = self.drafter.forward_ttt(input_ids, aux_hidden, K)
+        loss = aux_hidden.new_zeros((), dtype=torch.float32)
+        row_loss = aux_hidden.new_zeros(input_ids.shape[0], dtype=torch.float32)
+        stats = []
+        for k, logits in enumerate(all_logits):
+            n = T - 1 - k  # positions i whose label position j = i+1+k exists
+            if n <= 0:
+                stats.append(loss.new_zeros(4))
+                continue
+            logp = logits[:, :n].float().log_softmax(-1)  # [B, n, Vd]
+            probs, target = labels.probs[:, 1 + k :], labels.target_draft[:, 1 + k :]  # [B, n, ...]
+            trained = labels.trained[:, 1 + k :]
+            in_vocab = trained & (target >= 0)
+            ce = -(probs * logp).sum(-1) * in_vocab  # [B, n]
+            rows = ce.sum(-1)  # [B]
+            loss = loss + weights[k] * rows.sum()
+            row_loss = row_loss + rows.detach()
+            with torch.no_grad():
+                correct = (logp.argmax(-1) == target) & in_vocab
+                stats.append(torch.stack([rows.sum().detach(), correct.sum(), trained.sum(), in_vocab.sum()]).float())
+        return loss, torch.stack(stats), row_loss
+
+
+def simulated_acceptance(acc: list[float]) -> float:
+    """tau_sim = 1 + sum_k prod_{j<=k} acc_j: the acceptance length of a chain draft whose
+    step-k token is accepted with probability acc_k given the earlier ones were."""
+    tau, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        tau += run
+    return tau

@@ -1,0 +1,241 @@
+"""`eyas train` on real SmolLM2 hidden states (and a tiny random Llama where only plumbing
+is tested): overfitting, checkpoints, resumption, DDP equivalence, online = offline, and
+clear errors for bad stores and diverging runs.
+
+Run as a script (`python tests/test_train.py ...`, or under torchrun) it computes the first
+step's loss and gradients and saves them: the DDP test compares 2 processes to 1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from eyas.draft import load_drafter
+from eyas.errors import EyasError
+from eyas.store import Store, StoreWriter
+from eyas.train import TrainConfig, train
+
+# Small settings shared by the SmolLM2 runs: 2 TTT steps and an 8192-token draft vocab (which
+# holds the target's greedy token at ~96% of the tiny store's positions) keep a step near a
+# second on two CPU cores; no held-out split unless a test asks for one.
+FAST = dict(ttt_steps=2, draft_vocab=8192, eval_fraction=0.0, batch_tokens=512, progress=False, log_every=1)
+
+
+def derive_store(src: Path, out: Path, n: int, length: int, dtype: str = "fp32", edit=None, from_answer=False,
+                 **header) -> Path:
+    """A store of the first `n` samples of `src` cut to `length` tokens (from the start, or
+    from just before the first assistant token); `edit(pos, hidden)` may change a sample's
+    states and `header` overrides manifest fields."""
+    store = Store(src)
+    base = {k: store.manifest[k] for k in ("target", "layer_ids", "dtype", "hidden_size", "prepared")}
+    writer = StoreWriter(out, {**base, "dtype": dtype, **header})
+    for pos in range(n):
+        s = store.sample(pos)
+        a = max(int(s["loss_mask"].nonzero()[0]) - 2, 0) if from_answer else 0
+        hidden = s["hidden"][a : a + length].clone()
+        if edit is not None:
+            edit(pos, hidden)
+        writer.add(int(s["index"]), s["input_ids"][a : a + length], s["loss_mask"][a : a + length], hidden)
+    writer.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_store(smollm2_store, tmp_path_factory) -> Path:
+    """4 real SmolLM2 answers of 64 tokens (nearly all trained): small enough to overfit fast."""
+    return derive_store(smollm2_store, tmp_path_factory.mktemp("train") / "tiny", n=4, length=64, from_answer=True)
+
+
+@pytest.fixture(scope="module")
+def two_batch_store(smollm2_store, tmp_path_factory) -> Path:
+    """8 samples of 48 tokens: several 128-token batches per step for the DDP and resume tests."""
+    return derive_store(smollm2_store, tmp_path_factory.mktemp("train") / "eight", n=8, length=48)
+
+
+def rows(out: Path, split: str = "train") -> list[dict]:
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["split"] == split]
+
+
+def test_drafter_overfits_a_small_smollm2_store(tiny_store, tmp_path):
+    """Step-0 accuracy against the target's greedy token on the training samples > 0.9,
+    and the loss falls: each mean over 5 consecutive steps is below the previous one."""
+    out = tmp_path / "drafter"
+    result = train(TrainConfig(out=str(out), store=str(tiny_store), steps=40, lr=3e-3, warmup=4, **FAST))
+    log = rows(out)
+    assert [r["step"] for r in log] == list(range(1, 41))
+    assert result["train"]["acc_per_step"][0] > 0.9, result["train"]
+    assert log[0]["acc_per_step"][0] < 0.2  # it learned this, it did not start there
+    means = [sum(r["loss"] for r in log[i : i + 5]) / 5 for i in range(0, 40, 5)]
+    assert all(b < a for a, b in zip(means, means[1:])), means
+    assert result["train"]["tau_sim"] > 2.5
+    # The folder is a complete drafter: the newest checkpoint, copied to the top level.
+    assert (out / "checkpoints" / "step-0000040" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+
+
+def test_checkpoint_reloads_to_identical_logits(tiny_store, tmp_path):
+    from eyas.train import distributed
+    from eyas.train.loop import save, setup, train_step
+
+    cfg = TrainConfig(out=str(tmp_path / "d"), store=str(tiny_store), steps=3, **FAST)
+    d, device = distributed.init("cpu", False)
+    run = setup(cfg, d, device)
+    train_step(run)
+    train_step(run)
+    save(run)
+    reloaded = load_drafter(tmp_path / "d", run.head.embed_weight)
+    sample = run.source.store.sample(0)
+    ids, aux = sample["input_ids"][None], sample["hidden"][None, :, :-1]
+    with torch.no_grad():
+        for a, b in zip(run.drafter.forward_ttt(ids, aux), reloaded.forward_ttt(ids, aux)):
+            assert torch.equal(a, b)
+    assert torch.equal(reloaded.d2t, run.drafter.d2t) and torch.equal(reloaded.t2d, run.drafter.t2d)
+    assert reloaded.config.layer_ids == (2, 15, 27, 30) and reloaded.config.ttt_steps == 2
+
+
+def test_interrupted_and_resumed_run_reaches_the_same_weights(two_batch_store, tmp_path):
+    """Same seed, 6 steps straight vs. 3 steps, a stop, and --resume: identical weights
+    (tolerance 1e-6: both runs do the same float32 operations in the same order)."""
+    common = dict(store=str(two_batch_store), steps=6, batch_tokens=128, save_every=2, **{
+        k: v for k, v in FAST.items() if k != "batch_tokens"})
+    train(TrainConfig(out=str(tmp_path / "straight"), **common))
+    train(TrainConfig(out=str(tmp_path / "resumed"), **common), stop_at=3)
+    assert (tmp_path / "resumed" / "checkpoints" / "latest").read_text().strip() == "step-0000003"
+    with pytest.raises(EyasError, match="--resume"):
+        train(TrainConfig(out=str(tmp_path / "resumed"), **common))
+    with pytest.raises(EyasError, match="lr"):
+        train(TrainConfig(out=str(tmp_path / "resumed"), resume=True, **{**common, "lr": 1e-3}))
+    train(TrainConfig(out=str(tmp_path / "resumed"), resume=True, **common))
+    a, b = load_file(tmp_path / "straight" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-6, rtol=0)
+    assert [r["step"] for r in rows(tmp_path / "resumed")] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in rows(tmp_path / "resumed")] == pytest.approx([r["loss"] for r in rows(tmp_path / "straight")])
+
+
+def test_resume_refuses_a_store_that_disagrees_with_the_checkpoint(tiny_store, smollm2_store, tmp_path):
+    out = tmp_path / "d"
+    train(TrainConfig(out=str(out), store=str(tiny_store), steps=1, **FAST))
+    other_ids = derive_store(smollm2_store, tmp_path / "ids", n=2, length=32, layer_ids=[3, 15, 27, 30])
+    with pytest.raises(EyasError, match=r"layer ids \[3, 15, 27, 30\].*\[2, 15, 27, 30\]"):
+        train(TrainConfig(out=str(out), store=str(other_ids), resume=True, steps=1, **FAST))
+
+
+def test_bad_stores_get_clear_errors(smollm2_store, tmp_path):
+    target = Store(smollm2_store).manifest["target"]
+
+    def fails(store: Path, pattern: str):
+        with pytest.raises(EyasError, match=pattern):
+            train(TrainConfig(out=str(tmp_path / f"out-{store.name}"), store=str(store), steps=1, **FAST))
+
+    fails(derive_store(smollm2_store, tmp_path / "other-model", 1, 16, target={**target, "config_hash": "0" * 16}),
+          "made for model")
+    fails(derive_store(smollm2_store, tmp_path / "other-tokenizer", 1, 16, target={**target, "tokenizer_hash": "0" * 16}),
+          "different tokenizer")
+    fails(derive_store(smollm2_store, tmp_path / "no-label-layer", 1, 16, layer_ids=[2, 15, 27, 29]),
+          r"layer ids \[2, 15, 27, 29\] do not fit the 30-layer target")
+    empty = tmp_path / "empty"
+    StoreWriter(empty, {k: Store(smollm2_store).manifest[k] for k in ("target", "layer_ids", "dtype", "hidden_size",
+                                                                      "prepared")}).close()
+    fails(empty, "holds no samples")
+
+    def overflow(pos, hidden):  # finite in float32, inf once stored as fp16
+        if pos == 1:
+            hidden[5, 0, 7] = 1e6
+
+    fails(derive_store(smollm2_store, tmp_path / "inf", 2, 16, dtype="fp16", edit=overflow, from_answer=True),
+          rf"Sample\(s\) \[{int(Store(smollm2_store).sample(1)['index'])}\] hold NaN/inf")
+    fails(derive_store(smollm2_store, tmp_path / "prompts-only", 2, 8), "no trained \\(assistant\\) token")
+    with pytest.raises(EyasError, match="--online needs --model and --data"):
+        TrainConfig(out="x", online=True)
+
+
+def test_a_diverging_run_stops_at_the_bad_step_without_saving_it(tiny_store, tmp_path):
+    """lr 1e30 makes the attention scores overflow at step 2: training stops naming the step
+    and samples; the newest checkpoint stays the finite one of step 1."""
+    out = tmp_path / "d"
+    with pytest.raises(EyasError, match=r"not finite at step 2 \(sample\(s\) \[\d+"):
+        train(TrainConfig(out=str(out), store=str(tiny_store), steps=5, lr=1e30, warmup=0, save_every=1, **FAST))
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-0000001"
+    assert all(torch.isfinite(t.float()).all() for t in load_file(out / "model.safetensors").values())
+
+
+def _first_step(argv: list[str]) -> None:
+    """Script mode: one step's loss and gradients (after DDP's all-reduce) -> a file."""
+    from eyas.train import distributed
+    from eyas.train.loop import accumulate, setup
+    from eyas.train.metrics import summarize
+
+    store, out, dump, accum = argv
+    cfg = TrainConfig(out=out, store=store, steps=1, batch_tokens=128, grad_accum=int(accum),
+                      **{k: v for k, v in FAST.items() if k != "batch_tokens"})
+    d, device = distributed.init("cpu", False)
+    run = setup(cfg, d, device)
+    stats, _ = accumulate(run)
+    if d.main:
+        grads = {n: p.grad.clone() for n, p in run.objective.named_parameters() if p.requires_grad}
+        torch.save({"summary": summarize(distributed.all_reduce(stats, d)), "grads": grads}, dump)
+    else:
+        distributed.all_reduce(stats, d)
+    distributed.shutdown(d)
+
+
+def test_two_process_ddp_equals_one_process_over_the_same_global_batch(two_batch_store, tmp_path):
+    """2 gloo processes x 1 micro-batch vs. 1 process x 2 accumulated micro-batches: the same
+    first-step loss (1e-6) and gradients (rtol 1e-5, float32 sums in another order)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    me = str(Path(__file__).resolve())
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", me,
+                    str(two_batch_store), str(tmp_path / "ddp"), str(tmp_path / "ddp.pt"), "1"], check=True, env=env)
+    subprocess.run([sys.executable, me, str(two_batch_store), str(tmp_path / "one"), str(tmp_path / "one.pt"), "2"],
+                   check=True, env=env)
+    ddp, one = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "one.pt")
+    assert ddp["summary"]["positions"] == one["summary"]["positions"] > 0
+    assert ddp["summary"]["loss_per_step"] == pytest.approx(one["summary"]["loss_per_step"], abs=1e-6)
+    assert ddp["grads"].keys() == one["grads"].keys()
+    for name in one["grads"]:
+        torch.testing.assert_close(ddp["grads"][name], one["grads"][name], rtol=1e-5, atol=1e-8)
+
+
+def test_torchrun_cli_trains_and_checkpoints_once(two_batch_store, tmp_path):
+    out = tmp_path / "d"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas", "train",
+           "--store", str(two_batch_store), "--out", str(out), "--steps", "2", "--batch-tokens", "128",
+           "--ttt-steps", "2", "--draft-vocab", "4096", "--eval-fraction", "0.25", "--log-every", "1", "--no-progress"]
+    result = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 process(es) on cpu" in result.stdout and result.stdout.count("draft vocabulary:") == 1
+    assert "eval acc" in result.stdout and "tau_sim" in result.stdout
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-0000002"
+    assert [r["step"] for r in rows(out)] == [1, 2] and rows(out, "eval")
+
+
+def test_online_training_equals_offline_on_the_same_states(tiny_llama_dir, tmp_path):
+    """--online captures with the target beside the drafter; on the same prepared data it
+    takes exactly the steps offline training takes from a store of the same states."""
+    from eyas.capture.run import capture
+    from eyas.data.prepare import prepare
+
+    model = str(tiny_llama_dir)
+    prepare(model, "packaged:chitchat", tmp_path / "prep", max_len=64, limit=8, progress=False)
+    capture(model, tmp_path / "prep", tmp_path / "store", dtype="fp32", progress=False)
+    common = dict(steps=3, batch_tokens=128, ttt_steps=3, eval_fraction=0.25, progress=False, lr=1e-3)
+    offline = train(TrainConfig(out=str(tmp_path / "off"), store=str(tmp_path / "store"), **common))
+    online = train(TrainConfig(out=str(tmp_path / "on"), online=True, model=model, data=str(tmp_path / "prep"), **common))
+    assert online["eval"]["loss_per_step"] == pytest.approx(offline["eval"]["loss_per_step"], rel=1e-5)
+    a, b = load_file(tmp_path / "off" / "model.safetensors"), load_file(tmp_path / "on" / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=1e-4)
+    assert not list((tmp_path / "on").glob("**/shard-*"))
+
+
+if __name__ == "__main__":
+    _first_step(sys.argv[1:])

@@ -1,0 +1,182 @@
+"""The training-time-test objective against a plain step-by-step reference.
+
+The reference below recomputes every (step k, position i) pair on its own: its query, the
+keys it may see (step-0 keys at positions <= i and the position-i key of each step 1..k),
+its softmax, its MLP, its logits and its soft cross-entropy, with loops instead of masks.
+Both run in float32; they agree to 1e-5 (logits, loss) and 1e-4 relative (gradients).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eyas.draft import DraftConfig, Eagle3Drafter, ttt_attention
+from eyas.train.objective import TTTObjective, make_labels, step_counts, trained_positions
+from eyas.train.target_head import TargetHead
+
+V, H, VD, K = 97, 32, 41, 4
+
+
+def tiny_config(**overrides) -> DraftConfig:
+    target = {"model": "tiny", "config_hash": "c", "tokenizer_hash": "t", "num_layers": 6, "hidden_size": H,
+              "vocab_size": V}
+    kwargs = dict(hidden_size=H, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                  vocab_size=V, draft_vocab_size=VD, aux_layer_ids=(1, 3, 4), label_layer_id=6, target=target,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, ttt_steps=K)
+    kwargs.update(overrides)
+    return DraftConfig(**kwargs)
+
+
+@pytest.fixture
+def setup():
+    torch.manual_seed(0)
+    cfg = tiny_config()
+    drafter = Eagle3Drafter(cfg, torch.randn(V, H))
+    for p in drafter.parameters():  # larger than the default init, so every term matters
+        if p.requires_grad:
+            p.data.normal_(0, 0.3)
+    draft_ids = torch.randperm(V)[:VD].sort().values
+    drafter.set_vocab(draft_ids)
+    head = TargetHead(torch.randn(V, H), torch.nn.RMSNorm(H, eps=1e-5), torch.randn(V, H) * 0.5)
+    B, T = 3, 11
+    input_ids = torch.randint(0, V, (B, T))
+    hidden = torch.randn(B, T, 4, H)  # three aux states and id N
+    loss_mask = torch.rand(B, T) < 0.7
+    loss_mask[2, 8:] = False  # row 2 is padding after 8 tokens
+    input_ids[2, 8:] = 0
+    return drafter, head, draft_ids, input_ids, hidden, loss_mask
+
+
+def rope(x: torch.Tensor, pos: int, theta: float = 10000.0) -> torch.Tensor:
+    """x [n, d] at position `pos`, rotate-half convention."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    angle = torch.cat([pos * inv, pos * inv])
+    rotated = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], dim=-1)
+    return x * angle.cos() + rotated * angle.sin()
+
+
+def reference_ttt(m: Eagle3Drafter, input_ids, hidden, labels, decay: float):
+    """Logits [K][B, T, Vd] (valid pairs only, others zero) and the loss, one pair at a time."""
+    a = m.midlayer.self_attn
+    nH, nKV, d = a.n_heads, a.n_kv, a.head_dim
+    B, T = input_ids.shape
+    logits = [torch.zeros(B, T, VD) for _ in range(K)]
+    loss = torch.zeros(())
+    for b in range(B):
+        h_prev = [m.fc(hidden[b, i, :3].reshape(-1)) for i in range(T)]  # step 0's hidden input
+        keys, values = {}, {}  # (step, position) -> [nKV, d]
+        for k in range(K):
+            n = T - 1 - k
+            queries, residuals = {}, {}
+            for i in range(n):
+                e = m.embed_tokens.weight[input_ids[b, i + 1 + k]]
+                x = torch.cat([m.midlayer.input_layernorm(e), m.midlayer.hidden_norm(h_prev[i])])
+                residuals[i] = h_prev[i]
+                queries[i] = rope((x @ a.q_proj.weight.T).view(nH, d), i + k)
+                keys[k, i] = rope((x @ a.k_proj.weight.T).view(nKV, d), i + k)
+                values[k, i] = (x @ a.v_proj.weight.T).view(nKV, d)
+            h_next = {}
+            for i in range(n):
+                seen = [(0, p) for p in range(i + 1)] + [(j, i) for j in range(1, k + 1)]
+                heads = []
+                for h in range(nH):
+                    g = h // (nH // nKV)
+                    scores = torch.stack([queries[i][h] @ keys[s][g] for s in seen]) / math.sqrt(d)
+                    w = scores.softmax(0)
+                    heads.append(sum(w[t] * values[s][g] for t, s in enumerate(seen)))
+                out = a.o_proj(torch.cat(heads)) + residuals[i]
+                z = m.midlayer.post_attention_layernorm(out)
+                mlp = m.midlayer.mlp
+                out = out + mlp.down_proj(F.silu(mlp.gate_proj(z)) * mlp.up_proj(z))
+                h_next[i] = out
+                logits[k][b, i] = m.lm_head(m.norm(out))
+            h_prev = h_next
+    for k in range(K):
+        total, count = torch.zeros(()), 0
+        for b in range(B):
+            for i in range(T - 1 - k):
+                j = i + 1 + k
+                if labels.trained[b, j]:
+                    count += 1
+                    if labels.target_draft[b, j] >= 0:
+                        total = total - (labels.probs[b, j] * logits[k][b, i].log_softmax(-1)).sum()
+        if count:
+            loss = loss + decay ** k * total / count
+    return logits, loss
+
+
+def test_objective_matches_reference_forward_and_gradients(setup):
+    drafter, head, draft_ids, input_ids, hidden, loss_mask = setup
+    labels = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids)
+    decay = 0.8
+    counts = step_counts(loss_mask, K)
+    weights = torch.tensor([decay ** k for k in range(K)]) / counts
+
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    loss, stats, _ = TTTObjective(drafter)(input_ids, hidden[:, :, :3], labels, weights)
+    grads = torch.autograd.grad(loss, params)
+    fast_logits = drafter.forward_ttt(input_ids, hidden[:, :, :3], K)
+
+    ref_logits, ref_loss = reference_ttt(drafter, input_ids, hidden, labels, decay)
+    ref_grads = torch.autograd.grad(ref_loss, params)
+
+    T = input_ids.shape[1]
+    for k in range(K):
+        torch.testing.assert_close(fast_logits[k][:, : T - 1 - k], ref_logits[k][:, : T - 1 - k], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-4)
+    assert stats[:, 2].tolist() == counts.tolist()
+    assert loss.item() > 0 and all(g.abs().sum() > 0 for g in grads)
+
+
+def test_padding_rows_do_not_change_real_rows(setup):
+    """A sample padded inside a batch gets the same loss as on its own: padded keys are
+    never visible to real queries (causal + same-position only)."""
+    drafter, head, draft_ids, input_ids, hidden, loss_mask = setup
+    weights = torch.ones(K)
+    labels = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids)
+    _, batched, rows = TTTObjective(drafter)(input_ids, hidden[:, :, :3], labels, weights)
+    one = make_labels(head, hidden[2:, :8, -1], loss_mask[2:, :8], draft_ids)
+    _, alone, row_alone = TTTObjective(drafter)(input_ids[2:, :8], hidden[2:, :8, :3], one, weights)
+    torch.testing.assert_close(rows[2], row_alone[0], atol=1e-5, rtol=1e-5)
+    garbage = hidden.clone()
+    garbage[2, 8:] = 1e3  # what sits in padded positions must not matter
+    labels_g = make_labels(head, garbage[:, :, -1], loss_mask, draft_ids)
+    _, _, rows_g = TTTObjective(drafter)(input_ids, garbage[:, :, :3], labels_g, weights)
+    torch.testing.assert_close(rows_g, rows, atol=1e-5, rtol=1e-5)
+    assert alone[:, 2].sum() <= batched[:, 2].sum()
+
+
+def test_ttt_attention_matches_plain_softmax():
+    torch.manual_seed(1)
+    B, nH, T, d, steps = 2, 3, 7, 5, 3
+    q, k0, v0 = (torch.randn(B, nH, T, d) for _ in range(3))
+    extra = [(torch.randn(B, nH, T, d), torch.randn(B, nH, T, d)) for _ in range(steps)]
+    out = ttt_attention(q, k0, v0, extra)
+    for b in range(B):
+        for h in range(nH):
+            for i in range(T):
+                ks = [k0[b, h, p] for p in range(i + 1)] + [kj[b, h, i] for kj, _ in extra]
+                vs = [v0[b, h, p] for p in range(i + 1)] + [vj[b, h, i] for _, vj in extra]
+                w = (torch.stack(ks) @ q[b, h, i] / math.sqrt(d)).softmax(0)
+                torch.testing.assert_close(out[b, h, i], (w[:, None] * torch.stack(vs)).sum(0), atol=1e-6, rtol=1e-5)
+
+
+def test_labels_are_the_target_distribution_restricted_to_the_draft_vocab(setup):
+    _, head, draft_ids, _, hidden, loss_mask = setup
+    labels = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids)
+    logits = head.norm(hidden[:, :, -1]) @ head.lm_head_weight.T  # [B, T, V]
+    torch.testing.assert_close(labels.probs, logits[..., draft_ids].softmax(-1))
+    argmax = logits.argmax(-1)
+    inside = torch.isin(argmax, draft_ids)
+    assert inside.any() and (~inside).any()  # both cases occur in this draw
+    assert (labels.target_draft[inside] >= 0).all() and (labels.target_draft[~inside] == -1).all()
+    assert torch.equal(draft_ids[labels.target_draft[inside]], argmax[inside])
+    assert torch.equal(trained_positions(loss_mask)[:, :-1], loss_mask[:, 1:])
+    assert not trained_positions(loss_mask)[:, -1].any()
