@@ -31,7 +31,7 @@ def export_drafter(ckpt: str | Path, to: str, out: str | Path, *, target: str | 
     serving = serving_info(cfg, target, num_speculative_tokens)
     tensors = export_tensors(cfg, state, layout, dtype)
     config = layout.config(cfg, serving)
-    prepare_out(out, force)
+    prepare_out(out, force, Path(ckpt))
     size = write_folder(out, config, tensors)
     return {
         "format": layout.name, "out": str(out), "tensors": len(tensors), "bytes": size,

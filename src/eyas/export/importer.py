@@ -74,7 +74,7 @@ def import_drafter(src: str | Path, out: str | Path, *, target: str | None = Non
         check_embeddings(embed, target or foreign.verifier or cfg.identity.model, src)
     state.update(vocab_tables(state, cfg, src))
     model = build_drafter(cfg, state, str(src))
-    prepare_out(out, force)
+    prepare_out(out, force, src)
     save_drafter(model, out)
     return {
         "layout": foreign.layout, "out": str(out), "target": cfg.identity.model,

@@ -67,8 +67,10 @@ def build_drafter(cfg: DraftConfig, state: dict[str, torch.Tensor], what: str) -
     return model
 
 
-def prepare_out(out: Path, force: bool) -> None:
+def prepare_out(out: Path, force: bool, source: Path) -> None:
     """Refuse to mix a new drafter into a folder holding other files, unless told to replace it."""
+    if out.resolve() == source.resolve():
+        raise EyasError(f"--out {out} is the folder being read; write to another folder.")
     if out.exists() and not out.is_dir():
         raise EyasError(f"{out} exists and is not a folder.")
     if out.is_dir() and any(out.iterdir()):
