@@ -108,13 +108,13 @@ def run_prompt(target: TargetSession, tokenizer, proposer: Proposer, prompt: Eva
 
 def run_methods(target: TargetSession, tokenizer, proposers: list[Proposer], prompts: list[EvalPrompt],
                 max_new_tokens: int, eos: set[int], temperature: float = 0.0, seed: int = 0,
-                progress: bool = True) -> list[dict]:
+                progress: bool = True, warmup: bool = True) -> list[dict]:
     """Every method on every prompt, interleaved per prompt so load changes hit all alike;
-    one short untimed warm-up per method first."""
+    first (with `warmup`) one short untimed generation per method."""
     def generator(k: int) -> torch.Generator | None:
         return torch.Generator(device=target.device).manual_seed(seed + k) if temperature > 0 else None
 
-    for p in proposers:
+    for p in proposers if warmup else []:
         generate(target, p, render(tokenizer, [{"role": "user", "content": prompts[0].turns[0]}]),
                  min(8, max_new_tokens), eos, temperature, generator(-1))
     records = []
