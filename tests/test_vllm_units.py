@@ -191,3 +191,20 @@ def test_endpoint_failures_are_retried_then_reported_never_written(tmp_path, tin
     assert server.completions >= 2  # each failing sample was sent twice
     assert len(Store(out)) == 0
     assert not list(spool.glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the GPU copy path needs a GPU"))])
+def test_connector_reads_a_prompts_rows_from_its_blocks(device):
+    """The rows of a prompt whose 10 tokens sit in blocks 4, 1, 3 (block size 4) of the
+    hidden-state cache, in vLLM's cache-only layout [blocks, L, block_size, H]."""
+    from eyas.capture.vllm.rows import copy_rows
+
+    cache = torch.randn(6, 3, 4, 5, device=device)
+    rows, event = copy_rows(cache, [4, 1, 3], 10)
+    if event is not None:
+        event.synchronize()
+    expected = torch.cat([cache[b].transpose(0, 1) for b in (4, 1, 3)])[:10].cpu()  # [T, L, H]
+    assert rows.device.type == "cpu" and rows.shape == (10, 3, 5)
+    assert torch.equal(rows, expected)
+    assert (event is None) == (device == "cpu")

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from eyas.capture.vllm.rows import copy_rows
 from eyas.capture.vllm.spool import KEY, spool_file, write_error, write_hidden
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -147,11 +148,12 @@ class EyasHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Copy out the rows of newly finished prompts; report those whose copy is complete."""
-        if self._writes_here and self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            if isinstance(meta, EyasConnectorMetadata):
-                for save in meta.saves:
-                    self._copy_out(save)
+        if not self._writes_here:
+            return None, None  # another worker reports (get_finished_count() == 1)
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if isinstance(meta, EyasConnectorMetadata):
+            for save in meta.saves:
+                self._copy_out(save)
         self._finished |= finished_req_ids
         done = {r for r in self._finished if r in self._copy_events and _complete(self._copy_events[r])}
         for r in done:
@@ -161,18 +163,7 @@ class EyasHiddenStatesConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _copy_out(self, save: PendingSave) -> None:
         assert self._cache is not None
-        block_size = self._cache.shape[2]
-        pos = torch.arange(len(save.token_ids))
-        blocks = torch.tensor(save.block_ids[self.hidden_layer[0]], dtype=torch.long)[pos // block_size]
-        index = (blocks.to(self._cache.device, non_blocking=True), (pos % block_size).to(self._cache.device, non_blocking=True))
-        rows = self._cache[index[0], :, index[1]]  # [T, L, H], a copy
-        event = None
-        if rows.is_cuda:
-            host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-            host.copy_(rows, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            rows = host
+        rows, event = copy_rows(self._cache, save.block_ids[self.hidden_layer[0]], len(save.token_ids))
         self._copy_events[save.req_id] = event
         self._writer.submit(self._write, save, rows, event).add_done_callback(_log_failure)
 
