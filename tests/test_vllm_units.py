@@ -208,3 +208,32 @@ def test_connector_reads_a_prompts_rows_from_its_blocks(device):
     assert rows.device.type == "cpu" and rows.shape == (10, 3, 5)
     assert torch.equal(rows, expected)
     assert (event is None) == (device == "cpu")
+
+
+def test_print_serve_command(tmp_path, tiny_llama_dir, capsys):
+    import shlex
+
+    from eyas.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["capture", "--backend", "vllm", "--model", str(tiny_llama_dir), "--layers", "1,3", "--spool", str(tmp_path),
+              "--tensor-parallel-size", "2", "--engine-arg", "max_model_len=2048", "--print-serve-command"])
+    assert done.value.code == 0
+    argv = shlex.split(capsys.readouterr().out)
+    assert argv[:3] == ["vllm", "serve", str(tiny_llama_dir)]
+    flags, rest = {}, argv[3:]
+    while rest:
+        flag, rest = rest[0], rest[1:]
+        takes_value = rest and not rest[0].startswith("--")
+        flags[flag], rest = (rest[0], rest[1:]) if takes_value else (True, rest)
+    assert flags["--no-enable-prefix-caching"] is True
+    assert flags["--tensor-parallel-size"] == "2" and flags["--max-model-len"] == "2048"
+    spec = json.loads(flags["--speculative-config"])
+    assert spec["method"] == "extract_hidden_states"
+    assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 8]
+    kv = json.loads(flags["--kv-transfer-config"])
+    assert kv["kv_connector_module_path"] == "eyas.capture.vllm.connector"
+    assert kv["kv_connector_extra_config"]["spool_dir"] == str(tmp_path) and "owner_pid" not in kv["kv_connector_extra_config"]
+    with pytest.raises(SystemExit) as done:
+        main(["capture", "--backend", "vllm", "--model", str(tiny_llama_dir), "--print-serve-command"])
+    assert done.value.code == 2 and "needs --spool DIR" in capsys.readouterr().err
