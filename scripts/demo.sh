@@ -1,26 +1,41 @@
 #!/usr/bin/env bash
 # The whole pipeline on the CPU, on the packaged SmolLM2-135M-Instruct and packaged ShareGPT
 # conversations. `make demo` runs it inside .venv; outputs land in out/demo/.
+# Sizes are chosen to finish in minutes on 2 cores, so the drafter is small and briefly
+# trained: the point is the pipeline, not the acceptance length.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${EYAS_DEMO_OUT:-out/demo}
 MODEL=packaged:smollm2-135m
 N=${EYAS_DEMO_SAMPLES:-200}
+TRAIN_MINUTES=${EYAS_DEMO_TRAIN_MINUTES:-3}
 mkdir -p "$OUT"
-rm -rf "$OUT/prepared"   # prepare is fast and always rewritten; capture below resumes
+rm -rf "$OUT/prepared" "$OUT/drafter" "$OUT/vllm"   # quick to redo; the store below resumes instead
 
 step() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 start=$(date +%s)
 
-step "1/3 prepare: $N ShareGPT conversations, SmolLM2 chat template, assistant-only loss mask"
-eyas prepare --model "$MODEL" --data packaged:sharegpt --out "$OUT/prepared" --limit "$N" --max-len 384
-eyas prepare --show 0 "$OUT/prepared" | head -c 1500; echo
+step "1/6 prepare: $N ShareGPT conversations, SmolLM2's chat template, assistant-only loss mask"
+eyas prepare --model "$MODEL" --data packaged:sharegpt --out "$OUT/prepared" --limit "$N" --max-len 256
+eyas prepare --show 1 "$OUT/prepared" | head -c 1200; echo
 
-step "2/3 capture: hidden states at layer ids 2, 15, 27 (+30, the label source) on the CPU"
+step "2/6 capture: hidden states at layer ids 2, 15, 27 (+30, the label source) on the CPU"
 eyas capture --model "$MODEL" --data "$OUT/prepared" --out "$OUT/store" --batch-tokens 4096
 
-step "3/3 inspect --verify: checksums, shapes, layer ids, NaN/inf"
+step "3/6 inspect --verify: checksums, shapes, layer ids, NaN/inf"
 eyas inspect "$OUT/store" --verify
 
-step "done in $(( $(date +%s) - start )) s"
-echo "prepared samples: $OUT/prepared   hidden-state store: $OUT/store"
+step "4/6 train: an EAGLE-3 drafter with 7-step training-time test, $TRAIN_MINUTES CPU minutes"
+eyas train --store "$OUT/store" --out "$OUT/drafter" --minutes "$TRAIN_MINUTES" --draft-vocab 4096 \
+    --lr 1e-3 --warmup 5 --epochs 20 --batch-tokens 4096 --eval-every 20 --log-every 5
+
+step "5/6 eval: lossless speculative decoding on 3 MT-bench questions vs plain and prompt-lookup decoding"
+eyas eval --model "$MODEL" --draft "$OUT/drafter" --prompts mt-bench --limit 3 --max-new-tokens 64 --steps 4 \
+    --output "$OUT/eval.json"
+
+step "6/6 export for vLLM, and the command that serves it"
+eyas export "$OUT/drafter" --to vllm --out "$OUT/vllm"
+eyas export "$OUT/drafter" --to vllm --out "$OUT/vllm" --serve-command
+
+step "done in $(( $(date +%s) - start )) s; everything is under $OUT/"
+echo "prepared $OUT/prepared | store $OUT/store | drafter $OUT/drafter | eval $OUT/eval.json | vLLM drafter $OUT/vllm"
