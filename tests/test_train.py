@@ -30,14 +30,14 @@ FAST = dict(ttt_steps=2, draft_vocab=8192, eval_fraction=0.0, batch_tokens=512, 
 
 
 def derive_store(src: Path, out: Path, n: int, length: int, dtype: str = "fp32", edit=None, from_answer=False,
-                 **header) -> Path:
+                 reverse=False, **header) -> Path:
     """A store of the first `n` samples of `src` cut to `length` tokens (from the start, or
-    from just before the first assistant token); `edit(pos, hidden)` may change a sample's
-    states and `header` overrides manifest fields."""
+    from just before the first assistant token), optionally written in reverse order;
+    `edit(pos, hidden)` may change a sample's states and `header` overrides manifest fields."""
     store = Store(src)
     base = {k: store.manifest[k] for k in ("target", "layer_ids", "dtype", "hidden_size", "prepared")}
     writer = StoreWriter(out, {**base, "dtype": dtype, **header})
-    for pos in range(n):
+    for pos in (reversed(range(n)) if reverse else range(n)):
         s = store.sample(pos)
         a = max(int(s["loss_mask"].nonzero()[0]) - 2, 0) if from_answer else 0
         hidden = s["hidden"][a : a + length].clone()
@@ -58,6 +58,18 @@ def tiny_store(smollm2_store, tmp_path_factory) -> Path:
 def two_batch_store(smollm2_store, tmp_path_factory) -> Path:
     """8 samples of 48 tokens: several 128-token batches per step for the DDP and resume tests."""
     return derive_store(smollm2_store, tmp_path_factory.mktemp("train") / "eight", n=8, length=48)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_data(tiny_llama_dir, tmp_path_factory) -> tuple[Path, Path]:
+    """A prepared folder of 8 chitchat dialogues for the tiny random Llama, and its fp32 store."""
+    from eyas.capture.run import capture
+    from eyas.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("tiny-llama-data")
+    prepare(str(tiny_llama_dir), "packaged:chitchat", root / "prep", max_len=64, limit=8, progress=False)
+    capture(str(tiny_llama_dir), root / "prep", root / "store", dtype="fp32", progress=False)
+    return root / "prep", root / "store"
 
 
 def rows(out: Path, split: str = "train") -> list[dict]:
@@ -102,10 +114,13 @@ def test_checkpoint_reloads_to_identical_logits(tiny_store, tmp_path):
 
 def test_interrupted_and_resumed_run_reaches_the_same_weights(two_batch_store, tmp_path):
     """Same seed, 6 steps straight vs. 3 steps, a stop, and --resume: identical weights
-    (tolerance 1e-6: both runs do the same float32 operations in the same order)."""
+    (tolerance 1e-6: both runs do the same float32 operations in the same order). The
+    straight run reads a store holding the same samples in reverse order: batches follow
+    the samples' prepared indices, not their places in a store."""
     common = dict(store=str(two_batch_store), steps=6, batch_tokens=128, save_every=2, **{
         k: v for k, v in FAST.items() if k != "batch_tokens"})
-    train(TrainConfig(out=str(tmp_path / "straight"), **common))
+    reversed_store = derive_store(two_batch_store, tmp_path / "reversed", n=8, length=48, reverse=True)
+    train(TrainConfig(out=str(tmp_path / "straight"), **{**common, "store": str(reversed_store)}))
     train(TrainConfig(out=str(tmp_path / "resumed"), **common), stop_at=3)
     assert (tmp_path / "resumed" / "checkpoints" / "latest").read_text().strip() == "step-0000003"
     with pytest.raises(EyasError, match="--resume"):
@@ -121,12 +136,16 @@ def test_interrupted_and_resumed_run_reaches_the_same_weights(two_batch_store, t
     assert [r["loss"] for r in rows(tmp_path / "resumed")] == pytest.approx([r["loss"] for r in rows(tmp_path / "straight")])
 
 
-def test_resume_refuses_a_store_that_disagrees_with_the_checkpoint(tiny_store, smollm2_store, tmp_path):
+def test_resume_refuses_a_store_that_disagrees_with_the_checkpoint(tiny_store, smollm2_store, tiny_llama_data,
+                                                                   tmp_path):
     out = tmp_path / "d"
     train(TrainConfig(out=str(out), store=str(tiny_store), steps=1, **FAST))
     other_ids = derive_store(smollm2_store, tmp_path / "ids", n=2, length=32, layer_ids=[3, 15, 27, 30])
     with pytest.raises(EyasError, match=r"layer ids \[3, 15, 27, 30\].*\[2, 15, 27, 30\]"):
         train(TrainConfig(out=str(out), store=str(other_ids), resume=True, steps=1, **FAST))
+    with pytest.raises(EyasError, match="different tokenizer"):  # another model: tokenizer, config, hidden size
+        train(TrainConfig(out=str(out), store=str(tiny_llama_data[1]), resume=True, steps=1, **FAST))
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-0000001"
 
 
 def test_bad_stores_get_clear_errors(smollm2_store, tmp_path):
@@ -168,6 +187,15 @@ def test_a_diverging_run_stops_at_the_bad_step_without_saving_it(tiny_store, tmp
     assert all(torch.isfinite(t.float()).all() for t in load_file(out / "model.safetensors").values())
 
 
+def test_learning_rate_warms_up_then_decays_to_zero():
+    from eyas.train.loop import lr_at
+
+    cfg = TrainConfig(out="x", store="s", lr=1.0, warmup=0.1, steps=100)
+    lrs = [lr_at(cfg, s, 100) for s in range(100)]
+    assert all(a < b for a, b in zip(lrs[:10], lrs[1:11])) and max(lrs) == pytest.approx(1.0, abs=0.01)
+    assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] < 0.001
+
+
 def _first_step(argv: list[str]) -> None:
     """Script mode: one step's loss and gradients (after DDP's all-reduce) -> a file."""
     from eyas.train import distributed
@@ -205,31 +233,38 @@ def test_two_process_ddp_equals_one_process_over_the_same_global_batch(two_batch
         torch.testing.assert_close(ddp["grads"][name], one["grads"][name], rtol=1e-5, atol=1e-8)
 
 
-def test_torchrun_cli_trains_and_checkpoints_once(two_batch_store, tmp_path):
-    out = tmp_path / "d"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas", "train",
-           "--store", str(two_batch_store), "--out", str(out), "--steps", "2", "--batch-tokens", "128",
-           "--ttt-steps", "2", "--draft-vocab", "4096", "--eval-fraction", "0.25", "--log-every", "1", "--no-progress"]
-    result = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True)
+def test_torchrun_fsdp_cli_trains_like_one_process(two_batch_store, tmp_path):
+    """`torchrun -m eyas train --fsdp` (2 gloo processes, sharded weights and AdamW state)
+    ends 2 steps with the weights of one process accumulating both micro-batches (1e-6)."""
+    args = ["train", "--store", str(two_batch_store), "--steps", "2", "--batch-tokens", "128", "--ttt-steps", "2",
+            "--draft-vocab", "4096", "--eval-fraction", "0.25", "--log-every", "1", "--no-progress"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas"]
+    result = subprocess.run(torchrun + args + ["--out", str(tmp_path / "fsdp"), "--fsdp"], env=env,
+                            capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "2 process(es) on cpu" in result.stdout and result.stdout.count("draft vocabulary:") == 1
+    assert "2 process(es) on cpu, FSDP" in result.stdout and result.stdout.count("draft vocabulary:") == 1
     assert "eval acc" in result.stdout and "tau_sim" in result.stdout
-    assert (out / "checkpoints" / "latest").read_text().strip() == "step-0000002"
-    assert [r["step"] for r in rows(out)] == [1, 2] and rows(out, "eval")
+    one = subprocess.run([sys.executable, "-m", "eyas"] + args + ["--out", str(tmp_path / "one"), "--grad-accum", "2"],
+                         env=env, capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr[-3000:]
+    for out in (tmp_path / "fsdp", tmp_path / "one"):
+        assert (out / "checkpoints" / "latest").read_text().strip() == "step-0000002"
+        assert [r["step"] for r in rows(out)] == [1, 2] and rows(out, "eval")
+    a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "fsdp" / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-6, rtol=0)
 
 
-def test_online_training_equals_offline_on_the_same_states(tiny_llama_dir, tmp_path):
+def test_online_training_equals_offline_on_the_same_states(tiny_llama_dir, tiny_llama_data, tmp_path):
     """--online captures with the target beside the drafter; on the same prepared data it
-    takes exactly the steps offline training takes from a store of the same states."""
-    from eyas.capture.run import capture
-    from eyas.data.prepare import prepare
-
-    model = str(tiny_llama_dir)
-    prepare(model, "packaged:chitchat", tmp_path / "prep", max_len=64, limit=8, progress=False)
-    capture(model, tmp_path / "prep", tmp_path / "store", dtype="fp32", progress=False)
+    takes the steps offline training takes from a store of the same states (up to float32
+    differences between padded batch shapes in the target's forward)."""
+    prep, store = tiny_llama_data
     common = dict(steps=3, batch_tokens=128, ttt_steps=3, eval_fraction=0.25, progress=False, lr=1e-3)
-    offline = train(TrainConfig(out=str(tmp_path / "off"), store=str(tmp_path / "store"), **common))
-    online = train(TrainConfig(out=str(tmp_path / "on"), online=True, model=model, data=str(tmp_path / "prep"), **common))
+    offline = train(TrainConfig(out=str(tmp_path / "off"), store=str(store), **common))
+    online = train(TrainConfig(out=str(tmp_path / "on"), online=True, model=str(tiny_llama_dir), data=str(prep),
+                               **common))
     assert online["eval"]["loss_per_step"] == pytest.approx(offline["eval"]["loss_per_step"], rel=1e-5)
     a, b = load_file(tmp_path / "off" / "model.safetensors"), load_file(tmp_path / "on" / "model.safetensors")
     for key in a:

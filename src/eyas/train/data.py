@@ -27,10 +27,6 @@ class Batch:
     hidden: torch.Tensor  # [B, T, L, H] float, the aux ids then id N
     sample_index: list[int]  # prepared-data index of each row (for error messages)
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.numel())
-
 
 def _pad(rows: list[torch.Tensor], T: int) -> torch.Tensor:
     """rows of [T_i, ...] -> [B, T, ...], zero-padded on the right."""
@@ -112,6 +108,7 @@ class OnlineSource:
         loss_mask = _pad([mask for _, mask in rows], T)
         attention = _pad([torch.ones(len(ids), dtype=torch.long) for ids, _ in rows], T)
         hidden = self.capturer.capture_padded(input_ids, attention)  # [B, T, L, H] on the device
+        # The capture ran in inference mode; a clone is an ordinary tensor autograd may save.
         return Batch(input_ids.to(device), loss_mask.to(device), hidden.to(device).clone(),
                      [self.sample_index[p] for p in positions])
 
@@ -131,9 +128,11 @@ class BatchStream:
     items s*G .. s*G+G-1 (G = processes x accumulation), and process r takes items r, r+W, ...
     """
 
-    def __init__(self, positions: list[int], lengths: list[int], batch_tokens: int, seed: int):
-        by_index = sorted(positions)
-        self.batches = token_budget_batches(by_index, lengths, batch_tokens)
+    def __init__(self, positions: list[int], lengths: list[int], sample_index: list[int], batch_tokens: int, seed: int):
+        # Batch in prepared-index order, so the batches do not depend on the store's order.
+        order = sorted(positions, key=lambda p: sample_index[p])
+        local = token_budget_batches(list(range(len(order))), [lengths[p] for p in order], batch_tokens)
+        self.batches = [[order[i] for i in batch] for batch in local]
         self.seed = seed
         self._orders: dict[int, list[int]] = {}
 

@@ -113,7 +113,7 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device) -> Run:
     model = distributed.wrap(TTTObjective(drafter).to(device), d, device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
                                   betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    stream = BatchStream(train_pos, source.lengths, cfg.batch_tokens, cfg.seed)
+    stream = BatchStream(train_pos, source.lengths, source.sample_index, cfg.batch_tokens, cfg.seed)
     per_epoch = len(stream) / (d.world * cfg.grad_accum)
     total = trainer["total_steps"] if previous is not None else cfg.steps or math.ceil((cfg.epochs or 1.0) * per_epoch)
     run = Run(cfg=cfg, d=d, device=device, source=source, head=head, draft=draft, model=model, optimizer=optimizer,
@@ -265,7 +265,8 @@ def evaluate(run: Run, positions: list[int]) -> dict[str, Any] | None:
     """Metrics over `positions` (split among the processes), with the current weights."""
     if not positions:
         return None
-    stream = BatchStream(positions, run.source.lengths, run.cfg.batch_tokens, run.cfg.seed)
+    stream = BatchStream(positions, run.source.lengths, run.source.sample_index, run.cfg.batch_tokens,
+                         run.cfg.seed)
     K = run.draft.ttt_steps
     stats = torch.zeros(K, 4, device=run.device)
     weights = torch.zeros(K, device=run.device)
@@ -329,6 +330,11 @@ def fit(run: Run, stop_at: int | None = None) -> dict[str, Any]:
             if _out_of_time(run):
                 _log(d, f"--minutes {cfg.minutes} reached at step {run.step}; run the same command with --resume to go on.")
                 break
+    except KeyboardInterrupt:
+        latest = ckpt.latest_checkpoint(Path(cfg.out))
+        _log(d, f"interrupted at step {run.step}; " + (f"add --resume to continue from {latest.name}." if latest else
+                                                       "no checkpoint was written yet."))
+        raise
     finally:
         bar.close()
     if (m := evaluate(run, run.eval_positions)) is not None:

@@ -72,9 +72,12 @@ def _tensorboard(out: Path):
 def format_table(rows: dict[str, dict[str, Any]]) -> str:
     """Per-step accuracies of each split, one line per split, plus tau_sim and its definition."""
     steps = max(len(r["acc_per_step"]) for r in rows.values())
-    lines = [f"{'':8}" + "".join(f"{'step ' + str(k):>9}" for k in range(steps)) + f"{'tau_sim':>10}{'loss':>9}"]
+    lines = [f"{'':10}" + "".join(f"{'step ' + str(k):>9}" for k in range(steps)) + f"{'tau_sim':>10}{'loss':>9}"]
     for split, r in rows.items():
-        lines.append(f"{split + ' acc':8}" + "".join(f"{a:9.3f}" for a in r["acc_per_step"])
+        lines.append(f"{split + ' acc':10}" + "".join(f"{a:9.3f}" for a in r["acc_per_step"])
                      + f"{r['tau_sim']:10.3f}{r['loss']:9.3f}")
-    lines.append(f"acc = top-1 agreement with the target's greedy token on trained positions; {TAU_DEFINITION}")
+    coverage = ", ".join(f"{split} {r['vocab_coverage']:.3f}" for split, r in rows.items())
+    lines += [f"acc = top-1 agreement with the target's greedy token on trained positions (at most the share of "
+              f"those tokens inside the draft vocab: {coverage})", TAU_DEFINITION,
+              "train = the batches of the last logged steps, as they were trained; eval = the held-out samples"]
     return "\n".join(lines)

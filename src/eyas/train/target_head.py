@@ -10,6 +10,7 @@ are read from disk.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +31,9 @@ class TargetHead:
     lm_head_weight: torch.Tensor  # [V, H]
 
     def to(self, device: torch.device | str) -> "TargetHead":
-        return TargetHead(self.embed_weight.to(device), self.norm.to(device), self.lm_head_weight.to(device))
+        """Norm and lm_head on `device`, where labels are computed; the embeddings stay where
+        they are: they only seed the drafter's own frozen copy."""
+        return TargetHead(self.embed_weight, copy.deepcopy(self.norm).to(device), self.lm_head_weight.to(device))
 
     @torch.no_grad()
     def logits(self, last_hidden: torch.Tensor) -> torch.Tensor:
@@ -65,8 +68,10 @@ def _read(files: dict[str, Path], key: str) -> torch.Tensor:
         return f.get_tensor(key).float()
 
 
+@functools.lru_cache(maxsize=1)
 def load_target_head(folder: str | Path) -> TargetHead:
-    """Load embeddings, final norm and lm_head (float32, CPU) of the model in `folder`."""
+    """Load embeddings, final norm and lm_head (float32, CPU) of the model in `folder`; the
+    last one stays cached, so runs in one process (tests, notebooks) read it once."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     folder = Path(folder)
