@@ -148,7 +148,8 @@ def test_mt_bench_has_80_two_turn_questions():
 
 
 def test_bad_options_are_refused(tiny_llama_dir, capsys):
-    for extra, message in ((["--baseline", "medusa"], "Unknown baseline"), (["--steps", "0"], "--steps must be")):
+    for extra, message in ((["--baseline", "medusa"], "Unknown baseline"), (["--steps", "0"], "--steps must be"),
+                           (["--limit", "0"], "--limit must be")):
         with pytest.raises(SystemExit) as e:
             main(["eval", "--model", str(tiny_llama_dir), *extra])
         assert e.value.code == 2 and message in capsys.readouterr().err

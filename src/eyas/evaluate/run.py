@@ -53,6 +53,8 @@ class EvalConfig:
                 raise EyasError(f"--{name.replace('_', '-')} must be at least 1.")
         if self.temperature < 0:
             raise EyasError("--temperature must be >= 0 (0 is greedy).")
+        if self.limit is not None and self.limit < 1:
+            raise EyasError("--limit must be at least 1.")
 
 
 def check_drafter(identity: ModelIdentity, drafter_cfg, where: str) -> None:
@@ -142,6 +144,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     target = TargetSession(model, aux_ids)
     records = run_methods(target, tokenizer, proposers, prompts, cfg.max_new_tokens, eos_ids(model, tokenizer),
                           cfg.temperature, cfg.seed)
+    target.close()
     summaries = summarize(records, {p.name: cfg.steps for p in proposers[1:]})
     results = {
         "eyas_version": __version__, "tau_definition": TAU_DEFINITION, "acceptance_definition": RATE_DEFINITION,
