@@ -7,8 +7,9 @@ export; `eyas eval` decodes the same prompts with the eyas checkpoint.
 
 Claims: speculative output is token for token the plain output; vLLM's own acceptance
 counters agree with `eyas eval` step by step. Tolerance: exact on every verification step
-except each answer's last, where eyas may count fewer, never more (it never drafts past
---max-new-tokens, vLLM always drafts k and cuts the output afterwards).
+except each answer's last, where eyas may count fewer, never more: it neither drafts past
+--max-new-tokens nor counts drafts accepted after an end token, while vLLM always drafts k,
+counts every match, and cuts the output afterwards.
 """
 
 from __future__ import annotations
