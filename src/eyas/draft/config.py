@@ -98,6 +98,7 @@ class DraftConfig:
             "tie_word_embeddings": False,
             "norm_before_residual": self.norm_before_residual,
             "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+            "num_aux_hidden_states": len(self.aux_layer_ids),  # vLLM sizes fc from this, not from the ids
             "eyas": {"config_version": CONFIG_VERSION, **{k: v for k, v in asdict(self).items()}},
         }
 
