@@ -33,7 +33,7 @@ $(STAMP): pyproject.toml Makefile
 setup: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=15
 
 demo: $(STAMP)
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH bash scripts/demo.sh
