@@ -19,12 +19,10 @@ from typing import Any
 import torch
 
 from eyas.capture.vllm.engine import check_vllm_version, engine_kwargs, start_llm, stop_llm, vllm_environment
-from eyas.capture.vllm.spool import read_hidden, spool_file, wait_for
+from eyas.capture.vllm.spool import PARAM_ERROR, PARAM_KEY, read_hidden, spool_file, wait_for
 from eyas.capture.vllm.target import check_vllm_can_load, describe_target
 from eyas.data.prepared import PreparedSample
 from eyas.errors import EyasError
-
-PARAM_KEY, PARAM_ERROR = "eyas_key", "eyas_error"  # as in connector.py, which only vLLM may import
 
 
 class VLLMCapturer:

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from eyas.capture.vllm.rows import copy_rows
-from eyas.capture.vllm.spool import KEY, spool_file, write_error, write_hidden
+from eyas.capture.vllm.spool import KEY, PARAM_ERROR, PARAM_FILE, PARAM_KEY, spool_file, write_error, write_hidden
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -49,8 +49,6 @@ if TYPE_CHECKING:
 logger = init_logger(__name__)
 
 CONNECTOR = "EyasHiddenStatesConnector"
-# kv_transfer_params keys: the client names the file, the engine answers with its path or an error.
-PARAM_KEY, PARAM_FILE, PARAM_ERROR = "eyas_key", "eyas_file", "eyas_error"
 
 
 @dataclass

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from eyas.capture.vllm.backend import PARAM_ERROR, PARAM_KEY, check_hidden
-from eyas.capture.vllm.spool import error_file, read_hidden, spool_file, wait_for
+from eyas.capture.vllm.backend import check_hidden
+from eyas.capture.vllm.spool import PARAM_ERROR, PARAM_KEY, error_file, read_hidden, spool_file, wait_for
 from eyas.capture.vllm.target import describe_target
 from eyas.data.prepared import PreparedSample
 from eyas.errors import EyasError

@@ -20,6 +20,8 @@ from safetensors.torch import save_file
 from eyas.errors import EyasError
 
 FORMAT = "eyas-vllm-hidden-1"
+# kv_transfer_params keys: the client names the file, the engine answers with its path or an error.
+PARAM_KEY, PARAM_FILE, PARAM_ERROR = "eyas_key", "eyas_file", "eyas_error"
 SUFFIX = ".safetensors"
 # A key names one request's file; the client chooses it, so it must not be able to escape the folder.
 KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
