@@ -237,3 +237,10 @@ def test_print_serve_command(tmp_path, tiny_llama_dir, capsys):
     with pytest.raises(SystemExit) as done:
         main(["capture", "--backend", "vllm", "--model", str(tiny_llama_dir), "--print-serve-command"])
     assert done.value.code == 2 and "needs --spool DIR" in capsys.readouterr().err
+
+
+def test_in_process_data_parallel_points_to_a_server(tmp_path, tiny_llama_dir, tiny_prepared):
+    out = tmp_path / "store"
+    with pytest.raises(EyasError, match=r"data parallel only across processes.*--print-serve-command --data-parallel-size"):
+        capture(str(tiny_llama_dir), tiny_prepared, out, backend="vllm", data_parallel_size=2, progress=False)
+    assert not out.exists()

@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="dtype the target runs in (hf: float32 on cpu, bf16 on cuda; vllm: the checkpoint's)")
     from eyas.capture.vllm.options import add_engine_arguments
 
-    add_engine_arguments(p.add_argument_group("vLLM backend (--backend vllm)"))
+    add_engine_arguments(p.add_argument_group("vLLM backend (--backend vllm)"), data_parallel=False)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     vllm = {}
     if args.backend == "vllm":
         vllm = {"tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
-                "data_parallel_size": args.data_parallel_size, "engine_args": parse_engine_args(args.engine_arg)}
+                "engine_args": parse_engine_args(args.engine_arg)}
     summary = regenerate(args.model, args.data, args.out, backend=args.backend, temperature=args.temperature,
                          max_new_tokens=args.max_new_tokens, group_size=args.group_size, seed=args.seed,
                          device=args.device, model_dtype=args.model_dtype, **vllm)

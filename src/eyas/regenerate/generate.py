@@ -67,7 +67,7 @@ class VLLMGenerator:
     """`vllm.LLM.generate` over all prompts at once; vLLM batches and caches shared prefixes."""
 
     def __init__(self, model: str, dtype: str = "auto", max_len: int = 2048, tensor_parallel_size: int = 1,
-                 pipeline_parallel_size: int = 1, data_parallel_size: int = 1, engine_args: dict[str, Any] | None = None):
+                 pipeline_parallel_size: int = 1, engine_args: dict[str, Any] | None = None):
         from eyas.capture.vllm.engine import base_kwargs, check_vllm_version, start_llm
         from eyas.models import load_tokenizer, resolve_model
 
@@ -75,7 +75,7 @@ class VLLMGenerator:
         folder = resolve_model(model)
         self.tokenizer = load_tokenizer(model)
         self.stops = stop_ids(folder, self.tokenizer)
-        kwargs = base_kwargs(folder, dtype, tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
+        kwargs = base_kwargs(folder, dtype, tensor_parallel_size, pipeline_parallel_size, 1,
                              {"max_model_len": max_len, **(engine_args or {})})
         self.llm = start_llm(kwargs, model)
 

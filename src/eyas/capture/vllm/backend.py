@@ -1,8 +1,8 @@
 """The in-process vLLM capture backend: `vllm.LLM` with `extract_hidden_states` and eyas's
 connector, prefill only (`max_tokens=1`).
 
-vLLM runs its engine core and workers in their own processes (tensor, pipeline and data
-parallel as asked); the connector in the worker writes each prompt's states to a spool
+vLLM runs its engine core and workers in their own processes (tensor and pipeline parallel
+as asked; data parallel needs a server, see `endpoint.py`); the connector in the worker writes each prompt's states to a spool
 file, and `capture` reads them back, checks them against the prompt, and deletes them.
 """
 
@@ -29,8 +29,8 @@ class VLLMCapturer:
     """Returns the states at `layer_ids` of each sample, computed by vLLM."""
 
     def __init__(self, model: str, layers: str = "auto", dtype: str = "auto", tensor_parallel_size: int = 1,
-                 pipeline_parallel_size: int = 1, data_parallel_size: int = 1, engine_args: dict | None = None,
-                 spool: str | None = None, file_timeout: float = 600.0):
+                 pipeline_parallel_size: int = 1, engine_args: dict | None = None, spool: str | None = None,
+                 file_timeout: float = 600.0):
         self.vllm_version = check_vllm_version()
         target = describe_target(model, layers)
         self.identity, self.layer_ids = target.identity, target.layer_ids
@@ -42,7 +42,7 @@ class VLLMCapturer:
         self.spool = Path(tempfile.mkdtemp(prefix="eyas-spool-", dir=spool))
         try:
             kwargs = engine_kwargs(target.folder, self.layer_ids, self.spool, dtype, tensor_parallel_size,
-                                   pipeline_parallel_size, data_parallel_size, engine_args, owner_pid=os.getpid())
+                                   pipeline_parallel_size, 1, engine_args, owner_pid=os.getpid())
             self.llm = start_llm(kwargs, model)
         except BaseException:
             shutil.rmtree(self.spool, ignore_errors=True)

@@ -32,11 +32,13 @@ def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
                         "parallel sizes, --engine-arg) and exit")
 
 
-def add_engine_arguments(g) -> None:
+def add_engine_arguments(g, data_parallel: bool = True) -> None:
     """Parallel sizes and free-form engine arguments: shared by `capture` and `regenerate`."""
     g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help="GPUs per model replica (tensor parallel)")
     g.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N", help="pipeline stages (e.g. across nodes)")
-    g.add_argument("--data-parallel-size", type=int, default=1, metavar="N", help="model replicas")
+    if data_parallel:
+        g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                       help="model replicas; vLLM runs them only as a server (--print-serve-command, then --endpoint)")
     g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="any other vllm.LLM / `vllm serve` argument, repeatable: --engine-arg max_model_len=8192 "
                         "--engine-arg gpu_memory_utilization=0.85 (values read as JSON when they parse)")
@@ -75,6 +77,12 @@ def make_vllm_backend(model: str, layers: str, model_dtype: str, endpoint: str |
     for name, n in (("tensor", tensor_parallel_size), ("pipeline", pipeline_parallel_size), ("data", data_parallel_size)):
         if n < 1:
             raise EyasError(f"--{name}-parallel-size must be at least 1.")
+    if data_parallel_size > 1 and not endpoint:
+        raise EyasError(
+            "vLLM runs data parallel only across processes (vllm.LLM refuses data_parallel_size > 1). Start a server "
+            "with the command from `eyas capture --backend vllm --print-serve-command --data-parallel-size N --spool DIR` "
+            "and capture through it with --endpoint URL --spool DIR."
+        )
     if endpoint:
         from eyas.capture.vllm.endpoint import EndpointCapturer
 
@@ -85,5 +93,4 @@ def make_vllm_backend(model: str, layers: str, model_dtype: str, endpoint: str |
     from eyas.capture.vllm.backend import VLLMCapturer
 
     return VLLMCapturer(model, layers=layers, dtype=model_dtype, tensor_parallel_size=tensor_parallel_size,
-                        pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
-                        engine_args=engine_args, spool=spool)
+                        pipeline_parallel_size=pipeline_parallel_size, engine_args=engine_args, spool=spool)
