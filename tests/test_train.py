@@ -187,6 +187,19 @@ def test_a_diverging_run_stops_at_the_bad_step_without_saving_it(tiny_store, tmp
     assert all(torch.isfinite(t.float()).all() for t in load_file(out / "model.safetensors").values())
 
 
+def test_minutes_stops_with_a_checkpoint_and_resume_finishes(tiny_llama_data, tmp_path):
+    """--minutes ends a run early (here after its first step) with metrics and a checkpoint;
+    --resume (which may drop --minutes) completes the schedule."""
+    out = tmp_path / "d"
+    common = dict(store=str(tiny_llama_data[1]), steps=4, batch_tokens=128, eval_fraction=0.0, progress=False,
+                  log_every=3)
+    assert train(TrainConfig(out=str(out), minutes=1e-9, **common))["step"] == 1
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-0000001"
+    assert [r["step"] for r in rows(out)] == [1]
+    assert train(TrainConfig(out=str(out), resume=True, **common))["step"] == 4
+    assert [r["step"] for r in rows(out)] == [1, 3, 4]
+
+
 def test_learning_rate_warms_up_then_decays_to_zero():
     from eyas.train.loop import lr_at
 

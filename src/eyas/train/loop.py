@@ -252,8 +252,10 @@ def train_step(run: Run) -> torch.Tensor:
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     if not torch.isfinite(norm):
         where = f"sample(s) {bad}" if bad else "a sample on another process"
-        raise EyasError(f"The loss is not finite at step {run.step + 1} ({where}); stopping before the weights "
-                        f"are damaged. The last good checkpoint stays in {run.cfg.out}.")
+        latest = ckpt.latest_checkpoint(Path(run.cfg.out))
+        kept = f"the newest checkpoint, {latest.name}, is untouched" if latest else "no checkpoint was written"
+        raise EyasError(f"The loss is not finite at step {run.step + 1} ({where}); training stopped before "
+                        f"updating the weights and {kept}. Check those samples, or lower --lr.")
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
@@ -317,17 +319,18 @@ def fit(run: Run, stop_at: int | None = None) -> dict[str, Any]:
             tokens += sum(run.source.lengths[p] for b in run.train_stream.for_step(run.step, run.group, 0, 1) for p in b)
             window += train_step(run)
             bar.update(1)
-            if run.step % cfg.log_every == 0 or run.step == end:
+            stopping = _out_of_time(run)
+            if run.step % cfg.log_every == 0 or run.step == end or stopping:
                 last["train"] = summarize(distributed.all_reduce(window, d))
                 _write(log, run, "train", last["train"], bar, tokens / (time.monotonic() - window_start))
                 window.zero_()
                 window_start, tokens = time.monotonic(), 0
-            if run.step % cfg.eval_every == 0 and run.step < end and (m := evaluate(run, run.eval_positions)):
+            if run.step % cfg.eval_every == 0 and run.step < end and not stopping and (m := evaluate(run, run.eval_positions)):
                 last["eval"] = m
                 _write(log, run, "eval", m, bar, None)
-            if run.step % cfg.save_every == 0 and run.step < end:
+            if run.step % cfg.save_every == 0 and run.step < end and not stopping:
                 save(run)
-            if _out_of_time(run):
+            if stopping:
                 _log(d, f"--minutes {cfg.minutes} reached at step {run.step}; run the same command with --resume to go on.")
                 break
     except KeyboardInterrupt:
