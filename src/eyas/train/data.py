@@ -52,6 +52,7 @@ class StoreSource:
         self.sample_index = self.store.sample_indices().tolist()
         self._tokens = self._read_tokens()
         self.lengths = [min(len(ids), crop) for ids, _ in self._tokens]
+        self.cropped = sum(len(ids) > crop for ids, _ in self._tokens)
 
     def _read_tokens(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(input_ids [T] long, loss_mask [T] bool) of every sample, from the shards' small tensors."""
@@ -96,6 +97,7 @@ class OnlineSource:
         self.hidden_size = self.capturer.hidden_size
         self.sample_index = list(range(len(self.prepared)))
         self.lengths = [min(self.prepared.length(i), crop) for i in range(len(self.prepared))]
+        self.cropped = sum(self.prepared.length(i) > crop for i in range(len(self.prepared)))
 
     def tokens(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         s = self.prepared[pos]

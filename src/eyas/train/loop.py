@@ -94,6 +94,8 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device) -> Run:
                         f"or choose another --out.")
     source, folder = _open_source(cfg, device)
     _check_layer_ids(source)
+    if source.cropped:
+        _log(d, f"{source.cropped} sample(s) longer than {cfg.crop} tokens are cropped (--max-len, --batch-tokens)")
     head = load_target_head(folder).to(device)
     train_pos, eval_pos = split(source.sample_index, cfg.eval_fraction, cfg.seed)
     if not train_pos:
