@@ -25,9 +25,9 @@ eyas capture --model "$MODEL" --data "$OUT/prepared" --out "$OUT/store" --batch-
 step "3/6 inspect --verify: checksums, shapes, layer ids, NaN/inf"
 eyas inspect "$OUT/store" --verify
 
-step "4/6 train: an EAGLE-3 drafter with 7-step training-time test, $TRAIN_MINUTES CPU minutes"
-eyas train --store "$OUT/store" --out "$OUT/drafter" --minutes "$TRAIN_MINUTES" --draft-vocab 4096 \
-    --lr 1e-3 --warmup 5 --epochs 20 --batch-tokens 4096 --eval-every 20 --log-every 5
+step "4/6 train: an EAGLE-3 drafter with 3-step training-time test, at most $TRAIN_MINUTES CPU minutes"
+eyas train --store "$OUT/store" --out "$OUT/drafter" --minutes "$TRAIN_MINUTES" --steps 40 --draft-vocab 4096 \
+    --ttt-steps 3 --lr 3e-3 --warmup 3 --batch-tokens 1024 --eval-every 20 --log-every 5
 
 step "5/6 eval: lossless speculative decoding on 3 MT-bench questions vs plain and prompt-lookup decoding"
 eyas eval --model "$MODEL" --draft "$OUT/drafter" --prompts mt-bench --limit 3 --max-new-tokens 64 --steps 4 \
