@@ -55,3 +55,14 @@ def smollm2_store(tmp_path_factory, smollm2_prepared) -> Path:
     out = tmp_path_factory.mktemp("smollm2-store") / "store"
     capture(SMOLLM2, smollm2_prepared, out, dtype="fp32", batch_tokens=2048, progress=False)
     return out
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models run faster on one thread (no cross-thread hand-off per small op)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -18,12 +18,8 @@ from eyas.models import load_target, model_identity, resolve_layer_ids
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread beats two (no cross-thread hand-off per small op)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Tiny models: see conftest's one_thread."""
 
 
 def _drafter(model_dir, out, **identity_changes):

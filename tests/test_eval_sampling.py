@@ -24,12 +24,8 @@ V, T, SAMPLES, PROMPT = 6, 0.8, 2000, [1, 4, 2]
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread beats two (no cross-thread hand-off per small op)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Tiny models: see conftest's one_thread."""
 
 
 def build_toy(target_std: float, draft_std: float):

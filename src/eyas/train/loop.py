@@ -23,7 +23,7 @@ from eyas.draft.model import Eagle3Drafter
 from eyas.draft.vocab import TokenCounter, build_draft_vocab, coverage, default_draft_vocab_size
 from eyas.errors import EyasError
 from eyas.train import checkpoint as ckpt
-from eyas.train import distributed
+from eyas import distributed
 from eyas.train.config import TrainConfig
 from eyas.train.data import Batch, BatchStream, OnlineSource, StoreSource, split
 from eyas.train.metrics import MetricsLog, format_table, summarize
