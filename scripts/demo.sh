@@ -20,7 +20,7 @@ eyas prepare --model "$MODEL" --data packaged:sharegpt --out "$OUT/prepared" --l
 eyas prepare --show 1 "$OUT/prepared" | head -c 1200; echo
 
 step "2/6 capture: hidden states at layer ids 2, 15, 27 (+30, the label source) on the CPU"
-eyas capture --model "$MODEL" --data "$OUT/prepared" --out "$OUT/store" --batch-tokens 4096
+eyas capture --model "$MODEL" --data "$OUT/prepared" --out "$OUT/store" --batch-tokens 4096 --shard-mb 32
 
 step "3/6 inspect --verify: checksums, shapes, layer ids, NaN/inf"
 eyas inspect "$OUT/store" --verify
