@@ -33,10 +33,12 @@ CHUNK = 128  # max_num_batched_tokens: every sample longer than this is prefille
 ENGINE = {"enforce_eager": True, "max_num_batched_tokens": CHUNK, "max_model_len": 512}
 
 
-def assert_same_states(store: Store, reference: Store, rtol: float = RTOL) -> None:
+def assert_same_states(store: Store, reference: Store, rtol: float = RTOL) -> float:
+    """-> the worst relative error seen (printed, for the record)."""
     assert store.layer_ids == reference.layer_ids
     assert len(store) == len(reference)
     positions = {int(i): p for p, i in enumerate(reference.sample_indices())}
+    worst = 0.0
     for sample in store:
         ref = reference.sample(positions[int(sample["index"])])
         assert torch.equal(sample["input_ids"], ref["input_ids"])
@@ -44,6 +46,9 @@ def assert_same_states(store: Store, reference: Store, rtol: float = RTOL) -> No
         err = (sample["hidden"] - ref["hidden"]).abs().amax(dim=(0, 2))  # [L]
         scale = ref["hidden"].abs().amax(dim=(0, 2))
         assert (err <= rtol * scale).all(), f"sample {int(sample['index'])}: relative error {(err / scale).tolist()}"
+        worst = max(worst, (err / scale).max().item())
+    print(f"{store.path.name} vs {reference.path.name}: {len(store)} samples, worst relative error {worst:.2e}")
+    return worst
 
 
 @pytest.fixture(scope="module")
