@@ -29,8 +29,8 @@ step "4/6 train: an EAGLE-3 drafter with 3-step training-time test, at most $TRA
 eyas train --store "$OUT/store" --out "$OUT/drafter" --minutes "$TRAIN_MINUTES" --steps 40 --draft-vocab 4096 \
     --ttt-steps 3 --lr 3e-3 --warmup 3 --batch-tokens 1024 --eval-every 20 --log-every 5
 
-step "5/6 eval: lossless speculative decoding on 3 MT-bench questions vs plain and prompt-lookup decoding"
-eyas eval --model "$MODEL" --draft "$OUT/drafter" --prompts mt-bench --limit 3 --max-new-tokens 64 --steps 4 \
+step "5/6 eval: lossless speculative decoding on 2 MT-bench questions (both turns) vs plain and prompt-lookup decoding"
+eyas eval --model "$MODEL" --draft "$OUT/drafter" --prompts mt-bench --limit 2 --max-new-tokens 48 --steps 4 \
     --output "$OUT/eval.json"
 
 step "6/6 export for vLLM, and the command that serves it"
