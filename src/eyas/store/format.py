@@ -13,6 +13,11 @@ store/
 
 from __future__ import annotations
 
+import hashlib
+import json
+import struct
+from typing import BinaryIO
+
 import torch
 
 from eyas.errors import EyasError
@@ -23,6 +28,37 @@ MANIFEST = "manifest.json"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 STORE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+
+
+# safetensors' names for the dtypes a shard holds.
+SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float8_e4m3fn: "F8_E4M3",
+                      torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8"}
+
+
+def write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """Write `tensors` to `f` in the safetensors format and return the file's sha256.
+
+    Written here rather than with safetensors' own `save`, which copies a shard twice, once
+    holding the GIL (the capture loop then stalls for a second per GiB): tensors go to the file
+    straight from their memory, and are hashed on the way, with the GIL released.
+    """
+    # Widest dtypes first, and a header padded to 8 bytes: every tensor stays aligned.
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    header: dict[str, object] = {"__metadata__": metadata}
+    start = 0
+    for k in order:
+        t = tensors[k]
+        end = start + t.numel() * t.element_size()
+        header[k] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [start, end]}
+        start = end
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    digest = hashlib.sha256()
+    for chunk in (struct.pack("<Q", len(text)), text,
+                  *(memoryview(tensors[k].contiguous().reshape(-1).view(torch.uint8).numpy()) for k in order)):
+        digest.update(chunk)
+        f.write(chunk)
+    return digest.hexdigest()
 
 
 def shard_name(i: int) -> str:
@@ -41,6 +77,20 @@ def quantize_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     h = hidden.float()  # [T, L, H]
     scale = (h.abs().amax(dim=-1) / FP8_MAX).clamp_min(1e-12)  # [T, L]
     return (h / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
+
+
+def first_nonfinite(t: torch.Tensor) -> list[int] | None:
+    """Index of the first NaN/inf in `t`, or None. One min/max pass decides (NaN and inf
+    both reach the extremes); only a bad tensor pays for the full elementwise scan, which
+    on the CPU is some 40x slower and would otherwise stall the capture loop."""
+    if t.numel() == 0:
+        return None
+    if t.dtype == torch.float8_e4m3fn:
+        t = t.float()
+    lo, hi = torch.aminmax(t)
+    if torch.isfinite(lo) and torch.isfinite(hi):
+        return None
+    return (~torch.isfinite(t)).nonzero()[0].tolist()
 
 
 def dequantize(hidden: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:

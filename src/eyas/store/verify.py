@@ -8,7 +8,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from eyas.errors import EyasError
-from eyas.store.format import STORE_DTYPES
+from eyas.store.format import STORE_DTYPES, first_nonfinite
 
 
 def _sha256(path) -> str:
@@ -74,7 +74,5 @@ def _check_shard(shard, t, n_ids: int, hidden_size: int, dtype: torch.dtype, voc
         raise EyasError(f"{name}: loss_mask holds values other than 0 and 1.")
     for key in ("hidden", "scale"):
         if key in t:
-            bad = ~torch.isfinite(t[key].float())
-            if bad.any():
-                where = bad.nonzero()[0].tolist()
+            if (where := first_nonfinite(t[key])) is not None:
                 raise EyasError(f"{name}: {key} holds NaN/inf (token {where[0]}, layer slot {where[1]}).")

@@ -1,19 +1,18 @@
 """Append captured samples to a store, so that a killed run loses nothing and repeats nothing.
 
-Samples are buffered until a shard is full, then packed and handed to background threads
-(serialising, hashing and writing a shard release the GIL, so several overlap each other and
-the capture). Each writes the shard to a temp file (fsync), then, holding the store's lock, names
-it with the next shard number (rename) and records it in the manifest. Several writers —
-the ranks of a data-parallel capture — can therefore append to one store with one
-manifest. A shard on disk but not in the manifest is an orphan of a killed run: the next
-writer to take its number overwrites it, and its samples are captured again.
+Samples are buffered until a shard is full, then handed to background threads, which pack,
+serialise, hash and write the shard; all of that releases the GIL, so shards overlap each
+other and the capture loop. Each writes the shard to a temp file (fsync), then, holding the
+store's lock, names it with the next shard number (rename) and records it in the manifest.
+Several writers — the ranks of a data-parallel capture — can therefore append to one store
+with one manifest. A shard on disk but not in the manifest is an orphan of a killed run: the
+next writer to take its number overwrites it, and its samples are captured again.
 """
 
 from __future__ import annotations
 
 import errno
 import fcntl
-import hashlib
 import os
 import queue
 import tempfile
@@ -23,12 +22,12 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from safetensors.torch import save
 
 from eyas import __version__
 from eyas.errors import EyasError
 from eyas.paths import atomic_write_json, fsync_dir
-from eyas.store.format import FORMAT, FORMAT_VERSION, MANIFEST, quantize_fp8, shard_name, store_dtype
+from eyas.store.format import (FORMAT, FORMAT_VERSION, MANIFEST, first_nonfinite, quantize_fp8, shard_name,
+                               store_dtype, write_safetensors)
 from eyas.store.reader import Store, read_manifest
 
 LOCK = ".lock"
@@ -67,7 +66,8 @@ class StoreWriter:
         self.done: set[int] = set(Store(self.path).sample_indices().tolist()) if self.manifest["shards"] else set()
         self._buffer: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._buffer_bytes = 0
-        self._queue: queue.Queue = queue.Queue(maxsize=threads)  # bounds memory held by pending shards
+        # One shard waiting besides those being written: bounds the (often pinned) memory held.
+        self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
         self._threads = [threading.Thread(target=self._drain, name=f"eyas-store-writer-{i}", daemon=True)
                          for i in range(threads)]
@@ -92,24 +92,36 @@ class StoreWriter:
         return manifest
 
     def add(self, index: int, input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Queue one sample: `input_ids [T]`, `loss_mask [T]`, `hidden [T, L, H]` (any float dtype)."""
+        """Queue one sample: `input_ids [T]`, `loss_mask [T]`, `hidden [T, L, H]` (any float dtype).
+        `hidden` is kept by reference until its shard is written: do not modify it afterwards."""
         self._raise_pending()
-        if not torch.isfinite(hidden).all():
-            bad = (~torch.isfinite(hidden)).nonzero()[0].tolist()
+        if (bad := first_nonfinite(hidden)) is not None:
             raise EyasError(
                 f"Sample {index} has non-finite hidden states (token {bad[0]}, layer id {self.layer_ids[bad[1]]}); "
                 f"nothing of it was written. Capture in float32 or bf16 (fp16 can overflow)."
             )
-        hidden = hidden.detach().to("cpu", torch.float32 if self.dtype == torch.float8_e4m3fn else self.dtype)
-        self._buffer.append((index, input_ids.to("cpu", torch.int32), loss_mask.to("cpu", torch.uint8), hidden))
+        self._buffer.append((index, input_ids.to("cpu", torch.int32), loss_mask.to("cpu", torch.uint8),
+                             hidden.detach().to("cpu")))
         self._buffer_bytes += hidden.numel() * self.dtype.itemsize
         if self._buffer_bytes >= self.shard_bytes:
             self._flush()
 
     def _flush(self) -> None:
-        if not self._buffer:
-            return
-        samples, self._buffer, self._buffer_bytes = self._buffer, [], 0
+        if self._buffer:
+            samples, self._buffer, self._buffer_bytes = self._buffer, [], 0
+            self._queue.put(samples)
+        self._raise_pending()
+
+    def _drain(self) -> None:
+        while (samples := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._write_shard(self._pack(samples))
+                except BaseException as e:  # handed to the main thread by _raise_pending
+                    self._error = e
+
+    def _pack(self, samples: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Buffered samples -> the shard's tensors (see store.format)."""
         lengths = torch.tensor([s[1].numel() for s in samples])
         tensors = {
             "input_ids": torch.cat([s[1] for s in samples]),
@@ -117,25 +129,14 @@ class StoreWriter:
             "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
             "sample_index": torch.tensor([s[0] for s in samples], dtype=torch.int64),
         }
-        hidden = torch.cat([s[3] for s in samples])  # [T, L, H]
         if self.dtype == torch.float8_e4m3fn:
-            tensors["hidden"], tensors["scale"] = quantize_fp8(hidden)
+            tensors["hidden"], tensors["scale"] = quantize_fp8(torch.cat([s[3].float() for s in samples]))
         else:
-            tensors["hidden"] = hidden
-        self._queue.put(tensors)
-        self._raise_pending()
-
-    def _drain(self) -> None:
-        while (tensors := self._queue.get()) is not None:
-            if self._error is None:
-                try:
-                    self._write_shard(tensors)
-                except BaseException as e:  # handed to the main thread by _raise_pending
-                    self._error = e
+            tensors["hidden"] = torch.cat([s[3].to(self.dtype) for s in samples])  # [T, L, H]
+        return tensors
 
     def _write_shard(self, tensors: dict[str, torch.Tensor]) -> None:
-        data = save(tensors, metadata={"format": FORMAT, "layer_ids": ",".join(map(str, self.layer_ids))})
-        tmp = self._write_temp(data)
+        tmp, sha256, size = self._write_temp(tensors)
         try:
             with store_lock(self.path):
                 manifest = read_manifest(self.path)  # other ranks may have appended
@@ -144,7 +145,7 @@ class StoreWriter:
                 fsync_dir(self.path)
                 indices = tensors["sample_index"].tolist()
                 tokens = int(tensors["input_ids"].numel())
-                manifest["shards"].append({"file": name, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data),
+                manifest["shards"].append({"file": name, "sha256": sha256, "bytes": size,
                                            "num_samples": len(indices), "num_tokens": tokens})
                 manifest["num_samples"] += len(indices)
                 manifest["num_tokens"] += tokens
@@ -154,19 +155,21 @@ class StoreWriter:
             Path(tmp).unlink(missing_ok=True)
         self.done.update(indices)
 
-    def _write_temp(self, data: bytes) -> str:
+    def _write_temp(self, tensors: dict[str, torch.Tensor]) -> tuple[str, str, int]:
+        """The shard in a durable temp file -> (its path, sha256, size in bytes)."""
         fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".shard.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(data)
+                sha256 = write_safetensors(f, tensors, {"format": FORMAT, "layer_ids": ",".join(map(str, self.layer_ids))})
                 f.flush()
                 os.fsync(f.fileno())
-        except OSError as e:
+                size = f.tell()
+        except BaseException as e:
             Path(tmp).unlink(missing_ok=True)
-            if e.errno == errno.ENOSPC:
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
                 raise _disk_full(self.path) from e
             raise
-        return tmp
+        return tmp, sha256, size
 
     def _raise_pending(self) -> None:
         if self._error is not None:

@@ -22,6 +22,7 @@ from eyas.draft.config import DraftConfig
 from eyas.draft.model import Eagle3Drafter
 from eyas.draft.vocab import TokenCounter, build_draft_vocab, coverage, default_draft_vocab_size
 from eyas.errors import EyasError
+from eyas.store.format import first_nonfinite
 from eyas.train import checkpoint as ckpt
 from eyas import distributed
 from eyas.train.config import TrainConfig
@@ -194,7 +195,7 @@ def _autocast(device: torch.device):
 
 
 def _check_inputs(batch: Batch) -> None:
-    if not torch.isfinite(batch.hidden).all():
+    if first_nonfinite(batch.hidden) is not None:
         rows = (~torch.isfinite(batch.hidden)).flatten(1).any(-1).nonzero().flatten().tolist()
         raise EyasError(f"Sample(s) {[batch.sample_index[r] for r in rows]} hold NaN/inf hidden states; "
                         f"run `eyas inspect --verify` on the store and capture them again.")
