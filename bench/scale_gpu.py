@@ -21,6 +21,7 @@ import json
 import os
 import random
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -115,6 +116,33 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def disk_write_rate(folder: Path, writers: int, gib: float = 2.0) -> float:
+    """GB/s that `writers` threads reach writing and fsyncing `gib` GiB each into `folder`:
+    the ceiling for capture's store writes on this machine."""
+    import threading
+
+    block = os.urandom(64 << 20)
+    paths = [folder / f"disk-probe-{w}.bin" for w in range(writers)]
+
+    def write(path: Path) -> None:
+        with open(path, "wb") as f:
+            for _ in range(int(gib * 16)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+
+    threads = [threading.Thread(target=write, args=(p,)) for p in paths]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    seconds = time.perf_counter() - start
+    for path in paths:
+        path.unlink()
+    return writers * gib * (1 << 30) / seconds / 1e9
+
+
 def torchrun(g: int, args: list[str], log: Path) -> str:
     env = {**os.environ, "NCCL_NVLS_ENABLE": "0", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "4")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(g), "--master-port",
@@ -157,20 +185,25 @@ def compare_stores(a: Path, b: Path, samples: int = 64) -> float:
 
 
 def main() -> None:
+    from eyas.store import Store
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", default="1,2", help="process counts to measure, e.g. 1,2,4")
     p.add_argument("--shape", default="1b", choices=sorted(SHAPES))
     p.add_argument("--device", default="cuda")
     p.add_argument("--tokens", type=int, default=600_000, help="prepared tokens (default 600k)")
     p.add_argument("--batch-tokens", type=int, default=16384)
-    p.add_argument("--train-steps", type=int, default=40)
+    p.add_argument("--train-steps", type=int, default=40, help="0 measures capture only")
     p.add_argument("--train-batch-tokens", type=int, default=8192)
     p.add_argument("--work", default="/tmp/eyas-scale")
+    p.add_argument("--store-root", default=None, help="where the stores go (default --work), e.g. /dev/shm to take the disk out")
     p.add_argument("--json", default=None, help="write the results here")
     args = p.parse_args()
     gpus = [int(g) for g in args.gpus.split(",")]
     work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+    stores = Path(args.store_root or work)
+    for folder in (work, stores):
+        folder.mkdir(parents=True, exist_ok=True)
     machine = torch.cuda.get_device_name(0) if args.device == "cuda" else f"cpu x{os.cpu_count()}"
 
     t0 = time.time()
@@ -180,18 +213,25 @@ def main() -> None:
     forward = pure_forward(work / "model", work / "prepared", args.device, args.batch_tokens)
     print(f"pure forward (G=1): {forward:,.0f} tok/s")
 
+    disk = {w: disk_write_rate(stores, w) for w in sorted({1, max(gpus)})}
+    print("disk write (fsync'd): " + ", ".join(f"{w} writer(s) {r:.2f} GB/s" for w, r in disk.items()))
+
     capture, train, drift = {}, {}, {}
     for g in gpus:
-        store = work / f"store-{g}"
+        store = stores / f"store-{g}"
+        shutil.rmtree(store, ignore_errors=True)  # a store left by an earlier run would only be resumed
         out = torchrun(g, ["capture", "--model", str(work / "model"), "--data", str(work / "prepared"), "--out", str(store),
                            "--device", args.device, "--model-dtype", "bf16", "--batch-tokens", str(args.batch_tokens)],
                        work / f"capture-{g}.log")
         capture[g] = capture_rate(out)
-        drift[g] = compare_stores(work / f"store-{gpus[0]}", store) if g != gpus[0] else 0.0
-        print(f"capture G={g}: {capture[g]:,.0f} tok/s; max row difference vs G={gpus[0]}: {drift[g]:.2e}")
-    for g in gpus:
+        drift[g] = compare_stores(stores / f"store-{gpus[0]}", store) if g != gpus[0] else 0.0
+        store_gb_s = capture[g] * Store(store).bytes_per_token() / 1e9
+        print(f"capture G={g}: {capture[g]:,.0f} tok/s ({store_gb_s:.2f} GB/s to the store); "
+              f"max row difference vs G={gpus[0]}: {drift[g]:.2e}")
+    for g in gpus if args.train_steps else []:
         run_dir = work / f"train-{g}"
-        torchrun(g, ["train", "--store", str(work / f"store-{gpus[0]}"), "--out", str(run_dir), "--steps",
+        shutil.rmtree(run_dir, ignore_errors=True)
+        torchrun(g, ["train", "--store", str(stores / f"store-{gpus[0]}"), "--out", str(run_dir), "--steps",
                      str(args.train_steps), "--batch-tokens", str(args.train_batch_tokens), "--device", args.device,
                      "--log-every", "5", "--eval-every", "1000000", "--save-every", "1000000", "--no-progress"],
                  work / f"train-{g}.log")
@@ -201,16 +241,17 @@ def main() -> None:
     base = gpus[0]
     result = {
         "machine": machine, "shape": args.shape, "tokens": sum(lengths), "pure_forward_tok_s": forward,
+        "disk_write_gb_s": disk, "store_bytes_per_token": Store(stores / f"store-{gpus[0]}").bytes_per_token(),
         "capture_tok_s": capture, "train_tok_s": train, "store_max_row_rel_diff": drift,
         "capture_over_forward": capture[base] / forward,
         "capture_efficiency": {g: capture[g] / (g / base * capture[base]) for g in gpus},
-        "train_efficiency": {g: train[g] / (g / base * train[base]) for g in gpus},
+        "train_efficiency": {g: train[g] / (g / base * train[base]) for g in train},
     }
     print(f"\n{machine}, {args.shape} shape, medians where repeated")
     print(f"capture / pure forward at G={base}: {result['capture_over_forward']:.3f}")
     for g in gpus:
-        print(f"G={g}: capture {capture[g]:>10,.0f} tok/s (efficiency {result['capture_efficiency'][g]:.3f}), "
-              f"train {train[g]:>9,.0f} tok/s (efficiency {result['train_efficiency'][g]:.3f})")
+        print(f"G={g}: capture {capture[g]:>10,.0f} tok/s (efficiency {result['capture_efficiency'][g]:.3f})"
+              + (f", train {train[g]:>9,.0f} tok/s (efficiency {result['train_efficiency'][g]:.3f})" if g in train else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
 

@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from eyas.capture.batching import token_budget_batches
+from eyas.capture.staging import HostStager
 from eyas.capture.vllm import make_vllm_backend  # light: vLLM itself is imported only when used
 from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
@@ -71,12 +72,23 @@ def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", 
     bar = tqdm(total=sum(lengths[i] for i in todo), unit="tok", unit_scale=True, desc=desc,
                disable=not progress or not ranks.main)
     started = time.monotonic()
+    stager = HostStager(dev)
+    pending = None  # the previous batch, its states still on their way to the host
+
+    def write(batch: list[int], samples: list, collect) -> None:
+        for i, sample, hidden in zip(batch, samples, collect()):
+            writer.add(i, sample.input_ids, sample.loss_mask, hidden)
+        bar.update(sum(lengths[i] for i in batch))
+
     try:
         for batch in token_budget_batches(todo, lengths, batch_tokens):
             samples = [prepared[i] for i in batch]
-            for i, sample, hidden in zip(batch, samples, engine.capture(samples)):
-                writer.add(i, sample.input_ids, sample.loss_mask, hidden)
-            bar.update(sum(lengths[i] for i in batch))
+            staged = (batch, samples, stager.start(engine.capture(samples)))
+            if pending:
+                write(*pending)  # while the GPU runs this batch
+            pending = staged
+        if pending:
+            write(*pending)
     except KeyboardInterrupt:
         writer.close()  # keep what was captured; the next run resumes after it
         raise
