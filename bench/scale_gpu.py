@@ -154,9 +154,10 @@ def torchrun(g: int, args: list[str], log: Path) -> str:
     return done.stdout
 
 
-def capture_rate(stdout: str) -> float:
-    m = re.search(r"captured ([\d,]+) tokens in ([\d.]+) s", stdout)
-    return int(m.group(1).replace(",", "")) / float(m.group(2))
+def capture_rate(stdout: str) -> tuple[float, float]:
+    """(tok/s, seconds the capture waited on its store writers) from capture's last line."""
+    m = re.search(r"captured ([\d,]+) tokens in ([\d.]+) s.*; ([\d.]+) s of it waiting", stdout)
+    return int(m.group(1).replace(",", "")) / float(m.group(2)), float(m.group(3))
 
 
 def train_rate(out: Path) -> float:
@@ -193,6 +194,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tokens", type=int, default=600_000, help="prepared tokens (default 600k)")
     p.add_argument("--batch-tokens", type=int, default=16384)
+    p.add_argument("--store-dtype", default="bf16", help="capture --dtype: fp8 halves the bytes a disk must take")
     p.add_argument("--train-steps", type=int, default=40, help="0 measures capture only")
     p.add_argument("--train-batch-tokens", type=int, default=8192)
     p.add_argument("--work", default="/tmp/eyas-scale")
@@ -216,17 +218,19 @@ def main() -> None:
     disk = {w: disk_write_rate(stores, w) for w in sorted({1, max(gpus)})}
     print("disk write (fsync'd): " + ", ".join(f"{w} writer(s) {r:.2f} GB/s" for w, r in disk.items()))
 
-    capture, train, drift = {}, {}, {}
+    capture, waited, train, drift = {}, {}, {}, {}
     for g in gpus:
         store = stores / f"store-{g}"
         shutil.rmtree(store, ignore_errors=True)  # a store left by an earlier run would only be resumed
         out = torchrun(g, ["capture", "--model", str(work / "model"), "--data", str(work / "prepared"), "--out", str(store),
-                           "--device", args.device, "--model-dtype", "bf16", "--batch-tokens", str(args.batch_tokens)],
+                           "--device", args.device, "--model-dtype", "bf16", "--batch-tokens", str(args.batch_tokens),
+                           "--dtype", args.store_dtype],
                        work / f"capture-{g}.log")
-        capture[g] = capture_rate(out)
+        capture[g], waited[g] = capture_rate(out)
         drift[g] = compare_stores(stores / f"store-{gpus[0]}", store) if g != gpus[0] else 0.0
         store_gb_s = capture[g] * Store(store).bytes_per_token() / 1e9
-        print(f"capture G={g}: {capture[g]:,.0f} tok/s ({store_gb_s:.2f} GB/s to the store); "
+        print(f"capture G={g}: {capture[g]:,.0f} tok/s ({store_gb_s:.2f} GB/s to the store, "
+              f"{waited[g]:.1f} s waiting on the store writers); "
               f"max row difference vs G={gpus[0]}: {drift[g]:.2e}")
     for g in gpus if args.train_steps else []:
         run_dir = work / f"train-{g}"
@@ -242,7 +246,8 @@ def main() -> None:
     result = {
         "machine": machine, "shape": args.shape, "tokens": sum(lengths), "pure_forward_tok_s": forward,
         "disk_write_gb_s": disk, "store_bytes_per_token": Store(stores / f"store-{gpus[0]}").bytes_per_token(),
-        "capture_tok_s": capture, "train_tok_s": train, "store_max_row_rel_diff": drift,
+        "store_dtype": args.store_dtype, "capture_tok_s": capture, "capture_wait_on_store_s": waited,
+        "train_tok_s": train, "store_max_row_rel_diff": drift,
         "capture_over_forward": capture[base] / forward,
         "capture_efficiency": {g: capture[g] / (g / base * capture[base]) for g in gpus},
         "train_efficiency": {g: train[g] / (g / base * train[base]) for g in train},

@@ -45,6 +45,14 @@ def test_write_safetensors_is_read_back_exactly_by_safetensors(tmp_path):
     assert header_len % 8 == 0  # so every tensor starts aligned
 
 
+def test_write_safetensors_stores_a_list_as_its_concatenation():
+    parts = [torch.randn(n, 3, 4).to(torch.bfloat16) for n in (5, 1, 9)]
+    as_list, as_one = io.BytesIO(), io.BytesIO()
+    write_safetensors(as_list, {"hidden": parts, "ids": torch.arange(15)}, {})
+    write_safetensors(as_one, {"hidden": torch.cat(parts), "ids": torch.arange(15)}, {})
+    assert as_list.getvalue() == as_one.getvalue()
+
+
 @pytest.mark.parametrize("dtype", FLOATS + [torch.float8_e4m3fn])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_first_nonfinite_finds_the_first_bad_value(dtype, bad):

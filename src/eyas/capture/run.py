@@ -101,10 +101,11 @@ def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", 
     manifest = writer.close(expected_samples=len(prepared))
     # The job's rate: tokens summed over ranks, over the slowest rank's time.
     tokens = all_reduce(torch.tensor([float(sum(lengths[i] for i in todo))], device=dev), ranks).item()
-    seconds = _all_max(torch.tensor([time.monotonic() - started], device=dev), ranks).item()
+    seconds, waited = _all_max(torch.tensor([time.monotonic() - started, writer.wait_seconds], device=dev), ranks).tolist()
     if progress and ranks.main and tokens:
         print(f"captured {int(tokens):,} tokens in {seconds:.1f} s: {tokens / seconds:,.0f} tok/s"
-              + (f" over {ranks.world} processes" if ranks.enabled else ""))
+              + (f" over {ranks.world} processes" if ranks.enabled else "")
+              + f"; {waited:.1f} s of it waiting for the store to reach the disk")
     barrier(ranks)  # every rank's shards are in the manifest
     shutdown(ranks)
     return read_manifest(out) if ranks.enabled else manifest

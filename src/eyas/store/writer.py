@@ -17,6 +17,7 @@ import os
 import queue
 import tempfile
 import threading
+import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
@@ -69,6 +70,7 @@ class StoreWriter:
         # One shard waiting besides those being written: bounds the (often pinned) memory held.
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
+        self.wait_seconds = 0.0  # the caller's time blocked on the writer threads: the disk's share
         self._threads = [threading.Thread(target=self._drain, name=f"eyas-store-writer-{i}", daemon=True)
                          for i in range(threads)]
         for thread in self._threads:
@@ -109,7 +111,9 @@ class StoreWriter:
     def _flush(self) -> None:
         if self._buffer:
             samples, self._buffer, self._buffer_bytes = self._buffer, [], 0
+            started = time.monotonic()
             self._queue.put(samples)
+            self.wait_seconds += time.monotonic() - started
         self._raise_pending()
 
     def _drain(self) -> None:
@@ -120,7 +124,7 @@ class StoreWriter:
                 except BaseException as e:  # handed to the main thread by _raise_pending
                     self._error = e
 
-    def _pack(self, samples: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    def _pack(self, samples: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
         """Buffered samples -> the shard's tensors (see store.format)."""
         lengths = torch.tensor([s[1].numel() for s in samples])
         tensors = {
@@ -132,10 +136,10 @@ class StoreWriter:
         if self.dtype == torch.float8_e4m3fn:
             tensors["hidden"], tensors["scale"] = quantize_fp8(torch.cat([s[3].float() for s in samples]))
         else:
-            tensors["hidden"] = torch.cat([s[3].to(self.dtype) for s in samples])  # [T, L, H]
+            tensors["hidden"] = [s[3].to(self.dtype) for s in samples]  # [T_i, L, H], written back to back
         return tensors
 
-    def _write_shard(self, tensors: dict[str, torch.Tensor]) -> None:
+    def _write_shard(self, tensors: dict[str, Any]) -> None:
         tmp, sha256, size = self._write_temp(tensors)
         try:
             with store_lock(self.path):
@@ -155,7 +159,7 @@ class StoreWriter:
             Path(tmp).unlink(missing_ok=True)
         self.done.update(indices)
 
-    def _write_temp(self, tensors: dict[str, torch.Tensor]) -> tuple[str, str, int]:
+    def _write_temp(self, tensors: dict[str, Any]) -> tuple[str, str, int]:
         """The shard in a durable temp file -> (its path, sha256, size in bytes)."""
         fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".shard.", suffix=".tmp")
         try:
@@ -197,7 +201,9 @@ class StoreWriter:
         self._stop_threads()
 
     def _stop_threads(self) -> None:
+        started = time.monotonic()
         for _ in self._threads:
             self._queue.put(None)
         for thread in self._threads:
             thread.join()
+        self.wait_seconds += time.monotonic() - started
