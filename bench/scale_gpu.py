@@ -206,6 +206,8 @@ def main() -> None:
     stores = Path(args.store_root or work)
     for folder in (work, stores):
         folder.mkdir(parents=True, exist_ok=True)
+        for old in [d for d in (*folder.glob("store-*"), *folder.glob("train-*")) if d.is_dir()]:
+            shutil.rmtree(old)  # an earlier run's stores would be resumed, and fill memory or disk
     machine = torch.cuda.get_device_name(0) if args.device == "cuda" else f"cpu x{os.cpu_count()}"
 
     t0 = time.time()
@@ -221,7 +223,6 @@ def main() -> None:
     capture, waited, train, drift = {}, {}, {}, {}
     for g in gpus:
         store = stores / f"store-{g}"
-        shutil.rmtree(store, ignore_errors=True)  # a store left by an earlier run would only be resumed
         out = torchrun(g, ["capture", "--model", str(work / "model"), "--data", str(work / "prepared"), "--out", str(store),
                            "--device", args.device, "--model-dtype", "bf16", "--batch-tokens", str(args.batch_tokens),
                            "--dtype", args.store_dtype],
@@ -234,7 +235,6 @@ def main() -> None:
               f"max row difference vs G={gpus[0]}: {drift[g]:.2e}")
     for g in gpus if args.train_steps else []:
         run_dir = work / f"train-{g}"
-        shutil.rmtree(run_dir, ignore_errors=True)
         torchrun(g, ["train", "--store", str(stores / f"store-{gpus[0]}"), "--out", str(run_dir), "--steps",
                      str(args.train_steps), "--batch-tokens", str(args.train_batch_tokens), "--device", args.device,
                      "--log-every", "5", "--eval-every", "1000000", "--save-every", "1000000", "--no-progress"],

@@ -99,9 +99,10 @@ def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", 
         bar.close()
         getattr(engine, "close", lambda: None)()
     manifest = writer.close(expected_samples=len(prepared))
+    elapsed = time.monotonic() - started  # before any collective, which would wait for the other ranks
     # The job's rate: tokens summed over ranks, over the slowest rank's time.
     tokens = all_reduce(torch.tensor([float(sum(lengths[i] for i in todo))], device=dev), ranks).item()
-    seconds, waited = _all_max(torch.tensor([time.monotonic() - started, writer.wait_seconds], device=dev), ranks).tolist()
+    seconds, waited = _all_max(torch.tensor([elapsed, writer.wait_seconds], device=dev), ranks).tolist()
     if progress and ranks.main and tokens:
         print(f"captured {int(tokens):,} tokens in {seconds:.1f} s: {tokens / seconds:,.0f} tok/s"
               + (f" over {ranks.world} processes" if ranks.enabled else "")
