@@ -3,8 +3,8 @@
 A synchronous `.cpu()` per sample stalls the GPU for every copy and copies through pageable
 memory. Here a batch's samples are packed on the device, copied once into pinned memory on
 a side stream, and collected one batch later, so the copy overlaps the next forward.
-Collecting moves the batch on into ordinary memory: the pinned buffers are recycled at
-once, so a capture pins only a couple of batches (pinning is slow, and scarce memory).
+The store writer copies the collected states into its shard buffers at once, so the pinned
+memory is recycled batch after batch: a capture pins only a couple of batches.
 """
 
 from __future__ import annotations
@@ -37,6 +37,6 @@ class HostStager:
 
         def collect() -> list[torch.Tensor]:
             done.synchronize()
-            return list(torch.empty(host.shape, dtype=host.dtype).copy_(host).split(lengths))
+            return list(host.split(lengths))
 
         return collect

@@ -35,30 +35,27 @@ SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float3
                       torch.int32: "I32", torch.int64: "I64", torch.uint8: "U8"}
 
 
-def write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor | list[torch.Tensor]], metadata: dict[str, str]) -> str:
-    """Write `tensors` to `f` in the safetensors format and return the file's sha256. A list
-    of tensors is stored as their concatenation along dim 0, without building it.
+def write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """Write `tensors` to `f` in the safetensors format and return the file's sha256.
 
     Written here rather than with safetensors' own `save`, which copies a shard twice, once
     holding the GIL (the capture loop then stalls for a second per GiB): tensors go to the file
     straight from their memory, and are hashed on the way, with the GIL released.
     """
-    parts = {k: v if isinstance(v, list) else [v] for k, v in tensors.items()}
     # Widest dtypes first, and a header padded to 8 bytes: every tensor stays aligned.
-    order = sorted(parts, key=lambda k: (-parts[k][0].element_size(), k))
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
     header: dict[str, object] = {"__metadata__": metadata}
     start = 0
     for k in order:
-        first = parts[k][0]
-        shape = [sum(len(t) for t in parts[k]), *first.shape[1:]]
-        end = start + sum(t.numel() for t in parts[k]) * first.element_size()
-        header[k] = {"dtype": SAFETENSORS_DTYPES[first.dtype], "shape": shape, "data_offsets": [start, end]}
+        t = tensors[k]
+        end = start + t.numel() * t.element_size()
+        header[k] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [start, end]}
         start = end
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     digest = hashlib.sha256()
     for chunk in (struct.pack("<Q", len(text)), text,
-                  *(memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()) for k in order for t in parts[k])):
+                  *(memoryview(tensors[k].contiguous().reshape(-1).view(torch.uint8).numpy()) for k in order)):
         digest.update(chunk)
         f.write(chunk)
     return digest.hexdigest()

@@ -1,8 +1,10 @@
 """Append captured samples to a store, so that a killed run loses nothing and repeats nothing.
 
-Samples are buffered until a shard is full, then handed to background threads, which pack,
-serialise, hash and write the shard; all of that releases the GIL, so shards overlap each
-other and the capture loop. Each writes the shard to a temp file (fsync), then, holding the
+Samples are copied into a shard buffer until it is full, then handed to background threads,
+which serialise, hash and write the shard; all of that releases the GIL, so shards overlap
+each other and the capture loop. Written buffers are reused: a long capture keeps touching
+the same memory instead of faulting in fresh pages for every batch, a cost the kernel
+serialises across all the ranks of a machine. Each writes the shard to a temp file (fsync), then, holding the
 store's lock, names it with the next shard number (rename) and records it in the manifest.
 Several writers — the ranks of a data-parallel capture — can therefore append to one store
 with one manifest. A shard on disk but not in the manifest is an orphan of a killed run: the
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import math
 import os
 import queue
 import tempfile
@@ -65,8 +68,12 @@ class StoreWriter:
         with store_lock(self.path):
             self.manifest = self._open(header)
         self.done: set[int] = set(Store(self.path).sample_indices().tolist()) if self.manifest["shards"] else set()
-        self._buffer: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
-        self._buffer_bytes = 0
+        self._row_shape = (len(self.layer_ids), int(header["hidden_size"]))
+        self._capacity = max(1, shard_bytes // (math.prod(self._row_shape) * self.dtype.itemsize))  # tokens
+        self._hidden: torch.Tensor | None = None  # the shard being filled, [rows, L, H]
+        self._used = 0  # its rows filled so far
+        self._samples: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (index, input_ids, loss_mask)
+        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()  # buffers whose shard is written
         # One shard waiting besides those being written: bounds the (often pinned) memory held.
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
@@ -94,38 +101,60 @@ class StoreWriter:
         return manifest
 
     def add(self, index: int, input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Queue one sample: `input_ids [T]`, `loss_mask [T]`, `hidden [T, L, H]` (any float dtype).
-        `hidden` is kept by reference until its shard is written: do not modify it afterwards."""
+        """Queue one sample: `input_ids [T]`, `loss_mask [T]`, `hidden [T, L, H]` (any float dtype,
+        any device). It is copied: the caller may reuse its tensors at once."""
         self._raise_pending()
         if (bad := first_nonfinite(hidden)) is not None:
             raise EyasError(
                 f"Sample {index} has non-finite hidden states (token {bad[0]}, layer id {self.layer_ids[bad[1]]}); "
                 f"nothing of it was written. Capture in float32 or bf16 (fp16 can overflow)."
             )
-        self._buffer.append((index, input_ids.to("cpu", torch.int32), loss_mask.to("cpu", torch.uint8),
-                             hidden.detach().to("cpu")))
-        self._buffer_bytes += hidden.numel() * self.dtype.itemsize
-        if self._buffer_bytes >= self.shard_bytes:
+        n = len(hidden)
+        if self._hidden is not None and self._used + n > len(self._hidden):
+            self._flush()
+        if self._hidden is None:
+            self._hidden = self._take_buffer(n, hidden.dtype)
+        self._hidden[self._used : self._used + n].copy_(hidden.detach())
+        self._used += n
+        self._samples.append((index, input_ids.to("cpu", torch.int32), loss_mask.to("cpu", torch.uint8)))
+        if self._used >= self._capacity:
             self._flush()
 
+    def _take_buffer(self, rows: int, incoming: torch.dtype) -> torch.Tensor:
+        """A written buffer if one is free, else a new one; a sample longer than a shard gets
+        its own. fp8 is quantized when the shard is packed, from exactly what came in."""
+        dtype = incoming if self.dtype == torch.float8_e4m3fn else self.dtype
+        if rows <= self._capacity:
+            try:
+                buffer = self._free.get_nowait()
+                if buffer.dtype == dtype:
+                    return buffer
+            except queue.Empty:
+                pass
+        return torch.empty(max(rows, self._capacity), *self._row_shape, dtype=dtype)
+
     def _flush(self) -> None:
-        if self._buffer:
-            samples, self._buffer, self._buffer_bytes = self._buffer, [], 0
+        if self._samples:
+            job = (self._samples, self._hidden, self._used)
+            self._samples, self._hidden, self._used = [], None, 0
             started = time.monotonic()
-            self._queue.put(samples)
+            self._queue.put(job)
             self.wait_seconds += time.monotonic() - started
         self._raise_pending()
 
     def _drain(self) -> None:
-        while (samples := self._queue.get()) is not None:
+        while (job := self._queue.get()) is not None:
+            samples, buffer, used = job
             if self._error is None:
                 try:
-                    self._write_shard(self._pack(samples))
+                    self._write_shard(self._pack(samples, buffer[:used]))
                 except BaseException as e:  # handed to the main thread by _raise_pending
                     self._error = e
+            if len(buffer) == self._capacity:
+                self._free.put(buffer)
 
-    def _pack(self, samples: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
-        """Buffered samples -> the shard's tensors (see store.format)."""
+    def _pack(self, samples: list[tuple[int, torch.Tensor, torch.Tensor]], hidden: torch.Tensor) -> dict[str, Any]:
+        """A shard's samples and their `hidden [T, L, H]` -> the shard's tensors (see store.format)."""
         lengths = torch.tensor([s[1].numel() for s in samples])
         tensors = {
             "input_ids": torch.cat([s[1] for s in samples]),
@@ -134,9 +163,9 @@ class StoreWriter:
             "sample_index": torch.tensor([s[0] for s in samples], dtype=torch.int64),
         }
         if self.dtype == torch.float8_e4m3fn:
-            tensors["hidden"], tensors["scale"] = quantize_fp8(torch.cat([s[3].float() for s in samples]))
+            tensors["hidden"], tensors["scale"] = quantize_fp8(hidden)
         else:
-            tensors["hidden"] = [s[3].to(self.dtype) for s in samples]  # [T_i, L, H], written back to back
+            tensors["hidden"] = hidden
         return tensors
 
     def _write_shard(self, tensors: dict[str, Any]) -> None:
@@ -197,7 +226,7 @@ class StoreWriter:
 
     def abort(self) -> None:
         """Stop after the shards already queued; nothing half-written stays behind."""
-        self._buffer, self._buffer_bytes = [], 0
+        self._samples, self._hidden, self._used = [], None, 0
         self._stop_threads()
 
     def _stop_threads(self) -> None:
