@@ -244,7 +244,8 @@ def main() -> None:
 
     base = gpus[0]
     result = {
-        "machine": machine, "shape": args.shape, "tokens": sum(lengths), "pure_forward_tok_s": forward,
+        "machine": machine, "command": " ".join(sys.argv[1:]), "store_root": str(stores),
+        "shape": args.shape, "tokens": sum(lengths), "pure_forward_tok_s": forward,
         "disk_write_gb_s": disk, "store_bytes_per_token": Store(stores / f"store-{gpus[0]}").bytes_per_token(),
         "store_dtype": args.store_dtype, "capture_tok_s": capture, "capture_wait_on_store_s": waited,
         "train_tok_s": train, "store_max_row_rel_diff": drift,
