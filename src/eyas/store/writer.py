@@ -64,7 +64,6 @@ class StoreWriter:
         self.path = Path(path)
         self.dtype = store_dtype(header["dtype"])
         self.layer_ids = list(header["layer_ids"])
-        self.shard_bytes = shard_bytes
         with store_lock(self.path):
             self.manifest = self._open(header)
         self.done: set[int] = set(Store(self.path).sample_indices().tolist()) if self.manifest["shards"] else set()
@@ -74,7 +73,7 @@ class StoreWriter:
         self._used = 0  # its rows filled so far
         self._samples: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (index, input_ids, loss_mask)
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()  # buffers whose shard is written
-        # One shard waiting besides those being written: bounds the (often pinned) memory held.
+        # One shard waiting besides those being written: at most 2 + threads shard buffers exist.
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
         self.wait_seconds = 0.0  # the caller's time blocked on the writer threads: the disk's share
