@@ -91,10 +91,10 @@ def _fsdp_no_sync(module):
         module.set_requires_gradient_sync(True)
 
 
-def all_reduce(t: torch.Tensor, d: Dist) -> torch.Tensor:
-    """Sum over processes (in place); returns t."""
+def all_reduce(t: torch.Tensor, d: Dist, op: str = "sum") -> torch.Tensor:
+    """Sum (or "max") over processes, in place; returns t."""
     if d.enabled:
-        dist.all_reduce(t)
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
     return t
 
 

@@ -27,14 +27,6 @@ def make_hf_backend(model: str, layers: str, model_dtype: str, device: str, **_:
 BACKENDS: dict[str, Callable[..., Any]] = {"hf": make_hf_backend, "vllm": make_vllm_backend}
 
 
-def _all_max(t: torch.Tensor, ranks) -> torch.Tensor:
-    if ranks.enabled:
-        import torch.distributed as dist
-
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t
-
-
 def default_model_dtype(device: str) -> str:
     return "float32" if device == "cpu" else "bf16"
 
@@ -102,7 +94,7 @@ def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", 
     elapsed = time.monotonic() - started  # before any collective, which would wait for the other ranks
     # The job's rate: tokens summed over ranks, over the slowest rank's time.
     tokens = all_reduce(torch.tensor([float(sum(lengths[i] for i in todo))], device=dev), ranks).item()
-    seconds, waited = _all_max(torch.tensor([elapsed, writer.wait_seconds], device=dev), ranks).tolist()
+    seconds, waited = all_reduce(torch.tensor([elapsed, writer.wait_seconds], device=dev), ranks, op="max").tolist()
     if progress and ranks.main and tokens:
         print(f"captured {int(tokens):,} tokens in {seconds:.1f} s: {tokens / seconds:,.0f} tok/s"
               + (f" over {ranks.world} processes" if ranks.enabled else "")

