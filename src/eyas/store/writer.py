@@ -2,13 +2,14 @@
 
 Samples are copied into a shard buffer until it is full, then handed to background threads,
 which serialise, hash and write the shard; all of that releases the GIL, so shards overlap
-each other and the capture loop. Written buffers are reused: a long capture keeps touching
-the same memory instead of faulting in fresh pages for every batch (kernel work that every
-rank of a machine does at once). Each writes the shard to a temp file (fsync), then, holding the
-store's lock, names it with the next shard number (rename) and records it in the manifest.
-Several writers — the ranks of a data-parallel capture — can therefore append to one store
-with one manifest. A shard on disk but not in the manifest is an orphan of a killed run: the
-next writer to take its number overwrites it, and its samples are captured again.
+each other and the capture loop. A thread writes its shard to a temp file (fsync), then,
+holding the store's lock, names it with the next shard number (rename) and records it in the
+manifest. Several writers — the ranks of a data-parallel capture — can therefore append to
+one store with one manifest. A shard on disk but not in the manifest is an orphan of a killed
+run: the next writer to take its number overwrites it, and its samples are captured again.
+
+Written buffers are reused: a long capture keeps touching the same memory instead of
+faulting in fresh pages for every batch (kernel work that every rank of a machine does at once).
 """
 
 from __future__ import annotations
