@@ -32,6 +32,8 @@ class DraftConfig:
     max_position_embeddings: int = 8192
     hidden_act: str = "silu"
     norm_before_residual: bool = False
+    fc_norm: bool = False  # an RMSNorm (own weight) on each aux state before `fc` (EAGLE 3.1; vLLM `fc_norm`)
+    norm_output: bool = False  # feed the post-norm output back between steps (EAGLE 3.1; vLLM `norm_output`)
     ttt_steps: int = 7
     ttt_decay: float = 0.8
 
@@ -97,6 +99,8 @@ class DraftConfig:
             "target_hidden_size": self.hidden_size,
             "tie_word_embeddings": False,
             "norm_before_residual": self.norm_before_residual,
+            "fc_norm": self.fc_norm,
+            "norm_output": self.norm_output,
             "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
             "num_aux_hidden_states": len(self.aux_layer_ids),  # vLLM sizes fc from this, not from the ids
             "eyas": {"config_version": CONFIG_VERSION, **{k: v for k, v in asdict(self).items()}},

@@ -82,6 +82,8 @@ class Eagle3Drafter(nn.Module):
         self.embed_tokens.requires_grad_(False)
         if embed_weight is not None:
             self.embed_tokens.weight.data.copy_(embed_weight)
+        if cfg.fc_norm:  # one RMSNorm per aux state: the target's layers differ in scale by 10x and more
+            self.fc_norm = nn.ModuleList(LlamaRMSNorm(H, eps=cfg.rms_norm_eps) for _ in cfg.aux_layer_ids)
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * H, H, bias=False)
         self.midlayer = DraftLayer(cfg)
         self.norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
@@ -105,11 +107,15 @@ class Eagle3Drafter(nn.Module):
 
     def combine(self, aux_hidden: torch.Tensor) -> torch.Tensor:
         """aux_hidden [..., L_aux, H] (the target's aux states) -> [..., H]."""
+        if self.config.fc_norm:
+            aux_hidden = torch.stack([norm(aux_hidden[..., i, :]) for i, norm in enumerate(self.fc_norm)], dim=-2)
         return self.fc(aux_hidden.flatten(-2))
 
-    def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
-        """prenorm [B, T, H] -> draft-vocab logits [B, T, Vd]."""
-        return self.lm_head(self.norm(prenorm))
+    def outputs(self, prenorm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """prenorm [..., H] (the layer's output) -> draft-vocab logits [..., Vd] and the hidden
+        state the next step reads [..., H]: the pre-norm output, or the normed one (norm_output)."""
+        normed = self.norm(prenorm)
+        return self.lm_head(normed), normed if self.config.norm_output else prenorm
 
     def forward_ttt(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int | None = None):
         """Training-time test over whole sequences.
@@ -138,8 +144,8 @@ class Eagle3Drafter(nn.Module):
             else:
                 extra.append((kk, vv))
             out = ttt_attention(q, k0, v0, extra)  # [B, nH, T, d]
-            hidden = self.midlayer.post_attention(out.transpose(1, 2).flatten(2), residual)
-            all_logits.append(self.compute_logits(hidden))
+            logits, hidden = self.outputs(self.midlayer.post_attention(out.transpose(1, 2).flatten(2), residual))
+            all_logits.append(logits)
         return all_logits
 
 

@@ -61,8 +61,8 @@ class DrafterSession:
         h, k, v = self._layer(tokens, hidden, torch.arange(S, S + n), self.keys, self.values, visible)
         self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=-2)
         self.values = v if self.values is None else torch.cat([self.values, v], dim=-2)
-        self.hidden = h[-1]
-        self.logits = self.m.compute_logits(h[-1:][None])[0, 0]
+        logits, hidden = self.m.outputs(h[-1])
+        self.logits, self.hidden = logits, hidden
 
     def _to_target(self, draft_ids: torch.Tensor) -> list[int]:
         return self.m.draft_to_target(draft_ids).tolist()
@@ -91,8 +91,7 @@ class DrafterSession:
             h, k, v = self._layer(self.m.draft_to_target(draft_id), hidden[None], torch.tensor([S - 1 + d]),
                                   keys, values, visible)
             keys, values = torch.cat([keys, k], dim=-2), torch.cat([values, v], dim=-2)
-            hidden = h[0]
-            logits = self.m.compute_logits(h[None])[0, 0]
+            logits, hidden = self.m.outputs(h[0])
         return tree
 
     @torch.inference_mode()
@@ -121,9 +120,10 @@ class DrafterSession:
                                   torch.full((len(frontier),), S - 1 + d), keys, values, visible)
             keys, values = torch.cat([keys, k], dim=-2), torch.cat([values, v], dim=-2)
             fed += frontier
+            logits, fed_back = self.m.outputs(h)  # [F, Vd], [F, H]
             for r, node in enumerate(frontier):
-                hidden_of[node] = h[r]
-            lp, ids = torch.log_softmax(self.m.compute_logits(h[None])[0].float(), -1).topk(k_eff)  # [F, k]
+                hidden_of[node] = fed_back[r]
+            lp, ids = torch.log_softmax(logits.float(), -1).topk(k_eff)  # [F, k]
             cand = (torch.tensor([scores[n] for n in frontier], device=lp.device)[:, None] + lp).flatten()
             first = len(tokens)
             tokens += self._to_target(ids.flatten())

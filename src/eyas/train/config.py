@@ -20,6 +20,8 @@ class TrainConfig:
     draft_vocab: int | None = None  # default min(32000, target vocab)
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    fc_norm: bool = False
+    norm_output: bool = False
     epochs: float | None = None  # default 1 unless steps is given
     steps: int | None = None
     lr: float = 1e-4
