@@ -152,3 +152,23 @@ def test_regenerate_refuses_data_prepared_for_another_model(tmp_path, tiny_llama
     with pytest.raises(EyasError, match="different tokenizer"):
         regenerate(str(tiny_llama_dir), source, tmp_path / "out", progress=False)
     assert not (tmp_path / "out").exists()
+
+
+def test_static_cache_path_equals_generate(smollm2_dir):
+    """The fast path (length-sorted batches over a StaticCache, folded grouped-query decode
+    attention) gives `model.generate`'s greedy tokens exactly, for prompts of mixed lengths
+    and budgets split over several batches."""
+    from eyas.regenerate.generate import HFGenerator
+
+    gen = HFGenerator(SMOLLM2, dtype="float32", cache_tokens=200)
+    assert gen.greedy is not None
+    questions = ["What is the capital of France?", "hi", "Write a haiku about rain.", "Name three prime numbers.",
+                 "Explain in two sentences why the sky is blue, for a child who asks a lot of questions."]
+    prompts = [gen.tokenizer(gen.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                               add_generation_prompt=True),
+                             add_special_tokens=False)["input_ids"] for q in questions]
+    budgets = [14, 6, 16, 12, 16]
+    assert len(list(gen.greedy._batches(list(range(5)), prompts, budgets))) >= 2
+    fast = gen.generate(prompts, budgets, temperature=0.0, seed=0)
+    assert fast == gen.sample(prompts, budgets, temperature=0.0, seed=0)
+    assert all(0 < len(f) <= b for f, b in zip(fast, budgets)) and any(len(f) == b for f, b in zip(fast, budgets))

@@ -32,18 +32,30 @@ def cut_at_stop(ids: list[int], stops: list[int]) -> list[int]:
 
 
 class HFGenerator:
-    """Batched `model.generate` with left padding."""
+    """transformers on one device. Greedy decoding of full-attention models takes the static-
+    cache path (`StaticGreedy`: length-sorted batches of up to `cache_tokens` cache slots);
+    sampling, and models with sliding-window layers, take batched `model.generate`."""
 
-    def __init__(self, model: str, dtype: str = "float32", device: str = "cpu"):
+    def __init__(self, model: str, dtype: str = "float32", device: str = "cpu", cache_tokens: int | None = None):
         from eyas.models import load_target, resolve_model
+        from eyas.regenerate.static import StaticGreedy, supports_static
 
         self.model, self.tokenizer = load_target(model, dtype=dtype, device=device)
         self.device = torch.device(device)
         self.stops = stop_ids(resolve_model(model), self.tokenizer)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stops[0]
+        # 2M slots of a 135M model's cache are ~46 GiB in bf16: a GPU's worth; a CPU batch stays small.
+        slots = cache_tokens or (1 << 21 if self.device.type == "cuda" else 1 << 14)
+        self.greedy = StaticGreedy(self.model, self.pad, self.stops, slots) if supports_static(self.model) else None
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, seed: int) -> list[list[int]]:
+        if temperature == 0 and self.greedy is not None:
+            return self.greedy.generate(prompts, max_new_tokens)
+        return self.sample(prompts, max_new_tokens, temperature, seed)
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, seed: int) -> list[list[int]]:
+    def sample(self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, seed: int) -> list[list[int]]:
+        """Batched `model.generate`, left-padded: sampling, and greedy decoding of any model."""
         T = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), T), self.pad, dtype=torch.long)  # [B, T], left-padded
         attention_mask = torch.zeros(len(prompts), T, dtype=torch.long)

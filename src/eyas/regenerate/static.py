@@ -1,0 +1,133 @@
+"""Greedy decoding at volume: transformers' own model and `StaticCache`, eyas's loop.
+
+Prompts are sorted by length into large left-padded batches. Each batch is one prefill
+and then one forward per new token over a `StaticCache` sized for the batch, so the cache
+never grows, nothing is re-padded, and no per-step Python beyond one forward call runs. A
+boolean 4D mask (which transformers passes through as it is) marks each row's padding.
+
+transformers repeats a grouped-query model's K/V once per query group whenever a mask is
+given, which at decode time moves several times the cache's bytes each step. The decode
+step's attention therefore folds the query heads that share a KV head into the query axis
+([B, nKV, group, d] against the cache's own [B, nKV, S, d]): the same scores, read once.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+ATTENTION = "eyas_grouped_sdpa"
+
+
+def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """transformers' attention-function contract: query [B, nH, q, d], key/value [B, nKV, S, d],
+    mask [B, 1, q, S] -> output [B, q, nH, d]. One query position per row (decoding) with
+    grouped heads takes the folded path; anything else is transformers' own sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    B, n_heads, q_len, d = query.shape
+    n_kv = key.shape[1]
+    if q_len != 1 or n_heads == n_kv:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    group = n_heads // n_kv
+    folded = query.reshape(B, n_kv, group, d)  # head h reads KV head h // group, as repeat_kv pairs them
+    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask, scale=scaling)  # [B, nKV, g, dv]
+    return out.reshape(B, n_heads, 1, -1).transpose(1, 2).contiguous(), None
+
+
+@functools.cache
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(ATTENTION, grouped_sdpa)
+    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
+
+
+def supports_static(model) -> bool:
+    """Full-attention decoders only: a sliding-window layer needs a mask this loop does not build."""
+    config = model.config.get_text_config(decoder=True)
+    types = getattr(config, "layer_types", None) or []
+    return not getattr(config, "sliding_window", None) and all(t == "full_attention" for t in types)
+
+
+class StaticGreedy:
+    """Greedy continuations of many prompts; equal, token for token, to `model.generate`
+    with do_sample=False (tests/test_regenerate.py checks it on the real SmolLM2)."""
+
+    def __init__(self, model, pad_id: int, stops: list[int], cache_tokens: int, max_rows: int = 4096):
+        _register()
+        model.set_attn_implementation(ATTENTION)
+        self.model, self.pad, self.stops = model, pad_id, stops
+        self.cache_tokens, self.max_rows = cache_tokens, max_rows
+        self.device = next(model.parameters()).device
+
+    def generate(self, prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
+        """Each prompt's continuation: at most its budget of tokens, cut before the first stop id."""
+        order = sorted(range(len(prompts)), key=lambda i: (len(prompts[i]), budgets[i]))
+        out: list[list[int]] = [[] for _ in prompts]
+        for rows in self._batches(order, prompts, budgets):
+            for i, ids in zip(rows, self._batch([prompts[i] for i in rows], [budgets[i] for i in rows])):
+                out[i] = ids
+        return out
+
+    def _batches(self, order: list[int], prompts: list[list[int]], budgets: list[int]) -> Iterator[list[int]]:
+        """Consecutive runs of the length order whose rows x (longest prompt + largest budget)
+        fit `cache_tokens` cache slots."""
+        rows: list[int] = []
+        width = 0
+        for i in order:
+            w = max(width, len(prompts[i]) + budgets[i])
+            if rows and (len(rows) >= self.max_rows or (len(rows) + 1) * w > self.cache_tokens):
+                yield rows
+                rows, w = [], len(prompts[i]) + budgets[i]
+            rows.append(i)
+            width = w
+        if rows:
+            yield rows
+
+    @torch.inference_mode()
+    def _batch(self, prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
+        from transformers import StaticCache
+
+        from eyas.regenerate.generate import cut_at_stop
+
+        dev = self.device
+        B, T, N = len(prompts), max(map(len, prompts)), max(budgets)
+        L = T + N
+        ids = torch.full((B, T), self.pad, dtype=torch.long)  # [B, T], left-padded
+        for b, p in enumerate(prompts):
+            ids[b, T - len(p):] = torch.tensor(p)
+        lengths = torch.tensor([len(p) for p in prompts], device=dev)
+        slots = torch.arange(L, device=dev)
+        real = slots[None] >= (T - lengths)[:, None]  # [B, L]: every slot but the row's left padding
+        q = torch.arange(T, device=dev)
+        causal = slots[None, :] <= q[:, None]  # [T, L]
+        # A padding query sees only itself, so no row is fully masked (sdpa would give NaN).
+        prefill = (real[:, None] & causal[None]) | (slots[None, None] == q[None, :, None])  # [B, T, L]
+        cache = StaticCache(config=self.model.config, max_cache_len=L)
+        logits = self.model(input_ids=ids.to(dev), attention_mask=prefill[:, None],
+                            position_ids=(q[None] - (T - lengths)[:, None]).clamp_min(0), past_key_values=cache,
+                            cache_position=q, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+        stops = torch.tensor(self.stops, device=dev)
+        budget = torch.tensor(budgets, device=dev)
+        generated = torch.empty(B, N, dtype=torch.long, device=dev)
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        for s in range(N):
+            token = logits.argmax(-1)  # [B]
+            generated[:, s] = token
+            done |= torch.isin(token, stops) | (budget <= s + 1)
+            # Checking on the host costs a sync: every 8 steps lets the host run ahead of the GPU.
+            if s + 1 == N or (s % 8 == 7 and bool(done.all())):
+                generated = generated[:, : s + 1]
+                break
+            slot = T + s
+            mask = (real & (slots[None] <= slot))[:, None, None]  # [B, 1, 1, L]
+            logits = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=(lengths + s)[:, None],
+                                past_key_values=cache, cache_position=slots[slot:slot + 1], use_cache=True).logits[:, -1]
+        return [cut_at_stop(g[:n], self.stops) for g, n in zip(generated.tolist(), budgets)]
