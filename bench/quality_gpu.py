@@ -1,29 +1,37 @@
-"""Drafter quality on a GPU: regenerate ShareGPT conversations with SmolLM2-135M-Instruct,
-train an EAGLE-3 drafter online for a fixed number of minutes, then measure tau and speed-up
-on MT-bench at temperature 0 (7-token chain and dynamic tree) against plain decoding and
-prompt lookup, all in the same decoding loop.
+"""Drafter quality on a GPU, end to end: regenerate every packaged conversation with
+SmolLM2-135M-Instruct, train an EAGLE-3 drafter online, then measure tau and speed-up on
+MT-bench at temperature 0 (7-token chain and dynamic tree) against plain decoding and
+prompt lookup, all in eyas's own lossless decoding loop.
 
 Stages (bench/README.md shows how the model reaches the GPU machine):
-  pack   (here)  split the packaged GGUF in two parts; .carry/bench/a gets part 1 and the
-                 MT-bench questions, .carry/bench/b part 2, the gguf wheel and the first two
-                 turns of ShareGPT conversations (each under one call's 64 MiB)
-  train  (GPU)   `prepare`, `regenerate` (the target's own answers), `train --online`
-  eval   (GPU)   MT-bench, greedy: plain, prompt lookup, chain K=7, tree; JSON + PNG
+  pack   (here)  split the packaged GGUF in two; .carry/bench/a gets part 1 and the MT-bench
+                 questions, .carry/bench/b part 2, the gguf wheel and every packaged
+                 conversation (ShareGPT + chitchat, first two user turns, gzipped)
+  train  (GPU)   prepare -> regenerate (greedy, the target's own answers, time-boxed) ->
+                 train --online (a short probe sizes the run to its time budget)
+  eval   (GPU)   MT-bench, greedy, in parallel worker processes over disjoint questions:
+                 plain, prompt lookup, chain K=7, tree; tau overall and by category, the
+                 speed-ups, the per-position plot; then, in the time left, short recipe
+                 runs (drafter options) on the same regenerated data
 
   python bench/quality_gpu.py pack
-  PYTHONPATH=src python3 bench/quality_gpu.py train --model /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf \
-      --conversations .carry/bench/b/sharegpt.jsonl --work /tmp/work --train-minutes 4
-  PYTHONPATH=src python3 bench/quality_gpu.py eval --model /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf \
-      --mt-bench .carry/bench/a/mt_bench.jsonl --work /tmp/work --eval-minutes 6 --out $OUT
+  PYTHONPATH=src python3 bench/quality_gpu.py train --model /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf \\
+      --conversations .carry/bench/b/conversations.jsonl.gz --work /tmp/work --minutes 9 --out $OUT
+  PYTHONPATH=src python3 bench/quality_gpu.py eval --model /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf \\
+      --mt-bench /tmp/m/mt_bench.jsonl --work /tmp/work --minutes 9 --out $OUT
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import hashlib
 import importlib.util
 import json
+import os
+import random
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -33,11 +41,15 @@ import torch
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 WHEEL = Path("/opt/pypi/files/gguf-0.19.0-py3-none-any.whl")
+SPLIT = 0.6  # share of the GGUF in part a: part b also carries the conversations
+METHODS = {"prompt-lookup": 7, "eagle3-chain": 7, "eagle3-tree": 7}
+
+
+# ---------------------------------------------------------------- pack (here)
 
 
 def pack(args) -> None:
-    """Write .carry/bench/a (first half of the GGUF, MT-bench) and .carry/bench/b (the rest,
-    the wheel, the conversations)."""
+    """.carry/bench/a: GGUF part 1 + MT-bench; .carry/bench/b: part 2 + wheel + conversations."""
     from eyas.data.sources import BadRecord, iter_records, normalize
     from eyas.evaluate.prompts import _mt_bench_file
 
@@ -49,113 +61,278 @@ def pack(args) -> None:
     for d in (a, b):
         shutil.rmtree(d, ignore_errors=True)
         d.mkdir(parents=True)
-    half = len(data) // 2
-    (a / "gguf.part1").write_bytes(data[:half])
-    (b / "gguf.part2").write_bytes(data[half:])
+    cut = int(len(data) * SPLIT)
+    (a / "gguf.part1").write_bytes(data[:cut])
+    (b / "gguf.part2").write_bytes(data[cut:])
     shutil.copy(WHEEL, b / WHEEL.name)
     shutil.copy(_mt_bench_file(), a / "mt_bench.jsonl")
     seen, conversations = set(), []
-    for record in iter_records("packaged:sharegpt"):
-        try:
-            messages = normalize(record)
-        except BadRecord:
-            continue
-        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-        if not users or messages[users[0]]["content"] in seen:
-            continue
-        seen.add(messages[users[0]]["content"])
-        # Up to two user turns each with its answer, as in MT-bench; regeneration replaces the answers.
-        cut = users[2] if len(users) > 2 else len(messages)
-        conversations.append(messages[users[0]:cut])
-        if len(conversations) == args.conversations:
-            break
-    (b / "sharegpt.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in conversations))
-    print(f"packed {len(conversations)} conversations; {a}: {sum(f.stat().st_size for f in a.iterdir()) >> 20} MiB, "
-          f"{b}: {sum(f.stat().st_size for f in b.iterdir()) >> 20} MiB")
+    for source in ("packaged:sharegpt", "packaged:chitchat"):
+        for record in iter_records(source):
+            try:
+                messages = normalize(record)
+            except BadRecord:
+                continue
+            users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+            # Up to two user turns, as in MT-bench. The answers are placeholders: regeneration
+            # replaces every one, and a conversation it does not reach is never prepared.
+            turns = messages[users[0]:users[2] if len(users) > 2 else len(messages)] if users else []
+            key = tuple(m["content"] for m in turns if m["role"] == "user")
+            if not key or key in seen:
+                continue
+            seen.add(key)
+            conversations.append([m if m["role"] != "assistant" else {"role": "assistant", "content": "."}
+                                  for m in turns])
+    random.Random(0).shuffle(conversations)  # a time-boxed regeneration still samples both sources
+    with gzip.open(b / "conversations.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in conversations)
+    print(f"packed {len(conversations)} conversations; {a}: {_mib(a)} MiB, {b}: {_mib(b)} MiB")
+
+
+def _mib(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.iterdir()) >> 20
+
+
+# ---------------------------------------------------------------- train (GPU)
 
 
 def train_stage(args) -> None:
     from eyas.data.prepare import prepare
     from eyas.regenerate.run import regenerate
+
+    t_start = time.monotonic()
+    deadline = t_start + 60 * args.minutes
+    work, out = Path(args.work), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    conversations = work / "conversations.jsonl"
+    with gzip.open(args.conversations, "rt", encoding="utf-8") as f:
+        conversations.write_text(f.read(), encoding="utf-8")
+    report: dict = {"command": " ".join(sys.argv), "device": _device_name(args.device)}
+    t0 = time.monotonic()
+    report["prepare"] = prepare(args.model, str(conversations), work / "prepared", max_len=args.max_len,
+                                progress=False)
+    report["prepare"]["seconds"] = round(time.monotonic() - t0, 1)
+    t0 = time.monotonic()
+    summary = regenerate(args.model, work / "prepared", work / "regen", max_new_tokens=args.regen_tokens,
+                         group_size=args.regen_group, device=args.device, progress=False,
+                         minutes=args.regen_minutes)
+    seconds = time.monotonic() - t0
+    answers = _answer_tokens(work / "regen")
+    report["regenerate"] = {"seconds": round(seconds, 1), "conversations": summary.get("kept"),
+                            "tokens": summary.get("tokens"), "answer_tokens": answers,
+                            "answer_tokens_per_s": round(answers / seconds, 1)}
+    print("regenerated:", json.dumps(report["regenerate"]), flush=True)
+    _dump(out / "quality_train.json", report)
+    left = deadline - time.monotonic() - 25  # the final held-out pass and save
+    report["train"] = train_for(args, work / "regen", work / "drafter", left, RECIPE)
+    _dump(out / "quality_train.json", report)
+    _dump(work / "quality_train.json", report)  # for the eval call, whose $OUT starts empty
+    shutil.copy(work / "drafter" / "metrics.jsonl", out / "metrics.jsonl")
+    print(json.dumps(report["train"]["final"], default=str), flush=True)
+
+
+# The main run's drafter options; `recipe` runs in the eval call compare them.
+RECIPE = {"fc_norm": True, "norm_output": True}
+
+
+def train_for(args, data: Path, folder: Path, seconds: float, options: dict, evals: int = 8) -> dict:
+    """Train online for about `seconds`: a short probe measures steps per second with these
+    settings, then the whole cosine schedule is sized to fit."""
     from eyas.train import TrainConfig, train
 
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    t0 = time.time()
-    prepare(args.model, args.conversations, work / "prepared", max_len=1024, progress=False)
-    summary = regenerate(args.model, work / "prepared", work / "regen", max_new_tokens=args.regen_tokens,
-                         group_size=args.regen_batch, device=args.device, progress=False)
-    report = {"regenerate": {"minutes": round((time.time() - t0) / 60, 2), "prepared": summary}}
-    print("regenerated:", json.dumps(report["regenerate"], default=str), flush=True)
-    common = dict(online=True, model=args.model, data=str(work / "regen"), batch_tokens=args.batch_tokens,
-                  lr=args.lr, device=args.device, progress=False, log_every=50)
-    # Calibrate: the trainer's own throughput over a short run (set-up excluded), then size
-    # the run so that its whole learning-rate schedule fits the budget.
-    probe = work / "probe"
+    common = dict(online=True, model=args.model, data=str(data), batch_tokens=args.batch_tokens, lr=args.lr,
+                  max_len=args.max_len, device=args.device, progress=False, save_every=10**6, **options)
+    probe = folder.with_name(folder.name + "-probe")
     shutil.rmtree(probe, ignore_errors=True)
-    probe.mkdir()
-    train(TrainConfig(out=str(probe), steps=30, eval_fraction=0, save_every=10**6, **{**common, "log_every": 10}))
+    t0 = time.monotonic()
+    train(TrainConfig(out=str(probe), steps=args.probe_steps, eval_fraction=0, log_every=args.probe_steps // 2,
+                      **common))
     rows = [json.loads(line) for line in (probe / "metrics.jsonl").read_text().splitlines()]
-    tokens_per_s = [r for r in rows if r.get("split") == "train"][-1]["tokens_per_s"]
-    steps = max(50, int(0.9 * args.train_minutes * 60 * tokens_per_s / args.batch_tokens))
-    drafter = work / "drafter"
-    shutil.rmtree(drafter, ignore_errors=True)
-    drafter.mkdir()
-    t0 = time.time()
-    metrics = train(TrainConfig(out=str(drafter), steps=steps, minutes=args.train_minutes * 1.15,
-                                eval_every=max(steps // 4, 1), save_every=10**6, **common))
-    report["train"] = {"steps": steps, "minutes": round((time.time() - t0) / 60, 2), "metrics": metrics}
-    (work / "train_report.json").write_text(json.dumps(report, indent=2, default=str))
-    print(json.dumps(report["train"], default=str), flush=True)
+    step_s = args.batch_tokens / [r for r in rows if r.get("split") == "train"][-1]["tokens_per_s"]
+    overhead = time.monotonic() - t0 - args.probe_steps * step_s  # set-up (model loads, first batches)
+    budget = seconds - (time.monotonic() - t0) - overhead
+    steps = max(20, int(0.92 * budget / (step_s * (1 + 0.03))))  # 3%: the held-out passes
+    shutil.rmtree(folder, ignore_errors=True)
+    t0 = time.monotonic()
+    final = train(TrainConfig(out=str(folder), steps=steps, eval_every=max(steps // evals, 1), log_every=10,
+                              minutes=max(seconds, 60) / 60 + 0.5, **common))
+    return {"options": options, "steps": steps, "seconds": round(time.monotonic() - t0, 1),
+            "probe_step_seconds": round(step_s, 4), "batch_tokens": args.batch_tokens, "lr": args.lr,
+            "final": final}
+
+
+def _answer_tokens(prepared: Path) -> int:
+    from eyas.data.prepared import PreparedData
+
+    return int(PreparedData(prepared).loss_mask.sum())
+
+
+# ---------------------------------------------------------------- eval (GPU)
 
 
 def eval_stage(args) -> None:
-    from eyas.evaluate.drafter import DrafterSession
+    """Spread MT-bench questions over worker processes, merge, summarise; then recipe runs."""
     from eyas.evaluate.plot import plot_acceptance
+    from eyas.evaluate.report import TAU_DEFINITION, format_table, summarize
+
+    t_start = time.monotonic()
+    work, out = Path(args.work), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    categories = {str(q["question_id"]): q.get("category", "?") for q in map(json.loads, open(args.mt_bench))}
+    order = _stratified(categories)[: args.questions]
+    (work / "eval").mkdir(exist_ok=True)
+    workers = []
+    for w in range(args.workers):
+        mine = order[w :: args.workers]
+        cmd = [sys.executable, __file__, "eval-worker", "--model", args.model, "--mt-bench", args.mt_bench,
+               "--work", args.work, "--ids", ",".join(mine), "--out", str(work / "eval" / f"worker{w}.json"),
+               "--seconds", str(60 * args.eval_minutes), "--max-new-tokens", str(args.max_new_tokens)]
+        workers.append(subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "2"}))
+    codes = [p.wait() for p in workers]
+    records = []
+    for w in range(args.workers):
+        path = work / "eval" / f"worker{w}.json"
+        if path.exists():
+            records += json.loads(path.read_text())
+    used = sorted({r["prompt_id"] for r in records}, key=order.index)
+    summaries = summarize(records, METHODS)
+    by_category = {}
+    for cat in sorted(set(categories.values())):
+        rs = [r for r in records if categories[r["prompt_id"]] == cat]
+        if rs:
+            by_category[cat] = {m: round(s.tau, 3) for m, s in summarize(rs, METHODS).items()}
+    plain = {(r["prompt_id"], r["turn"]): r["generated_ids"] for r in records if r["method"] == "plain"}
+    identical = {m: sum(plain.get((r["prompt_id"], r["turn"])) == r["generated_ids"] for r in records
+                        if r["method"] == m) for m in summaries}
+    train_report = _load(out / "quality_train.json") or _load(work / "quality_train.json")
+    results = {"command": " ".join(sys.argv), "tau_definition": TAU_DEFINITION, "device": _device_name(args.device),
+               "workers": args.workers, "worker_exit_codes": codes, "questions": len(used), "question_ids": used,
+               "answers_per_method": len(plain), "max_new_tokens": args.max_new_tokens, "dtype": "float32",
+               "identical_to_plain": identical, "summary": {k: s.to_dict() for k, s in summaries.items()},
+               "tau_by_category": by_category, "train": train_report}
+    _dump(out / "quality_gpu.json", results)
+    plot_acceptance(summaries, out / "quality_gpu.png", f"SmolLM2-135M drafter, MT-bench ({len(used)} questions, T=0)")
+    print(format_table(summaries))
+    print(f"questions: {len(used)} (both turns) over {args.workers} worker processes; identical to plain: {identical}")
+    for cat, taus in by_category.items():
+        print(f"  {cat:<12}" + "  ".join(f"{m} {t:.2f}" for m, t in taus.items()))
+    _dump(work / "records.json", records)
+    left = 60 * args.minutes - (time.monotonic() - t_start)
+    if args.recipe_runs and left > 120:
+        results["recipe"] = recipe_runs(args, work, left - 30)
+        _dump(out / "quality_gpu.json", results)
+        for r in results["recipe"]:
+            ev = r["final"].get("eval", {})
+            print(f"recipe {r['options']}: steps {r['steps']}, held-out acc {ev.get('acc_per_step')}, "
+                  f"tau_sim {ev.get('tau_sim')}")
+
+
+def recipe_runs(args, work: Path, seconds: float) -> list[dict]:
+    """Equal-time runs of the drafter options against each other on the regenerated data."""
+    variants = [{"fc_norm": False, "norm_output": False}, {"fc_norm": True, "norm_output": False}, RECIPE]
+    args.batch_tokens, args.lr, args.max_len, args.probe_steps = 65536, 1e-3, 1024, 10
+    return [train_for(args, work / "regen", work / f"recipe{i}", seconds / len(variants), v, evals=2)
+            for i, v in enumerate(variants)]
+
+
+def eval_worker(args) -> None:
+    """One process: every method on each of its questions (interleaved), until its time is up."""
+    from eyas.evaluate.drafter import DrafterSession
     from eyas.evaluate.prompts import load_prompts
     from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
-    from eyas.evaluate.report import TAU_DEFINITION, format_table, summarize
     from eyas.evaluate.run import eos_ids, load_checked_drafter, run_methods
     from eyas.evaluate.target import TargetSession
     from eyas.models import load_target, model_identity
 
-    work, out = Path(args.work), Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    model, tok = load_target(args.model, dtype=args.dtype, device=args.device)
-    identity = model_identity(args.model, model.config, tok)
-    drafter = load_checked_drafter(str(work / "drafter"), model, identity)
+    t0 = time.monotonic()
+    model, tok = load_target(args.model, dtype="float32", device=args.device)
+    drafter = load_checked_drafter(str(Path(args.work) / "drafter"), model, model_identity(args.model, model.config, tok))
     target = TargetSession(model, drafter.config.aux_layer_ids)
     proposers = [Proposer(), PromptLookup(7), Eagle3(DrafterSession(drafter), 7),
-                 Eagle3(DrafterSession(drafter), args.tree_depth, tree=True, top_k=args.top_k, max_nodes=args.draft_tokens)]
+                 Eagle3(DrafterSession(drafter), 7, tree=True, top_k=10, max_nodes=60)]
     eos = eos_ids(model, tok)
-    prompts = load_prompts(args.mt_bench)
-    records: list[dict] = []
-    t0 = time.time()
-    per_question = None
-    for i, prompt in enumerate(prompts):  # whole questions until the time budget is spent
-        if per_question and time.time() - t0 + per_question > args.eval_minutes * 60:
+    wanted = args.ids.split(",")
+    prompts = {p.id: p for p in load_prompts(args.mt_bench)}
+    records, per_question = [], None
+    for i, pid in enumerate(wanted):
+        if per_question and time.monotonic() - t0 + per_question > args.seconds:
             break
-        records += run_methods(target, tok, proposers, [prompt], args.max_new_tokens, eos, progress=False,
+        q0 = time.monotonic()
+        records += run_methods(target, tok, proposers, [prompts[pid]], args.max_new_tokens, eos, progress=False,
                                warmup=i == 0)
-        per_question = (time.time() - t0) / (i + 1)
-        print(f"question {i + 1}: {time.time() - t0:.0f} s", flush=True)
-    used = len({r["prompt_id"] for r in records})
-    summaries = summarize(records, {"prompt-lookup": 7, "eagle3-chain": 7, "eagle3-tree": args.tree_depth})
-    plain = [r["generated_ids"] for r in records if r["method"] == "plain"]
-    identical = {m: sum(a == b for a, b in zip(plain, [r["generated_ids"] for r in records if r["method"] == m]))
-                 for m in summaries}
-    train_report = json.loads((work / "train_report.json").read_text()) if (work / "train_report.json").exists() else {}
-    results = {"tau_definition": TAU_DEFINITION, "questions": used, "answers_per_method": len(plain),
-               "identical_to_plain": identical, "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-               "dtype": args.dtype, "max_new_tokens": args.max_new_tokens, "train": train_report,
-               "summary": {k: s.to_dict() for k, s in summaries.items()}, "records": records}
-    (out / "quality_gpu.json").write_text(json.dumps(results, default=str))
-    plot_acceptance(summaries, out / "quality_gpu.png", f"SmolLM2-135M drafter, MT-bench ({used} questions, T=0)")
-    print(format_table(summaries))
-    print(f"MT-bench questions used: {used} (both turns), answers identical to plain decoding: {identical}")
-    if train_report:
-        print(f"training: {train_report['train']['minutes']} min, {train_report['train']['steps']} steps; "
-              f"regeneration: {train_report['regenerate']}")
+        per_question = max(per_question or 0, time.monotonic() - q0)
+        _dump(Path(args.out), records)
+        print(f"[{Path(args.out).stem}] question {pid}: {time.monotonic() - q0:.0f} s", flush=True)
+
+
+def _stratified(categories: dict[str, str]) -> list[str]:
+    """Question ids round-robin over categories, so any prefix covers every category."""
+    by_cat: dict[str, list[str]] = {}
+    for qid, cat in categories.items():
+        by_cat.setdefault(cat, []).append(qid)
+    out, k = [], 0
+    while any(k < len(v) for v in by_cat.values()):
+        out += [v[k] for v in by_cat.values() if k < len(v)]
+        k += 1
+    return out
+
+
+# ---------------------------------------------------------------- learning curve (here)
+
+
+def curve(args) -> None:
+    """learning_curve.{json,png} from a run's metrics.jsonl: held-out accuracy per TTT step
+    and tau_sim against training tokens (steps x the mean real tokens of a step)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    rows = [json.loads(line) for line in open(args.metrics)]
+    points = [{"step": r["step"], "tokens": int(r["step"] * args.tokens_per_step), "acc_per_step": r["acc_per_step"],
+               "tau_sim": r["tau_sim"]} for r in rows if r.get("split") == "eval"]
+    out = Path(args.out)
+    _dump(out.with_suffix(".json"), {"tokens_per_step": args.tokens_per_step, "points": points})
+    W, H, left, top, pw, ph = 900, 520, 70, 50, 620, 400
+    img = Image.new("RGB", (W, H), "white")
+    draw, font = ImageDraw.Draw(img), ImageFont.load_default()
+    draw.text((left, 15), args.title, fill="black", font=font)
+    xmax = max(p["tokens"] for p in points) or 1
+    draw.line([(left, top), (left, top + ph), (left + pw, top + ph)], fill="black")
+    for tick in range(6):
+        y = top + ph - tick * ph / 5
+        draw.line([(left - 5, y), (left + pw, y)], fill=(225, 225, 225))
+        draw.text((left - 40, y - 6), f"{tick / 5:.1f}", fill="black", font=font)
+        x = left + tick * pw / 5
+        draw.text((x - 15, top + ph + 8), f"{tick * xmax / 5 / 1e6:.0f}M", fill="black", font=font)
+    draw.text((left + pw / 2 - 80, H - 25), "training tokens", fill="black", font=font)
+    steps = len(points[0]["acc_per_step"])
+    series = [(f"acc step {k}", [p["acc_per_step"][k] for p in points], 1.0) for k in range(steps)]
+    series.append(("tau_sim / 4", [p["tau_sim"] / 4 for p in points], 1.0))
+    colors = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75),
+              (227, 119, 194), (0, 0, 0)]
+    for i, (name, ys, _) in enumerate(series):
+        xy = [(left + pw * p["tokens"] / xmax, top + ph - ph * min(y, 1.0)) for p, y in zip(points, ys)]
+        draw.line(xy, fill=colors[i % len(colors)], width=2)
+        draw.rectangle([left + pw + 20, top + 18 * i, left + pw + 32, top + 18 * i + 10], fill=colors[i % len(colors)])
+        draw.text((left + pw + 38, top + 18 * i), name, fill="black", font=font)
+    img.save(out.with_suffix(".png"))
+    print(json.dumps(points[-1]))
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else "cpu"
+
+
+def _dump(path: Path, obj) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(obj, default=str))
+    tmp.replace(path)
+
+
+def _load(path: Path):
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def main() -> None:
@@ -163,30 +340,42 @@ def main() -> None:
     sub = p.add_subparsers(dest="stage", required=True)
     pk = sub.add_parser("pack")
     pk.add_argument("--carry", default=".carry/bench")
-    pk.add_argument("--conversations", type=int, default=3000)
-    for name in ("train", "eval"):
+    cv = sub.add_parser("curve")
+    cv.add_argument("--metrics", required=True, help="the main run's metrics.jsonl")
+    cv.add_argument("--tokens-per-step", type=float, required=True)
+    cv.add_argument("--out", default="bench/results/learning_curve_h200")
+    cv.add_argument("--title", default="SmolLM2-135M drafter: held-out accuracy per TTT step, tau_sim / 4")
+    for name in ("train", "eval", "eval-worker"):
         s = sub.add_parser(name)
         s.add_argument("--model", required=True, help="the GGUF (or any model eyas loads)")
         s.add_argument("--work", default="/tmp/work")
         s.add_argument("--device", default="cuda")
+        s.add_argument("--out", required=True)
     tr = sub.choices["train"]
-    tr.add_argument("--conversations", required=True, help="sharegpt.jsonl written by pack")
-    tr.add_argument("--train-minutes", type=float, default=4.0)
+    tr.add_argument("--conversations", required=True, help="conversations.jsonl.gz written by pack")
+    tr.add_argument("--minutes", type=float, default=9.0, help="the whole stage's budget")
+    tr.add_argument("--regen-minutes", type=float, default=3.0)
     tr.add_argument("--regen-tokens", type=int, default=256)
-    tr.add_argument("--regen-batch", type=int, default=1024)
-    tr.add_argument("--batch-tokens", type=int, default=16384)
-    tr.add_argument("--lr", type=float, default=5e-4)
+    tr.add_argument("--regen-group", type=int, default=4096)
+    tr.add_argument("--max-len", type=int, default=1024)
+    tr.add_argument("--batch-tokens", type=int, default=65536)
+    tr.add_argument("--lr", type=float, default=1e-3)
+    tr.add_argument("--probe-steps", type=int, default=12)
     ev = sub.choices["eval"]
     ev.add_argument("--mt-bench", required=True)
-    ev.add_argument("--out", required=True)
-    ev.add_argument("--eval-minutes", type=float, default=6.0)
+    ev.add_argument("--minutes", type=float, default=9.0, help="the whole stage's budget")
+    ev.add_argument("--eval-minutes", type=float, default=4.5, help="each worker's decoding budget")
+    ev.add_argument("--questions", type=int, default=80)
+    ev.add_argument("--workers", type=int, default=5)
     ev.add_argument("--max-new-tokens", type=int, default=256)
-    ev.add_argument("--dtype", default="float32")
-    ev.add_argument("--tree-depth", type=int, default=7)
-    ev.add_argument("--top-k", type=int, default=10)
-    ev.add_argument("--draft-tokens", type=int, default=60)
+    ev.add_argument("--recipe-runs", action=argparse.BooleanOptionalAction, default=True)
+    wk = sub.choices["eval-worker"]
+    wk.add_argument("--mt-bench", required=True)
+    wk.add_argument("--ids", required=True)
+    wk.add_argument("--seconds", type=float, required=True)
+    wk.add_argument("--max-new-tokens", type=int, default=256)
     args = p.parse_args()
-    {"pack": pack, "train": train_stage, "eval": eval_stage}[args.stage](args)
+    {"pack": pack, "curve": curve, "train": train_stage, "eval": eval_stage, "eval-worker": eval_worker}[args.stage](args)
 
 
 if __name__ == "__main__":

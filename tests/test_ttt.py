@@ -180,3 +180,31 @@ def test_labels_are_the_target_distribution_restricted_to_the_draft_vocab(setup)
     assert torch.equal(draft_ids[labels.target_draft[inside]], argmax[inside])
     assert torch.equal(trained_positions(loss_mask)[:, :-1], loss_mask[:, 1:])
     assert not trained_positions(loss_mask)[:, -1].any()
+
+
+def test_compiled_step_loss_equals_eager():
+    """The compiled TTT step loss (what CUDA runs, on bf16 logits under autocast) gives the
+    eager loss and gradient, on the strided views the objective passes (logits[:, :n],
+    probs[:, 1 + k:]). Tolerance: the loss is float32 (1e-5); the gradient is rounded to
+    bf16 either way, so two bf16 roundings of nearly equal float32 values may differ by an
+    ulp (1e-2 relative)."""
+    from eyas.train.objective import soft_cross_entropy
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(3, 21, 64, generator=g).to(torch.bfloat16)
+    probs = torch.softmax(torch.randn(3, 21, 64, generator=g) * 3, -1)
+    mask = F.pad(torch.rand(3, 18, generator=g) > 0.3, (0, 3))  # [3, 21]
+    compiled = torch.compile(soft_cross_entropy, dynamic=True)
+    results = []
+    for fn in (soft_cross_entropy, compiled):
+        logits = base.clone().requires_grad_(True)
+        for k in (0, 2):  # two steps, two view shapes: the dynamic graph serves both
+            n = 21 - 1 - k
+            ce = fn(logits[:, :n], probs[:, 1 + k:][:, :n], mask[:, :n])
+            (ce.sum() * (0.8 ** k)).backward()
+        results.append((ce.detach(), logits.grad))
+    (ce_eager, grad_eager), (ce_comp, grad_comp) = results
+    assert (ce_eager[~mask[:, :18]] == 0).all() and (ce_eager[mask[:, :18]] > 0).all()
+    torch.testing.assert_close(ce_comp, ce_eager, rtol=1e-5, atol=1e-5)
+    assert grad_eager.abs().sum() > 0
+    torch.testing.assert_close(grad_comp.float(), grad_eager.float(), rtol=1e-2, atol=1e-2)

@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=1024, help="longest answer per turn (default 1024)")
     p.add_argument("--group-size", type=int, default=64,
                    help="conversations generated together, and saved together for resume (default 64)")
+    p.add_argument("--minutes", type=float,
+                   help="stop after the group that ends past this many minutes; the output holds what is done, "
+                        "and the same command continues")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature > 0)")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (hf backend)")
     p.add_argument("--model-dtype", default=None,
@@ -46,6 +49,6 @@ def run(args: argparse.Namespace) -> int:
                 "engine_args": parse_engine_args(args.engine_arg)}
     summary = regenerate(args.model, args.data, args.out, backend=args.backend, temperature=args.temperature,
                          max_new_tokens=args.max_new_tokens, group_size=args.group_size, seed=args.seed,
-                         device=args.device, model_dtype=args.model_dtype, **vllm)
+                         minutes=args.minutes, device=args.device, model_dtype=args.model_dtype, **vllm)
     print(format_summary(summary, args.out))
     return 0

@@ -7,6 +7,10 @@ killed run resumes after the last complete group. At the end the regenerated
 conversations go through `eyas prepare` (same target, same --max-len), which writes a
 valid prepared folder next to them.
 
+With `minutes`, the run stops after the first group that ends past that budget; the
+prepared folder then holds the conversations finished so far, and the same command
+continues where it stopped.
+
 A turn is generated only while its prompt is shorter than --max-len: later turns would be
 truncated away by `prepare` anyway, so they are dropped instead of generated.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -41,14 +46,17 @@ def make_generator(backend: str, model: str, model_dtype: str | None, device: st
 
 def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf", temperature: float = 0.0,
                max_new_tokens: int = 1024, group_size: int = 64, seed: int = 0, device: str = "cpu",
-               model_dtype: str | None = None, progress: bool = True, **vllm: Any) -> dict[str, Any]:
-    """Regenerate every conversation of `data` not yet in `out`, then prepare `out`; return prepare's summary."""
+               model_dtype: str | None = None, progress: bool = True, minutes: float | None = None,
+               **vllm: Any) -> dict[str, Any]:
+    """Regenerate every conversation of `data` not yet in `out` (or as many as `minutes`
+    allow), then prepare `out` from the finished ones; return prepare's summary."""
     from eyas.capture.vllm.target import describe_target
     from eyas.data.prepare import prepare
     from eyas.models import load_tokenizer
 
-    if temperature < 0 or max_new_tokens < 1 or group_size < 1:
-        raise EyasError("--temperature must be >= 0, --max-new-tokens and --group-size >= 1.")
+    if temperature < 0 or max_new_tokens < 1 or group_size < 1 or (minutes is not None and minutes <= 0):
+        raise EyasError("--temperature must be >= 0, --max-new-tokens and --group-size >= 1, --minutes > 0.")
+    started = time.monotonic()
     source = PreparedData(data)
     out = Path(out)
     if out.resolve() == source.path.resolve():
@@ -74,11 +82,15 @@ def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf
                         _append(log, {"index": i, "messages": messages})
                         done[i] = messages
                     bar.update(len(group))
+                    if minutes is not None and time.monotonic() - started > 60 * minutes and len(done) < len(conversations):
+                        print(f"eyas regenerate: --minutes {minutes} reached with {len(done)} of {len(conversations)} "
+                              f"conversations; the prepared folder holds those, and the same command continues.")
+                        break
         finally:
             bar.close()
             generator.close()
     with open(out / CONVERSATIONS, "w", encoding="utf-8") as f:
-        for i in range(len(conversations)):
+        for i in sorted(done):
             f.write(json.dumps({"messages": done[i]}, ensure_ascii=False) + "\n")
     return prepare(model, str(out / CONVERSATIONS), out, max_len=max_len, progress=progress)
 

@@ -1,7 +1,7 @@
 """Greedy decoding at volume: transformers' own model and `StaticCache`, eyas's loop.
 
-Prompts are sorted by length into large left-padded batches. Each batch is one prefill
-and then one forward per new token over a `StaticCache` sized for the batch, so the cache
+Prompts are sorted by length into large left-padded batches. Each batch is a chunked
+prefill and then one forward per new token over a `StaticCache` sized for the batch, so the cache
 never grows, nothing is re-padded, and no per-step Python beyond one forward call runs. A
 boolean 4D mask (which transformers passes through as it is) marks each row's padding.
 
@@ -106,14 +106,19 @@ class StaticGreedy:
         lengths = torch.tensor([len(p) for p in prompts], device=dev)
         slots = torch.arange(L, device=dev)
         real = slots[None] >= (T - lengths)[:, None]  # [B, L]: every slot but the row's left padding
-        q = torch.arange(T, device=dev)
-        causal = slots[None, :] <= q[:, None]  # [T, L]
-        # A padding query sees only itself, so no row is fully masked (sdpa would give NaN).
-        prefill = (real[:, None] & causal[None]) | (slots[None, None] == q[None, :, None])  # [B, T, L]
         cache = StaticCache(config=self.model.config, max_cache_len=L)
-        logits = self.model(input_ids=ids.to(dev), attention_mask=prefill[:, None],
-                            position_ids=(q[None] - (T - lengths)[:, None]).clamp_min(0), past_key_values=cache,
-                            cache_position=q, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+        ids = ids.to(dev)
+        # Prefill in chunks of prompt positions: a batch's activations (and sdpa's scores, if it
+        # falls back to its math kernel) stay a fraction of its cache, whatever its width.
+        chunk = max(1, self.cache_tokens // (4 * B))
+        for c0 in range(0, T, chunk):
+            q = slots[c0 : min(c0 + chunk, T)]  # [c]
+            causal = slots[None, :] <= q[:, None]  # [c, L]
+            # A padding query sees only itself, so no row is fully masked (sdpa would give NaN).
+            mask = (real[:, None] & causal[None]) | (slots[None, None] == q[None, :, None])  # [B, c, L]
+            logits = self.model(input_ids=ids[:, q], attention_mask=mask[:, None],
+                                position_ids=(q[None] - (T - lengths)[:, None]).clamp_min(0), past_key_values=cache,
+                                cache_position=q, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
         stops = torch.tensor(self.stops, device=dev)
         budget = torch.tensor(budgets, device=dev)
         generated = torch.empty(B, N, dtype=torch.long, device=dev)

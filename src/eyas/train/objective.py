@@ -12,6 +12,7 @@ equals the target's (greedy) token.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -86,18 +87,30 @@ class TTTObjective(nn.Module):
             if n <= 0:
                 stats.append(loss.new_zeros(4))
                 continue
-            logp = logits[:, :n].float().log_softmax(-1)  # [B, n, Vd]
-            probs, target = labels.probs[:, 1 + k :], labels.target_draft[:, 1 + k :]  # [B, n, ...]
-            trained = labels.trained[:, 1 + k :]
+            target, trained = labels.target_draft[:, 1 + k :], labels.trained[:, 1 + k :]  # [B, n]
             in_vocab = trained & (target >= 0)
-            ce = -(probs * logp).sum(-1) * in_vocab  # [B, n]
+            ce = step_loss(logits.is_cuda)(logits[:, :n], labels.probs[:, 1 + k :], in_vocab)  # [B, n]
             rows = ce.sum(-1)  # [B]
             loss = loss + weights[k] * rows.sum()
             row_loss = row_loss + rows.detach()
             with torch.no_grad():
-                correct = (logp.argmax(-1) == target) & in_vocab
+                correct = (logits[:, :n].argmax(-1) == target) & in_vocab
                 stats.append(torch.stack([rows.sum().detach(), correct.sum(), trained.sum(), in_vocab.sum()]).float())
         return loss, torch.stack(stats), row_loss
+
+
+def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """logits [B, n, Vd] (any float dtype), probs [B, n, Vd] float32, mask [B, n] bool ->
+    per-position soft cross-entropy [B, n] float32, zero where masked."""
+    return -(probs * logits.float().log_softmax(-1)).sum(-1) * mask
+
+
+@functools.cache
+def step_loss(cuda: bool):
+    """The loss of one TTT step; on CUDA compiled, so the float32 log-probabilities over the
+    draft vocabulary are never written out (eager, each step reads and writes [B, n, Vd]
+    float32 tensors some ten times forward and backward, most of a small head's step)."""
+    return torch.compile(soft_cross_entropy, dynamic=True) if cuda else soft_cross_entropy
 
 
 def simulated_acceptance(acc: list[float]) -> float:
