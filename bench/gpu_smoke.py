@@ -79,7 +79,7 @@ def train_and_eval(folder: Path, work: Path, dev: str, texts: list[str]) -> dict
     data = work / "chat.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": texts[i]},
                                                      {"role": "assistant", "content": texts[i + 1]}]}) + "\n"
-                            for i in range(0, len(texts) - 1)))
+                            for i in range(0, min(len(texts), 400) - 1)))
     prepare(str(folder), str(data), work / "prepared", max_len=128, progress=False)
     final = train(TrainConfig(out=str(work / "drafter"), online=True, model=str(folder), data=str(work / "prepared"),
                               steps=6, batch_tokens=1024, device=dev, progress=False, fc_norm=True, norm_output=True,
