@@ -54,15 +54,30 @@ def toy():
         for p in target.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.3)
+    return target, toy_drafter(target)
+
+
+def toy_drafter(target: LlamaForCausalLM, **options) -> Eagle3Drafter:
     identity = ModelIdentity("toy", "c", "t", 4, 32, 96)
-    cfg = DraftConfig.for_target(config, identity, (0, 1, 2, 4), 64)
+    cfg = DraftConfig.for_target(target.config, identity, (0, 1, 2, 4), 64, **options)
     drafter = Eagle3Drafter(cfg, target.get_input_embeddings().weight.detach()).eval()
     with torch.no_grad():
         for p in drafter.parameters():
             if p.dim() > 1 and p.requires_grad:
                 p.normal_(0, 0.3)
+        for norm in drafter.fc_norm if cfg.fc_norm else []:
+            norm.weight.normal_(1, 0.5)
     drafter.set_vocab(torch.randperm(96)[:64].sort().values)
-    return target, drafter
+    return drafter
+
+
+@pytest.fixture(scope="module", params=["plain", "fc_norm+norm_output"])
+def drafter(request, toy) -> Eagle3Drafter:
+    """The toy drafter, and one with both drafter options (fc_norm weights random too)."""
+    if request.param == "plain":
+        return toy[1]
+    torch.manual_seed(5)
+    return toy_drafter(toy[0], fc_norm=True, norm_output=True)
 
 
 def test_ancestor_mask_is_exactly_the_path():
@@ -113,9 +128,8 @@ def _ttt_logits(drafter, ids: list[int], aux: torch.Tensor, steps: int) -> list[
         return [lg[0] for lg in drafter.forward_ttt(torch.tensor([ids]), aux[None], steps)]
 
 
-def test_drafter_chain_matches_training_time_test(toy):
+def test_drafter_chain_matches_training_time_test(drafter):
     """Cached decoding of a chain = forward_ttt with the drafted tokens as ground truth."""
-    target, drafter = toy
     torch.manual_seed(2)
     n, depth = 12, 4
     ids = torch.randint(0, 96, (n + 1,)).tolist()  # t_0 .. t_n
@@ -134,10 +148,9 @@ def test_drafter_chain_matches_training_time_test(toy):
     assert session.tree(depth, top_k=1, max_nodes=depth).tokens == greedy.tokens
 
 
-def test_drafter_tree_nodes_are_top_k_of_their_path(toy):
+def test_drafter_tree_nodes_are_top_k_of_their_path(drafter):
     """Each tree node is among the top-k draft tokens given its own ancestors (checked with
     forward_ttt, which knows nothing of trees), and ancestors are always kept."""
-    _, drafter = toy
     torch.manual_seed(3)
     n, depth, k = 10, 3, 3
     ids = torch.randint(0, 96, (n + 1,)).tolist()

@@ -109,6 +109,54 @@ def test_export_casts_floating_weights_only(drafter, tmp_path):
         assert torch.equal(t, expected), name
 
 
+@pytest.fixture(scope="module")
+def drafter31(tmp_path_factory, tiny_llama_dir) -> Path:
+    """A drafter with both EAGLE 3.1 options; its fc_norm weights are random around 1."""
+    return make_drafter(tiny_llama_dir, tmp_path_factory.mktemp("drafter31"), seed=5, fc_norm=True, norm_output=True)
+
+
+def test_eagle31_options_change_the_logits(drafter31, embed, tmp_path):
+    """Otherwise the round trips below could not tell a dropped option from a kept one."""
+    config = json.loads((drafter31 / "config.json").read_text())
+    for option in ("fc_norm", "norm_output"):
+        off = tmp_path / option
+        off.mkdir()
+        edited = {**config, option: False, "eyas": {**config["eyas"], option: False}}
+        (off / "config.json").write_text(json.dumps(edited))
+        kept = {k: v for k, v in saved(drafter31).items() if option != "fc_norm" or not k.startswith("fc_norm.")}
+        save_file(kept, off / "model.safetensors")
+        assert not torch.allclose(ttt_logits(off, embed), ttt_logits(drafter31, embed), atol=1e-3), option
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "speculators"])
+def test_eagle31_options_round_trip_through_the_vllm_layouts(fmt, drafter31, tiny_llama_dir, embed, tmp_path):
+    export_drafter(drafter31, fmt, tmp_path / fmt)
+    config = json.loads((tmp_path / fmt / "config.json").read_text())
+    assert config["fc_norm"] is True and config["norm_output"] is True and not config.get("norm_before_fc")
+    tensors = saved(tmp_path / fmt)
+    # vLLM's loader prefixes `model.` itself: the file holds exactly fc_norm.{i}.weight, one per aux state.
+    assert sorted(k for k in tensors if "fc_norm" in k) == [f"fc_norm.{i}.weight" for i in range(3)]
+    assert all(torch.equal(tensors[f"fc_norm.{i}.weight"], saved(drafter31)[f"fc_norm.{i}.weight"]) for i in range(3))
+    import_drafter(tmp_path / fmt, tmp_path / "back")
+    before, after = saved(drafter31), saved(tmp_path / "back")
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert DraftConfig.load(tmp_path / "back") == DraftConfig.load(drafter31)
+    assert torch.equal(ttt_logits(tmp_path / "back", embed), ttt_logits(drafter31, embed))
+    # The same folder without eyas's own record: read as a foreign drafter from the engine fields alone.
+    edit(tmp_path / fmt, lambda c: c.pop("eyas"))
+    import_drafter(tmp_path / fmt, tmp_path / "foreign", target=str(tiny_llama_dir))
+    cfg = DraftConfig.load(tmp_path / "foreign")
+    assert cfg.fc_norm and cfg.norm_output
+    assert torch.equal(ttt_logits(tmp_path / "foreign", embed), ttt_logits(drafter31, embed))
+
+
+def test_import_refuses_an_export_whose_option_was_edited(drafter31, tmp_path):
+    export_drafter(drafter31, "vllm", tmp_path / "vllm")
+    edit(tmp_path / "vllm", lambda c: c.update(norm_output=False))
+    with pytest.raises(EyasError, match="norm_output False disagrees with its eyas block"):
+        import_drafter(tmp_path / "vllm", tmp_path / "back")
+
+
 # --- what each layout writes -----------------------------------------------------------------
 
 def test_layer_ids_follow_each_engines_convention(drafter, tmp_path):
@@ -135,6 +183,11 @@ def test_sglang_export_refuses_what_sglang_does_not_implement(tiny_llama_dir, tm
     nbr = make_drafter(tiny_llama_dir, tmp_path / "nbr", norm_before_residual=True)
     with pytest.raises(EyasError, match="norm_before_residual"):
         export_drafter(nbr, "sglang", tmp_path / "out3")
+    for option in ("fc_norm", "norm_output"):
+        ckpt = make_drafter(tiny_llama_dir, tmp_path / option, **{option: True})
+        with pytest.raises(EyasError, match=f"trained with {option}=true .* export it --to vllm"):
+            export_drafter(ckpt, "sglang", tmp_path / f"{option}-sglang")
+        assert not (tmp_path / f"{option}-sglang").exists()
 
 
 def test_export_refuses_bad_requests(drafter, tmp_path, tiny_tokenizer_dir):
@@ -252,8 +305,8 @@ def edit(folder: Path, change) -> Path:
 
 REFUSALS = {
     "speculators without norm_before_residual": ("spec", lambda c: c.pop("norm_before_residual"), "norm_before_residual"),
-    "EAGLE 3.1 fc_norm": ("specforge", lambda c: c.update(fc_norm=True), "fc_norm"),
-    "EAGLE 3.1 norm_output": ("spec", lambda c: c.update(norm_output=True), "norm_output"),
+    "fc_norm without its weights": ("specforge", lambda c: c.update(fc_norm=True), r"missing \['fc_norm.0.weight'"),
+    "one norm before fc": ("spec", lambda c: c.update(norm_before_fc=True), "norm_before_fc"),
     "no architectures": ("specforge", lambda c: c.pop("architectures"), "`architectures`"),
     "not a Llama EAGLE-3 head": ("specforge", lambda c: c.update(architectures=["Qwen3ForCausalLM"]), "architectures"),
     "two decoder layers": ("specforge", lambda c: c.update(num_hidden_layers=2), "num_hidden_layers"),

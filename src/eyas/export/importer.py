@@ -12,6 +12,8 @@ Understood layouts; anything else is refused with the field that is missing or u
   weights under `layers.0.*`.
 - eyas's own exports (an `eyas` block): restored exactly, the engine-visible fields checked
   against it.
+In every layout the EAGLE 3.1 options `fc_norm` (weights `fc_norm.{i}.weight`) and
+`norm_output` are read where vLLM reads them: at the top level of config.json.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from eyas.draft.checkpoint import save_drafter
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
-from eyas.export.layouts import EYAS_PREFIX
+from eyas.export.layouts import EAGLE31_OPTIONS, EYAS_PREFIX
 from eyas.export.weights import build_drafter, prepare_out, read_tensors
 from eyas.models.identity import ModelIdentity
 from eyas.models.layers import default_aux_ids
@@ -38,9 +40,7 @@ SPECULATORS_PREFIX = "layers.0."
 IGNORED_PREFIXES = ("verifier_norm.", "verifier_lm_head.")
 # Variants eyas's drafter does not implement: flag -> what it means.
 UNSUPPORTED = {
-    "fc_norm": "per-layer norms before fc (EAGLE 3.1)",
-    "norm_before_fc": "a norm before fc",
-    "norm_output": "post-norm hidden states fed back between steps (EAGLE 3.1)",
+    "norm_before_fc": "one norm over all aux states before fc",
     "attention_bias": "attention biases",
     "mlp_bias": "MLP biases",
     "tie_word_embeddings": "an lm_head tied to the embeddings",
@@ -56,6 +56,11 @@ class Foreign:
     aux_layer_ids: tuple[int, ...] | None  # eyas's convention (input of layer k); None = engine default
     norm_before_residual: bool
     verifier: str | None  # the target named by the folder itself
+
+    @property
+    def options(self) -> dict[str, bool]:
+        """fc_norm / norm_output, read at the top level as vLLM reads them in both formats."""
+        return {option: bool(self.raw.get(option, False)) for option in EAGLE31_OPTIONS}
 
 
 def import_drafter(src: str | Path, out: str | Path, *, target: str | None = None, force: bool = False) -> dict[str, Any]:
@@ -202,7 +207,7 @@ def draft_config(foreign: Foreign, identity: ModelIdentity, state: dict[str, tor
         aux_layer_ids=aux, label_layer_id=n, target=identity.to_dict(),
         rms_norm_eps=layer.get("rms_norm_eps", 1e-6), rope_parameters=rope_parameters(layer),
         max_position_embeddings=layer.get("max_position_embeddings", 8192), hidden_act=layer.get("hidden_act", "silu"),
-        norm_before_residual=foreign.norm_before_residual,
+        norm_before_residual=foreign.norm_before_residual, **foreign.options,
     )
 
 
@@ -220,6 +225,7 @@ def check_agrees(own: DraftConfig, foreign: Foreign, src: Path) -> None:
     seen = {
         "aux layer ids": (foreign.aux_layer_ids, own.aux_layer_ids),
         "norm_before_residual": (foreign.norm_before_residual, own.norm_before_residual),
+        **{option: (value, getattr(own, option)) for option, value in foreign.options.items()},
         "draft_vocab_size": (foreign.raw.get("draft_vocab_size"), own.draft_vocab_size),
         "hidden_size": (foreign.layer.get("hidden_size"), own.hidden_size),
     }

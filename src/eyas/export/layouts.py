@@ -8,16 +8,22 @@ vllm         vLLM 0.32 `model_executor/models/llama_eagle3.py` + `v1/worker/gpu_
              `fc` width from `num_aux_hidden_states` (else 3); weights `midlayer.*` (renamed to
              `layers.0.*` by vLLM), `fc`, `norm`, `lm_head`, `d2t` (offsets; no `d2t` when the draft
              vocabulary is the whole target vocabulary); `t2d` ignored; the target's embeddings shared.
+             EAGLE 3.1 options from top-level `fc_norm` (one RMSNorm per aux state before `fc`,
+             weights `fc_norm.{i}.weight`: the loader prefixes every name but `lm_head` with
+             `model.`, so they are written unprefixed) and `norm_output` (no weights).
 speculators  vLLM's `transformers_utils/configs/speculators/`: `speculators_model_type: eagle3`,
              `architectures: [Eagle3Speculator]`, the decoder layer in `transformer_layer_config`,
              `norm_before_residual` defaulting to True when absent (so it is always written),
-             weights under `layers.0.*`; `speculators_config.verifier` names the target.
+             top-level `fc_norm` / `norm_output` / `norm_before_fc` (the same model class loads
+             it, so the same weight names), weights under `layers.0.*`;
+             `speculators_config.verifier` names the target.
 sglang       SGLang `srt/models/llama_eagle3.py` + `llama.py` + `model_executor/model_runner.py`:
              architecture `LlamaForCausalLMEagle3`; aux ids only from
              `eagle_config.eagle_aux_hidden_state_layer_ids`, counted as *outputs* of layers (it
              captures at id + 1), so eyas's ids are shifted by -1; `fc` is hard-wired to three aux
              states; the residual is always the un-normed hidden state (no `norm_before_residual`);
-             weights `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t` (read as offsets), `t2d`.
+             weights `midlayer.*`, `fc`, `norm`, `lm_head`, `d2t` (read as offsets), `t2d`;
+             no `fc_norm` and no `norm_output` (neither field is read, the weights would be dropped).
              The top-level vLLM ids are written too, so the folder also serves correctly in vLLM
              (which reads top level first) instead of silently off by one layer.
 """
@@ -31,6 +37,11 @@ from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
 
 EYAS_PREFIX = "midlayer."  # eyas's (and vLLM's, SGLang's, EAGLE's) name for the decoder layer
+# The drafter options vLLM 0.32 serves and SGLang does not: field -> what it means.
+EAGLE31_OPTIONS = {
+    "fc_norm": "an RMSNorm on each aux state before fc",
+    "norm_output": "the normed output fed back between drafting steps",
+}
 
 
 @dataclass(frozen=True)
@@ -60,6 +71,10 @@ def _sglang_check(cfg: DraftConfig) -> None:
     if cfg.norm_before_residual:
         raise EyasError("This drafter was trained with norm_before_residual=true, which SGLang's EAGLE-3 layer does "
                         "not implement (its residual is always the un-normed hidden state). Export it --to vllm.")
+    for option, what in EAGLE31_OPTIONS.items():
+        if getattr(cfg, option):
+            raise EyasError(f"This drafter was trained with {option}=true ({what}), which SGLang's EAGLE-3 head does "
+                            "not implement; export it --to vllm.")
     if min(cfg.aux_layer_ids) < 1:
         raise EyasError("Aux layer id 0 (the embeddings) has no output-of-layer id in SGLang's convention.")
 
@@ -101,6 +116,7 @@ def vllm_config(cfg: DraftConfig, serving: dict[str, Any]) -> dict[str, Any]:
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.hidden_size,
         "norm_before_residual": cfg.norm_before_residual,
+        **{option: getattr(cfg, option) for option in EAGLE31_OPTIONS},
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         **_eyas_block(cfg),
     }
@@ -134,8 +150,7 @@ def speculators_config(cfg: DraftConfig, serving: dict[str, Any]) -> dict[str, A
         "target_hidden_size": cfg.hidden_size,
         "norm_before_residual": cfg.norm_before_residual,
         "norm_before_fc": False,
-        "fc_norm": False,
-        "norm_output": False,
+        **{option: getattr(cfg, option) for option in EAGLE31_OPTIONS},
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         **_eyas_block(cfg),
     }
