@@ -129,6 +129,7 @@ def train_stage(args) -> None:
     _dump(out / "quality_train.json", report)
     _dump(work / "quality_train.json", report)  # for the eval call, whose $OUT starts empty
     shutil.copy(work / "drafter" / "metrics.jsonl", out / "metrics.jsonl")
+    ship_drafter(work / "drafter", out)
     print(json.dumps(report["train"]["final"], default=str), flush=True)
 
 
@@ -162,6 +163,20 @@ def train_for(args, data: Path, folder: Path, seconds: float, options: dict, eva
             "final": final}
 
 
+def ship_drafter(folder: Path, out: Path, part: int = 15 << 20) -> None:
+    """The drafter, in bf16, as <=15 MiB parts in $OUT (what one call brings back per file),
+    so it outlives the GPU machine: `cat drafter.bf16.part* > model.safetensors`."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = {k: v.bfloat16() if v.is_floating_point() else v for k, v in load_file(folder / "model.safetensors").items()}
+    packed = folder.with_name("drafter.bf16.safetensors")
+    save_file(tensors, packed)
+    data = packed.read_bytes()
+    for i in range(0, len(data), part):
+        (out / f"drafter.bf16.part{i // part}").write_bytes(data[i:i + part])
+    shutil.copy(folder / "config.json", out / "drafter_config.json")
+
+
 def _answer_tokens(prepared: Path) -> int:
     from eyas.data.prepared import PreparedData
 
@@ -187,7 +202,8 @@ def eval_stage(args) -> None:
         mine = order[w :: args.workers]
         cmd = [sys.executable, __file__, "eval-worker", "--model", args.model, "--mt-bench", args.mt_bench,
                "--work", args.work, "--ids", ",".join(mine), "--out", str(work / "eval" / f"worker{w}.json"),
-               "--seconds", str(60 * args.eval_minutes), "--max-new-tokens", str(args.max_new_tokens)]
+               "--seconds", str(60 * args.eval_minutes), "--max-new-tokens", str(args.max_new_tokens),
+               "--device", args.device]
         workers.append(subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "2"}))
     codes = [p.wait() for p in workers]
     records = []
