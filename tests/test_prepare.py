@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from eyas.cli import main
 from eyas.data.prepare import prepare
 from eyas.data.prepared import PreparedData
-from eyas.data.sources import iter_records
+from eyas.data.sources import TruncatedTail, iter_records
 from eyas.data.template import tokenize_conversation
 from eyas.errors import EyasError
 from tiny import CHATML, GEMMA, LLAMA3
@@ -141,8 +141,9 @@ def test_empty_dataset_and_non_chat_tokenizer_are_clear_errors(tmp_path, tiny_ll
 
 
 def test_packaged_sharegpt_recovers_every_complete_record():
-    records = list(iter_records("packaged:sharegpt"))
-    assert len(records) == 17671  # the file is cut off inside record 17,672
+    *records, tail = iter_records("packaged:sharegpt")
+    assert len(records) == 17671  # the file is cut off inside record 17,672, reported as such:
+    assert isinstance(tail, TruncatedTail) and tail.records == 1 and tail.nbytes > 0
     assert all(isinstance(r, dict) and "conversations" in r for r in records[:100])
 
 
