@@ -50,6 +50,7 @@ def output_lock(folder: str | Path, command: str, wait: float = 10.0) -> Iterato
     folder = Path(folder)
     if folder.exists() and not folder.is_dir():
         raise EyasError(f"{folder} exists and is not a folder.")
+    created = not folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     job = job_id()
     fd = os.open(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o666)
@@ -58,7 +59,7 @@ def output_lock(folder: str | Path, command: str, wait: float = 10.0) -> Iterato
         try:
             yield
         finally:
-            _release(fd)
+            _release(fd, folder if created else None)
     finally:
         os.close(fd)
 
@@ -97,11 +98,15 @@ def _acquire(fd: int, folder: Path, command: str, job: str | None, wait: float) 
         time.sleep(0.05)
 
 
-def _release(fd: int) -> None:
-    """Unlock; the last holder clears the record, so a finished run leaves no owner named."""
+def _release(fd: int, created: Path | None) -> None:
+    """Unlock; the last holder clears the record, so a finished run leaves no owner named, and
+    removes a folder it created that holds nothing else (a run that failed early leaves no trace)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, 0)
+        if created is not None and [p.name for p in created.iterdir()] == [LOCK_FILE]:
+            (created / LOCK_FILE).unlink()
+            created.rmdir()
     except BlockingIOError:
         pass  # other processes of the job still hold it
     fcntl.flock(fd, fcntl.LOCK_UN)
