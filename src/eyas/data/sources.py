@@ -115,14 +115,11 @@ def _value_end(text: str, i: int) -> int | None:
             i = e.end()
         elif c in "{[":
             stack.append("}" if c == "{" else "]")
-        elif c == ",":
-            if not stack:
-                return m.start()
-        elif not stack:  # the enclosing array's "]"
+        elif c == "," and not stack or c == "]" and not stack:  # the next record, or the array's end
             return m.start()
         elif c in stack:
             del stack[len(stack) - 1 - stack[::-1].index(c):]
-    return None
+    return None  # (a stray "}" outside any bracket is part of the bad record)
 
 
 def _json_array(path: Path) -> Iterator[Any]:
@@ -148,7 +145,7 @@ def _json_array(path: Path) -> Iterator[Any]:
             if end is None:
                 yield TruncatedTail(len(text[i:].encode("utf-8", errors="surrogateescape")), 1)
                 return
-            i = end
+            i = max(end, i + 1)  # a bad record is at least one character
             record = BadRecord(f"invalid JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else "nested too deeply")
         yield record
 
@@ -230,7 +227,7 @@ def normalize(record: Any) -> list[dict[str, str]]:
             raise BadRecord("malformed message")
         role = ROLES.get(m[role_key].lower())
         if role is None:
-            raise BadRecord(f"unknown role {m[role_key]!r}")
+            raise BadRecord(f"unknown role {ascii(m[role_key])[:40]}")  # ascii: the reason is printed
         content = _content(m[content_key])
         if not content.strip():
             raise BadRecord("empty message")
