@@ -93,13 +93,13 @@ class StoreWriter:
         self.path = Path(path)
         self.dtype = store_dtype(header["dtype"])
         self.layer_ids = list(header["layer_ids"])
-        with store_lock(self.path):
-            self.manifest = self._open(header)
         self.done: set[int] = set()
-        if self.manifest["shards"]:
-            store = Store(self.path)
-            store.check()
-            self.done = set(store.sample_indices().tolist())
+        with store_lock(self.path):  # other ranks of a job may be recording shards meanwhile
+            self.manifest = self._open(header)
+            if self.manifest["shards"]:
+                store = Store(self.path, self.manifest)
+                store.check()
+                self.done = set(store.sample_indices().tolist())
         self._row_shape = (len(self.layer_ids), int(header["hidden_size"]))
         self._capacity = max(1, shard_bytes // (math.prod(self._row_shape) * self.dtype.itemsize))  # tokens
         self._hidden: torch.Tensor | None = None  # the shard being filled, [rows, L, H]
