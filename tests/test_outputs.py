@@ -129,3 +129,18 @@ def test_ctrl_c_says_what_resumes(monkeypatch, capsys, command, function, hint):
     err = capsys.readouterr().err.strip()
     assert exit_.value.code == 130 and err.startswith(f"eyas {command}: ") and err.endswith(hint), err
     assert command == "capture" or "run the same command again" not in err
+
+
+def test_names_in_a_checkpoint_pointer_or_a_weight_index_stay_inside_their_folder(tmp_path, tiny_store):
+    from eyas.export.weights import read_tensors
+
+    out = tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("../../elsewhere\n")
+    with pytest.raises(EyasError, match=r"latest names '../../elsewhere', which is not a plain file name"):
+        train(TrainConfig(store=str(tiny_store), out=str(out), steps=1, resume=True, progress=False))
+    folder = tmp_path / "drafter"
+    folder.mkdir()
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"fc.weight": "/etc/x.safetensors"}}))
+    with pytest.raises(EyasError, match=r"names '/etc/x.safetensors', which is not a plain file name"):
+        read_tensors(folder)
