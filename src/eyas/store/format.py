@@ -70,8 +70,9 @@ def shard_name(i: int) -> str:
 
 
 def next_shard_name(names: Iterable[str]) -> str:
-    """The name after the highest shard number among `names`: never one that exists or is listed."""
-    numbers = [int(m.group(1)) for n in names if (m := SHARD_PATTERN.fullmatch(n))]
+    """The name after the highest shard number among `names` (`*.dropped` ones included): never
+    one that exists, is listed, or was set aside by `eyas inspect --repair`."""
+    numbers = [int(m.group(1)) for n in names if (m := SHARD_PATTERN.match(n))]
     return shard_name(max(numbers, default=-1) + 1)
 
 
