@@ -40,7 +40,8 @@ def check_structure(store) -> None:
 def check_layer_ids(m: dict[str, Any]) -> None:
     layer_ids, n_layers = list(m["layer_ids"]), m["target"]["num_layers"]
     if layer_ids[-1] != n_layers or any(not 0 <= k < n_layers for k in layer_ids[:-1]):
-        raise EyasError(f"Layer ids {layer_ids} do not fit a {n_layers}-layer target (last id must be {n_layers}).")
+        raise EyasError(f"The store's layer ids {layer_ids} do not fit the {n_layers}-layer target: aux ids must lie in "
+                        f"0..{n_layers - 1}, followed by {n_layers} (the last layer's output, the label source).")
 
 
 def check_shard(store, i: int, seen: set[int], full: bool) -> list[int]:
