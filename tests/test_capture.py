@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from eyas.capture.hf import HFCapturer
 from eyas.capture.run import capture
@@ -25,6 +25,7 @@ from eyas.data.prepared import PreparedData, PreparedSample
 from eyas.errors import EyasError
 from eyas.models import decoder_parts
 from eyas.store import Store, StoreWriter
+from eyas.store.format import write_safetensors
 from tiny import FAMILIES, build_model
 
 SMOLLM2 = "packaged:smollm2-135m"
@@ -159,12 +160,12 @@ def test_verify_catches_a_flipped_byte_and_nan(tmp_path, smollm2_store, capsys):
     assert exit_.value.code == 2
     assert "shard-00000.safetensors: sha256 mismatch" in capsys.readouterr().err
 
-    # NaN with a matching checksum: only the value scan can catch it.
-    shutil.copy(smollm2_store / "shard-00000.safetensors", shard)
-    tensors = load_file(shard)
+    # NaN with a matching checksum and structure: only the value scan can catch it.
+    tensors = load_file(smollm2_store / "shard-00000.safetensors")
     tensors["hidden"][5, 1, 3] = float("nan")
-    save_file(tensors, shard)
     manifest = json.loads((store / "manifest.json").read_text())
+    with open(shard, "wb") as f:
+        write_safetensors(f, tensors, {"format": "eyas-store", "layer_ids": ",".join(map(str, manifest["layer_ids"]))})
     manifest["shards"][0]["sha256"] = hashlib.sha256(shard.read_bytes()).hexdigest()
     (store / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(EyasError, match=r"hidden holds NaN/inf \(token 5, layer slot 1\)"):

@@ -396,3 +396,37 @@ def test_cli_import_and_errors(drafter, tmp_path, capsys):
     assert "eyas import: error:" in capsys.readouterr().err
     assert run_cli("import", tmp_path / "nowhere", "--out", tmp_path / "x") == 2
     assert "no config.json" in capsys.readouterr().err
+
+
+# --- --force replaces only what eyas wrote (issue 13) --------------------------------------------
+
+def test_force_replaces_only_the_files_eyas_wrote(drafter, tmp_path):
+    out = tmp_path / "out"
+    export_drafter(drafter, "vllm", out)
+    assert json.loads((out / "eyas-export.json").read_text())["files"] == ["config.json", "model.safetensors"]
+    (out / "README.md").write_text("notes")
+    first = (out / "model.safetensors").read_bytes()
+    export_drafter(drafter, "vllm", out, dtype="bf16", force=True)  # over its own export: allowed
+    assert (out / "README.md").read_text() == "notes" and (out / "model.safetensors").read_bytes() != first
+    assert sorted(p.name for p in out.iterdir()) == [".eyas-lock", "README.md", "config.json", "eyas-export.json",
+                                                     "model.safetensors"]
+
+
+@pytest.mark.parametrize("foreign", ["pytorch_model.bin", "model-00001-of-00002.safetensors",
+                                     "model.safetensors.index.json"])
+def test_force_refuses_foreign_weights_that_would_sit_beside_the_new_ones(drafter, tmp_path, foreign):
+    out = tmp_path / "out"
+    export_drafter(drafter, "vllm", out)
+    (out / foreign).write_bytes(b"someone else's weights")
+    with pytest.raises(EyasError, match=f"weight files eyas did not write \\({foreign}\\)"):
+        export_drafter(drafter, "vllm", out, force=True)
+    assert (out / foreign).read_bytes() == b"someone else's weights"  # nothing deleted
+
+
+def test_force_refuses_to_overwrite_a_drafter_eyas_did_not_write(drafter, tmp_path):
+    out = tmp_path / "theirs"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    with pytest.raises(EyasError, match="holds config.json, which eyas did not write"):
+        export_drafter(drafter, "vllm", out, force=True)
+    assert (out / "config.json").read_text() == "{}"

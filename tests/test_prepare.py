@@ -9,9 +9,9 @@ import torch
 from transformers import AutoTokenizer
 
 from eyas.cli import main
-from eyas.data.prepare import prepare
+from eyas.data.prepare import format_summary, prepare
 from eyas.data.prepared import PreparedData
-from eyas.data.sources import iter_records
+from eyas.data.sources import TruncatedTail, iter_records
 from eyas.data.template import tokenize_conversation
 from eyas.errors import EyasError
 from tiny import CHATML, GEMMA, LLAMA3
@@ -141,8 +141,9 @@ def test_empty_dataset_and_non_chat_tokenizer_are_clear_errors(tmp_path, tiny_ll
 
 
 def test_packaged_sharegpt_recovers_every_complete_record():
-    records = list(iter_records("packaged:sharegpt"))
-    assert len(records) == 17671  # the file is cut off inside record 17,672
+    *records, tail = iter_records("packaged:sharegpt")
+    assert len(records) == 17671  # the file is cut off inside record 17,672, reported as such:
+    assert isinstance(tail, TruncatedTail) and tail.records == 1 and tail.nbytes > 0
     assert all(isinstance(r, dict) and "conversations" in r for r in records[:100])
 
 
@@ -178,3 +179,89 @@ def test_prepared_samples_round_trip(smollm2_prepared):
     assert summary["trained_tokens"] == sum(int(s.loss_mask.sum()) for s in data)
     assert all(len(s.input_ids) <= 256 and s.loss_mask.any() for s in data)
     assert data[0].input_ids.dtype == torch.int64
+
+
+# --- any turn order (issue 13) ------------------------------------------------------------------
+
+SYSTEM_CHATML = (  # SmolLM2's way: a system prompt the template injects when the conversation has none
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+CLOSING = {"chatml": "<|im_end|>\n", "system-chatml": "<|im_end|>\n", "llama3": "<|eot_id|>", "gemma": "<end_of_turn>\n"}
+TURN_ORDERS = {
+    "assistant first": [("assistant", "Hello there."), ("user", "Hi"), ("assistant", "Hi")],
+    "consecutive assistant turns": [("user", "ok"), ("assistant", "ok"), ("assistant", "And one more thing.")],
+    "only an assistant turn": [("assistant", "Just this.")],
+}
+
+
+@pytest.mark.parametrize("order", sorted(TURN_ORDERS))
+@pytest.mark.parametrize("family", sorted(CLOSING))
+def test_only_assistant_content_and_end_of_turn_are_trained_in_any_turn_order(tiny_tokenizer_dir, family, order):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    tokenizer.chat_template = {**TEMPLATES, "system-chatml": SYSTEM_CHATML}[family]
+    messages = [{"role": r, "content": c} for r, c in TURN_ORDERS[order]]
+    ids, mask, _ = tokenize_conversation(tokenizer, messages, max_len=4096)
+    trained = [c + CLOSING[family] for r, c in TURN_ORDERS[order] if r == "assistant"]
+    assert tokenizer.decode(ids[mask]) == "".join(trained)
+    turns = TURN_ORDERS[order]
+    before_first = tokenizer.decode(ids[: int(mask.nonzero()[0])])  # "ok" twice: the user's is not the one trained
+    assert all(c + CLOSING[family] in before_first for r, c in turns[: [r for r, _ in turns].index("assistant")])
+    assert int(mask.sum()) == sum(len(tokenizer(t, add_special_tokens=False)["input_ids"]) for t in trained)
+
+
+# --- damaged and odd data files (issue 13) -------------------------------------------------------
+
+def _summary(tiny_llama_dir, data, out, **kw):
+    return prepare(str(tiny_llama_dir), str(data), out, progress=False, **kw)
+
+
+def test_a_bad_record_inside_a_json_array_does_not_end_reading_and_a_cut_tail_is_reported(tmp_path, tiny_llama_dir):
+    text = "[" + ", ".join([json.dumps(GOOD_OPENAI), '{"messages": [oops]}', json.dumps(GOOD_SHAREGPT),
+                            json.dumps(GOOD_OPENAI)]) + ', {"conversations": [{"from": "human", "va'
+    data = tmp_path / "d.json"
+    data.write_text(text)
+    summary = _summary(tiny_llama_dir, data, tmp_path / "out")
+    assert summary["kept"] == 3 and summary["records_read"] == 5
+    assert summary["dropped"] == {"invalid JSON (Expecting value)": 1, "cut off at the end of the file": 1}
+    assert summary["truncated_tail_bytes"] == len('{"conversations": [{"from": "human", "va')
+    assert "its last 40 bytes (1 record) were not read" in format_summary(summary, "out")
+    with pytest.raises(EyasError, match="record 1 of .*invalid JSON"):
+        _summary(tiny_llama_dir, data, tmp_path / "strict", strict=True)
+
+
+def test_undecodable_text_and_wrong_types_are_counted_by_reason(tmp_path, tiny_llama_dir):
+    rows = [json.dumps(GOOD_OPENAI).encode(),
+            json.dumps(GOOD_OPENAI).encode().replace(b"Hi there", b"Hi \xff\xfe there"),
+            json.dumps({"messages": [{"role": "user", "content": "\ud800"}, {"role": "assistant", "content": "x"}]}).encode(),
+            json.dumps({"messages": [{"role": 7, "content": "x"}, {"role": "assistant", "content": "y"}]}).encode(),
+            json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}).encode(),
+            b"[" * 100_000 + b"]" * 100_000,
+            json.dumps(42).encode()]
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(b"\n".join(rows) + b"\n")
+    summary = _summary(tiny_llama_dir, data, tmp_path / "out")
+    assert summary["kept"] == 1 and summary["records_read"] == 7
+    assert summary["dropped"] == {"text that is not valid UTF-8": 2, "malformed message": 2, "nested too deeply": 1,
+                                  "not a conversation object": 1}
+
+
+@pytest.mark.parametrize("content,problem", [
+    ("\n".join(json.dumps(GOOD_OPENAI) for _ in range(3)), "one JSON object per line \\(JSONL\\) but is named .json"),
+    (json.dumps({"a": GOOD_OPENAI, "b": GOOD_SHAREGPT}), "the top level is a JSON object, not a list of conversations"),
+    ('"just text"', "is not a JSON array of conversations"),
+])
+def test_a_json_file_that_is_not_a_list_of_conversations_is_a_clear_error(tmp_path, tiny_llama_dir, content, problem):
+    data = tmp_path / "d.json"
+    data.write_text(content)
+    with pytest.raises(EyasError, match=problem):
+        _summary(tiny_llama_dir, data, tmp_path / "out")
+
+
+def test_utf16_data_is_a_clear_error(tmp_path, tiny_llama_dir):
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(json.dumps(GOOD_OPENAI).encode("utf-16"))
+    with pytest.raises(EyasError, match="UTF-16 or UTF-32 text; eyas reads UTF-8"):
+        _summary(tiny_llama_dir, data, tmp_path / "out")

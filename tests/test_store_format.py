@@ -88,7 +88,9 @@ def test_writer_reuses_shard_buffers_and_keeps_every_sample_exact(tmp_path, dtyp
     from eyas.store import Store, StoreWriter
 
     L, H = 3, 16
-    header = {"target": {"num_layers": 4, "vocab_size": 1000}, "layer_ids": [1, 2, 4], "dtype": dtype,
+    target = {"model": "test", "config_hash": "c", "tokenizer_hash": "t", "num_layers": 4, "hidden_size": H,
+              "vocab_size": 1000}
+    header = {"target": target, "layer_ids": [1, 2, 4], "dtype": dtype,
               "hidden_size": H, "prepared": "test"}
     row_bytes = L * H * (1 if dtype == "fp8" else 2)
     writer = StoreWriter(tmp_path / "s", header, shard_bytes=40 * row_bytes, threads=2)  # 40 tokens a shard

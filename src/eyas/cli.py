@@ -2,7 +2,7 @@
 
 Each stage's CLI module exposes `HELP` (one line), `add_arguments(parser)` and
 `run(args) -> int`, and imports its heavy dependencies inside `run`, so `eyas --help`
-stays fast.
+stays fast. A stage that can continue after Ctrl-C says how in `ON_INTERRUPT`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=module.HELP, description=module.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+        p.set_defaults(_run=module.run, _on_interrupt=getattr(module, "ON_INTERRUPT", "interrupted."))
     return parser
 
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"eyas {args.command}: error: {e}", file=sys.stderr)
         code = 2
     except KeyboardInterrupt:
-        print(f"\neyas {args.command}: interrupted; run the same command again to resume.", file=sys.stderr)
+        print(f"\neyas {args.command}: {args._on_interrupt}", file=sys.stderr)
         code = 130
     sys.stdout.flush()
     sys.exit(code or 0)

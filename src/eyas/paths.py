@@ -15,11 +15,32 @@ def cache_dir() -> Path:
     return Path(os.environ.get("EYAS_CACHE") or Path.home() / ".cache" / "eyas")
 
 
+def _umask() -> int:
+    """The process umask, read without changing it (os.umask sets it, racing other threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
+def temp_file(folder: Path, prefix: str) -> tuple[int, str]:
+    """A new temp file in `folder` -> (fd, path), with the mode an ordinary file gets under the
+    umask: mkstemp's 0600 would follow it through the rename and lock other users out of it."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=".tmp")
+    os.fchmod(fd, 0o666 & ~_umask())
+    return fd, tmp
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write to a temp file in the same folder, fsync, rename: a reader never sees half a file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, tmp = temp_file(path.parent, f".{path.name}.")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -34,6 +55,16 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 def atomic_write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def plain_name(name: Any, what: str) -> str:
+    """`name` if it is a plain file name (no folder part, not `.`/`..`), else raise: a name read from
+    a manifest, checkpoint or config must never reach outside the folder that holds it."""
+    from eyas.errors import EyasError
+
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise EyasError(f"{what} names {name!r}, which is not a plain file name inside its folder.")
+    return name
 
 
 def sha256_file(path: Path) -> str:

@@ -19,6 +19,7 @@ import argparse
 import os
 
 HELP = "run the target and store its hidden states (transformers or vLLM)"
+ON_INTERRUPT = "interrupted; run the same command again to resume."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -14,6 +14,7 @@ from eyas.capture.staging import HostStager
 from eyas.capture.vllm import make_vllm_backend  # light: vLLM itself is imported only when used
 from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
+from eyas.lock import output_lock
 from eyas.store import StoreWriter
 from eyas.store.reader import read_manifest
 
@@ -38,8 +39,17 @@ def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", 
 
     Under `torchrun`, rank r of W owns the samples whose position is r modulo W: ownership
     does not depend on what is already stored, so ranks resume independently and never
-    capture a sample twice, whatever the other ranks have done.
+    capture a sample twice, whatever the other ranks have done. The ranks of one job share
+    the store's lock; any other run on the same store is refused.
     """
+    with output_lock(out, "capture"):
+        return _capture(model, data, out, backend, layers, dtype, device, model_dtype, batch_tokens, shard_mb,
+                        progress, **backend_options)
+
+
+def _capture(model: str, data: str | Path, out: str | Path, backend: str, layers: str, dtype: str, device: str,
+             model_dtype: str | None, batch_tokens: int, shard_mb: float, progress: bool,
+             **backend_options: Any) -> dict[str, Any]:
     from eyas.distributed import all_reduce, barrier, init, shutdown
 
     if backend not in BACKENDS:

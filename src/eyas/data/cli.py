@@ -16,6 +16,7 @@ import argparse
 import sys
 
 HELP = "conversations -> token ids + assistant-only loss mask"
+ON_INTERRUPT = "interrupted; nothing was written, run the same command again to start over."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -10,9 +10,12 @@ from typing import Any
 from tqdm import tqdm
 
 from eyas.data.prepared import PreparedSample, write_prepared
-from eyas.data.sources import BadRecord, iter_records, normalize
+from eyas.data.sources import BadRecord, TruncatedTail, iter_records, normalize
 from eyas.data.template import require_chat_template, tokenize_conversation
 from eyas.errors import EyasError
+
+
+TAIL = "cut off at the end of the file"
 
 
 def prepare(model: str, source: str, out: str | Path, max_len: int = 2048, limit: int | None = None,
@@ -33,11 +36,18 @@ def prepare(model: str, source: str, out: str | Path, max_len: int = 2048, limit
     samples: list[PreparedSample] = []
     conversations: list[list[dict[str, str]]] = []
     dropped: Counter[str] = Counter()
-    truncated = records = 0
+    truncated = records = tail_bytes = 0
     bar = tqdm(desc="prepare", unit=" conv", total=limit, disable=not progress)
     for index, record in enumerate(iter_records(source)):
         if limit is not None and len(samples) >= limit:
             break
+        if isinstance(record, TruncatedTail):
+            if strict:
+                raise EyasError(f"{source} is cut off inside record {index}: its last {record.nbytes} bytes are incomplete.")
+            records += record.records
+            dropped[TAIL] += record.records
+            tail_bytes = record.nbytes
+            continue
         records += 1
         try:
             messages = normalize(record)
@@ -60,6 +70,7 @@ def prepare(model: str, source: str, out: str | Path, max_len: int = 2048, limit
     trained = sum(int(s.loss_mask.sum()) for s in samples)
     summary = {
         "records_read": records, "kept": len(samples), "dropped": dict(dropped), "truncated": truncated,
+        "truncated_tail_bytes": tail_bytes,
         "tokens": tokens, "trained_tokens": trained, "trained_share": trained / tokens,
     }
     fingerprint = hashlib.sha256()
@@ -78,6 +89,9 @@ def format_summary(summary: dict[str, Any], out: str | Path) -> str:
         f"tokens {summary['tokens']:,}, trained (assistant) {summary['trained_tokens']:,} "
         f"({100 * summary['trained_share']:.1f}%), truncated to --max-len: {summary['truncated']}",
     ]
+    if summary.get("truncated_tail_bytes"):
+        lines.append(f"the file ends inside a record: its last {summary['truncated_tail_bytes']:,} bytes "
+                     f"({summary['dropped'][TAIL]} record) were not read")
     if summary["dropped"]:
         lines.append("dropped: " + ", ".join(f"{n} {reason}" for reason, n in sorted(summary["dropped"].items(), key=lambda kv: -kv[1])))
     else:

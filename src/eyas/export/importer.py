@@ -29,7 +29,7 @@ from eyas.draft.checkpoint import save_drafter
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
 from eyas.export.layouts import EAGLE31_OPTIONS, EYAS_PREFIX
-from eyas.export.weights import build_drafter, prepare_out, read_tensors
+from eyas.export.weights import build_drafter, owned_out, read_tensors
 from eyas.models.identity import ModelIdentity
 from eyas.models.layers import default_aux_ids
 from eyas.models.resolve import resolve_model
@@ -79,8 +79,8 @@ def import_drafter(src: str | Path, out: str | Path, *, target: str | None = Non
         check_embeddings(embed, target or foreign.verifier or cfg.identity.model, src)
     state.update(vocab_tables(state, cfg, src))
     model = build_drafter(cfg, state, str(src))
-    prepare_out(out, force, src)
-    save_drafter(model, out)
+    with owned_out(out, force, src, "import"):
+        save_drafter(model, out)
     return {
         "layout": foreign.layout, "out": str(out), "target": cfg.identity.model,
         "aux_layer_ids": list(cfg.aux_layer_ids), "draft_vocab_size": cfg.draft_vocab_size,

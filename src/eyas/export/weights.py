@@ -8,8 +8,9 @@ allocates the target's embedding table, however large the target.
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from safetensors.torch import load_file, save
@@ -17,8 +18,10 @@ from safetensors.torch import load_file, save
 from eyas.draft.checkpoint import _NOT_SAVED
 from eyas.draft.config import DraftConfig
 from eyas.draft.model import Eagle3Drafter
+from eyas import __version__
 from eyas.errors import EyasError
-from eyas.paths import atomic_write_bytes, atomic_write_json
+from eyas.lock import LOCK_FILE, output_lock
+from eyas.paths import atomic_write_bytes, atomic_write_json, plain_name
 
 WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
 
@@ -32,11 +35,21 @@ def read_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
         if not path.is_file():
             continue
         if name.endswith(".index.json"):
-            shards = sorted(set(json.loads(path.read_text())["weight_map"].values()))
+            shards = sorted({plain_name(f, str(path)) for f in _weight_map(path).values()})
             load = load_file if name.startswith("model.safetensors") else _load_bin
             return {k: v for shard in shards for k, v in load(folder / shard).items()}
         return load_file(path) if name.endswith(".safetensors") else _load_bin(path)
     raise EyasError(f"{folder} holds no weights: looked for {', '.join(WEIGHT_FILES)}.")
+
+
+def _weight_map(index: Path) -> dict[str, Any]:
+    try:
+        weight_map = json.loads(index.read_bytes())["weight_map"]
+    except (ValueError, KeyError, TypeError):
+        raise EyasError(f"{index} is not a weight index (no readable `weight_map`).") from None
+    if not isinstance(weight_map, dict):
+        raise EyasError(f"{index} is not a weight index (no readable `weight_map`).")
+    return weight_map
 
 
 def _load_bin(path: Path) -> dict[str, torch.Tensor]:
@@ -67,17 +80,49 @@ def build_drafter(cfg: DraftConfig, state: dict[str, torch.Tensor], what: str) -
     return model
 
 
-def prepare_out(out: Path, force: bool, source: Path) -> None:
-    """Refuse to mix a new drafter into a folder holding other files, unless told to replace it."""
+RECORD = "eyas-export.json"  # the files eyas wrote into an output folder: all that --force may replace
+OUTPUT_FILES = ("config.json", "model.safetensors")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz", ".index.json")
+
+
+@contextmanager
+def owned_out(out: Path, force: bool, source: Path, command: str) -> Iterator[None]:
+    """Hold `out` (locked) for writing a drafter into it. A non-empty folder is refused unless
+    `force`, and even then only the files an earlier eyas run recorded there are replaced:
+    a file eyas did not write that the new drafter would overwrite, or another weight file an
+    engine would load beside it, is refused."""
     if out.resolve() == source.resolve():
         raise EyasError(f"--out {out} is the folder being read; write to another folder.")
-    if out.exists() and not out.is_dir():
-        raise EyasError(f"{out} exists and is not a folder.")
-    if out.is_dir() and any(out.iterdir()):
-        if not force:
+    with output_lock(out, command):
+        present = {p.name for p in out.iterdir()} - {LOCK_FILE}
+        if present and not force:
             raise EyasError(f"{out} is not empty; pass --force to replace the drafter in it.")
-        for name in (*WEIGHT_FILES, "config.json"):
+        ours = _recorded(out) if present else set()
+        foreign = present - ours - {RECORD}
+        if clash := sorted(foreign & set(OUTPUT_FILES)):
+            raise EyasError(f"{out} holds {', '.join(clash)}, which eyas did not write there; --force replaces only "
+                            f"the files of an earlier eyas export. Move it away or choose another --out.")
+        if weights := sorted(f for f in foreign if f.endswith(WEIGHT_SUFFIXES)):
+            raise EyasError(f"{out} holds weight files eyas did not write ({', '.join(weights[:3])}), which an engine "
+                            f"would load beside the new drafter. Move them away or choose another --out.")
+        for name in ours:
             (out / name).unlink(missing_ok=True)
+        atomic_write_json(out / RECORD, {"eyas_version": __version__, "files": list(OUTPUT_FILES)})
+        yield
+
+
+def _recorded(out: Path) -> set[str]:
+    """The files an earlier eyas export recorded in `out` (none without a record)."""
+    try:
+        record = json.loads((out / RECORD).read_bytes())
+    except FileNotFoundError:
+        return set()
+    except ValueError:
+        raise EyasError(f"{out / RECORD} is corrupt; delete the folder's drafter files by hand.") from None
+    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(files, list):
+        raise EyasError(f"{out / RECORD} is corrupt; delete the folder's drafter files by hand.")
+    return {plain_name(f, str(out / RECORD)) for f in files}
 
 
 def write_folder(out: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 
 HELP = "replace assistant turns with the target's own answers (hf or vLLM)"
+ON_INTERRUPT = "interrupted; run the same command again to resume."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
+from eyas.lock import output_lock
 
 PROGRESS = "regenerated.jsonl"
 CONVERSATIONS = "regenerated-conversations.jsonl"  # the input handed to `prepare`
@@ -64,35 +65,35 @@ def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf
     conversations, max_len, fingerprint = source.conversations(), int(source.meta["max_len"]), source.meta["fingerprint"]
     describe_target(model).identity.check_same(source.identity, f"The prepared data in {data}")
     tokenizer = load_tokenizer(model)
-    out.mkdir(parents=True, exist_ok=True)
-    done = read_progress(out / PROGRESS, fingerprint)
-    todo = [i for i in range(len(conversations)) if i not in done]
-    if todo:
-        generator = make_generator(backend, model, model_dtype, device, max_len, **vllm)
-        bar = tqdm(total=len(todo), unit=" conv", desc=f"regenerate ({backend})", disable=not progress)
-        try:
-            with open(out / PROGRESS, "a", encoding="utf-8") as log:
-                if log.tell() == 0:
-                    _append(log, {"data": str(source.path.resolve()), "fingerprint": fingerprint})
-                for start in range(0, len(todo), group_size):
-                    group = todo[start:start + group_size]
-                    answers = regenerate_group(generator, tokenizer, [conversations[i] for i in group],
-                                               max_len, max_new_tokens, temperature, seed + start)
-                    for i, messages in zip(group, answers):
-                        _append(log, {"index": i, "messages": messages})
-                        done[i] = messages
-                    bar.update(len(group))
-                    if minutes is not None and time.monotonic() - started > 60 * minutes and len(done) < len(conversations):
-                        print(f"eyas regenerate: --minutes {minutes} reached with {len(done)} of {len(conversations)} "
-                              f"conversations; the prepared folder holds those, and the same command continues.")
-                        break
-        finally:
-            bar.close()
-            generator.close()
-    with open(out / CONVERSATIONS, "w", encoding="utf-8") as f:
-        for i in sorted(done):
-            f.write(json.dumps({"messages": done[i]}, ensure_ascii=False) + "\n")
-    return prepare(model, str(out / CONVERSATIONS), out, max_len=max_len, progress=progress)
+    with output_lock(out, "regenerate"):  # one run per folder: two would interleave the progress file
+        done = read_progress(out / PROGRESS, fingerprint)
+        todo = [i for i in range(len(conversations)) if i not in done]
+        if todo:
+            generator = make_generator(backend, model, model_dtype, device, max_len, **vllm)
+            bar = tqdm(total=len(todo), unit=" conv", desc=f"regenerate ({backend})", disable=not progress)
+            try:
+                with open(out / PROGRESS, "a", encoding="utf-8") as log:
+                    if log.tell() == 0:
+                        _append(log, {"data": str(source.path.resolve()), "fingerprint": fingerprint})
+                    for start in range(0, len(todo), group_size):
+                        group = todo[start:start + group_size]
+                        answers = regenerate_group(generator, tokenizer, [conversations[i] for i in group],
+                                                   max_len, max_new_tokens, temperature, seed + start)
+                        for i, messages in zip(group, answers):
+                            _append(log, {"index": i, "messages": messages})
+                            done[i] = messages
+                        bar.update(len(group))
+                        if minutes is not None and time.monotonic() - started > 60 * minutes and len(done) < len(conversations):
+                            print(f"eyas regenerate: --minutes {minutes} reached with {len(done)} of {len(conversations)} "
+                                  f"conversations; the prepared folder holds those, and the same command continues.")
+                            break
+            finally:
+                bar.close()
+                generator.close()
+        with open(out / CONVERSATIONS, "w", encoding="utf-8") as f:
+            for i in sorted(done):
+                f.write(json.dumps({"messages": done[i]}, ensure_ascii=False) + "\n")
+        return prepare(model, str(out / CONVERSATIONS), out, max_len=max_len, progress=progress)
 
 
 def regenerate_group(generator, tokenizer, conversations: list[list[dict[str, str]]], max_len: int,

@@ -1,11 +1,16 @@
 """Summarise a hidden-state store; with --verify, check it completely.
 
 --verify recomputes every shard's sha256 and checks shapes, dtypes, layer ids, offsets,
-token ids and NaN/inf; it exits non-zero naming the first problem.
+token ids and NaN/inf; it exits non-zero naming the first problem. (`eyas train` runs the
+same checks except the sha256 and the NaN/inf scan, which need every byte.)
+
+--repair rebuilds the manifest from the shard files that verify, renaming any that do not
+to *.dropped; the next `eyas capture` captures their samples again.
 
 examples:
   eyas inspect store
   eyas inspect store --verify
+  eyas inspect store --repair
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ HELP = "summarise a store; --verify checks checksums, shapes, layer ids and NaN/
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("store", help="store folder")
     p.add_argument("--verify", action="store_true", help="check every shard completely")
+    p.add_argument("--repair", action="store_true",
+                   help="rebuild the manifest from the shards that verify (the others are renamed *.dropped)")
 
 
 def summary(store) -> str:
@@ -38,6 +45,12 @@ def summary(store) -> str:
 def run(args: argparse.Namespace) -> int:
     from eyas.store import Store
 
+    if args.repair:
+        from eyas.store.repair import repair_store
+
+        kept, dropped = repair_store(args.store)
+        print(f"repair     kept {len(kept)} shard(s)" + "".join(
+            f"\n           dropped {name} (renamed {name}.dropped): {reason}" for name, reason in dropped))
     store = Store(args.store)
     print(summary(store))
     if args.verify:

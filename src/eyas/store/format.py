@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import struct
-from typing import BinaryIO
+from typing import BinaryIO, Iterable
 
 import torch
 
@@ -61,8 +62,18 @@ def write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor], metadata: d
     return digest.hexdigest()
 
 
+SHARD_PATTERN = re.compile(r"shard-(\d{5,})\.safetensors")
+
+
 def shard_name(i: int) -> str:
     return f"shard-{i:05d}.safetensors"
+
+
+def next_shard_name(names: Iterable[str]) -> str:
+    """The name after the highest shard number among `names` (`*.dropped` ones included): never
+    one that exists, is listed, or was set aside by `eyas inspect --repair`."""
+    numbers = [int(m.group(1)) for n in names if (m := SHARD_PATTERN.match(n))]
+    return shard_name(max(numbers, default=-1) + 1)
 
 
 def store_dtype(name: str) -> torch.dtype:

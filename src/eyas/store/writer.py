@@ -3,10 +3,13 @@
 Samples are copied into a shard buffer until it is full, then handed to background threads,
 which serialise, hash and write the shard; all of that releases the GIL, so shards overlap
 each other and the capture loop. A thread writes its shard to a temp file (fsync), then,
-holding the store's lock, names it with the next shard number (rename) and records it in the
-manifest. Several writers — the ranks of a data-parallel capture — can therefore append to
-one store with one manifest. A shard on disk but not in the manifest is an orphan of a killed
-run: the next writer to take its number overwrites it, and its samples are captured again.
+holding the store's lock, names it after the highest shard number listed or on disk (never a
+count, so no recorded file is ever overwritten), records it as pending in the manifest,
+renames it, and moves its entry to the shards. Several writers — the ranks of a data-parallel
+capture — can therefore append to one store with one manifest. A run killed between those
+steps leaves a pending entry, which the next writer settles: the shard is kept if its file is
+whole, else forgotten. Any other disagreement between the manifest and the files stops the
+writer, naming it: it is the user's to settle (`eyas inspect --repair`).
 
 Written buffers are reused: a long capture keeps touching the same memory instead of
 faulting in fresh pages for every batch (kernel work that every rank of a machine does at once).
@@ -19,7 +22,6 @@ import fcntl
 import math
 import os
 import queue
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -30,10 +32,11 @@ import torch
 
 from eyas import __version__
 from eyas.errors import EyasError
-from eyas.paths import atomic_write_json, fsync_dir
-from eyas.store.format import (FORMAT, FORMAT_VERSION, MANIFEST, first_nonfinite, quantize_fp8, shard_name,
-                               store_dtype, write_safetensors)
-from eyas.store.reader import Store, read_manifest
+from eyas.lock import LOCK_FILE
+from eyas.paths import atomic_write_json, fsync_dir, sha256_file, temp_file
+from eyas.store.format import (FORMAT, FORMAT_VERSION, MANIFEST, SHARD_PATTERN, first_nonfinite, next_shard_name,
+                               quantize_fp8, store_dtype, write_safetensors)
+from eyas.store.reader import Store, check_files, read_manifest
 
 LOCK = ".lock"
 
@@ -57,6 +60,31 @@ def _disk_full(path: Path) -> EyasError:
     )
 
 
+def _record(manifest: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
+    """`manifest` with `entry` appended to its shards and totals (and nothing pending)."""
+    manifest = {k: v for k, v in manifest.items() if k != "pending"}
+    manifest["shards"] = [*manifest["shards"], entry]
+    manifest["num_samples"] += entry["num_samples"]
+    manifest["num_tokens"] += entry["num_tokens"]
+    return manifest
+
+
+def settle_pending(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """Settle the shard a killed writer was recording: keep it if its file is whole, else forget
+    the entry (its samples are captured again). Call holding the store lock."""
+    pending = manifest.get("pending")
+    if pending is None:
+        return manifest
+    settled = {k: v for k, v in manifest.items() if k != "pending"}
+    for entry in pending if isinstance(pending, list) else []:
+        file = path / str(entry.get("file", "")) if isinstance(entry, dict) else None
+        if (file is not None and SHARD_PATTERN.fullmatch(file.name) and file.is_file()
+                and all(s["file"] != file.name for s in settled["shards"]) and sha256_file(file) == entry.get("sha256")):
+            settled = _record(settled, entry)
+    atomic_write_json(path / MANIFEST, settled)
+    return read_manifest(path)
+
+
 class StoreWriter:
     """Open (or resume) a store. `header` fixes what every shard must agree with: target
     identity, layer ids, dtype, hidden size, and the prepared data it was captured from."""
@@ -65,9 +93,13 @@ class StoreWriter:
         self.path = Path(path)
         self.dtype = store_dtype(header["dtype"])
         self.layer_ids = list(header["layer_ids"])
-        with store_lock(self.path):
+        self.done: set[int] = set()
+        with store_lock(self.path):  # other ranks of a job may be recording shards meanwhile
             self.manifest = self._open(header)
-        self.done: set[int] = set(Store(self.path).sample_indices().tolist()) if self.manifest["shards"] else set()
+            if self.manifest["shards"]:
+                store = Store(self.path, self.manifest)
+                store.check()
+                self.done = set(store.sample_indices().tolist())
         self._row_shape = (len(self.layer_ids), int(header["hidden_size"]))
         self._capacity = max(1, shard_bytes // (math.prod(self._row_shape) * self.dtype.itemsize))  # tokens
         self._hidden: torch.Tensor | None = None  # the shard being filled, [rows, L, H]
@@ -85,7 +117,8 @@ class StoreWriter:
 
     def _open(self, header: dict[str, Any]) -> dict[str, Any]:
         if (self.path / MANIFEST).is_file():
-            manifest = read_manifest(self.path)
+            manifest = settle_pending(self.path, read_manifest(self.path))
+            check_files(self.path, manifest)
             for key, value in header.items():
                 if manifest.get(key) != value:
                     raise EyasError(
@@ -93,7 +126,7 @@ class StoreWriter:
                         f"({manifest.get(key)!r} vs {value!r}); use another --out or delete it."
                     )
             return manifest
-        if any(p.name != LOCK for p in self.path.iterdir()):
+        if any(p.name not in (LOCK, LOCK_FILE) for p in self.path.iterdir()):
             raise EyasError(f"{self.path} exists, is not empty and is not an eyas store; choose another --out.")
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "eyas_version": __version__,
                     **header, "shards": [], "num_samples": 0, "num_tokens": 0, "complete": False}
@@ -173,24 +206,23 @@ class StoreWriter:
         try:
             with store_lock(self.path):
                 manifest = read_manifest(self.path)  # other ranks may have appended
-                name = shard_name(len(manifest["shards"]))
+                on_disk = [p.name for p in self.path.iterdir()]
+                name = next_shard_name([s["file"] for s in manifest["shards"]] + on_disk)
+                indices = tensors["sample_index"].tolist()
+                entry = {"file": name, "sha256": sha256, "bytes": size, "num_samples": len(indices),
+                         "num_tokens": int(tensors["input_ids"].numel())}
+                atomic_write_json(self.path / MANIFEST, {**manifest, "pending": [entry]})
                 os.replace(tmp, self.path / name)
                 fsync_dir(self.path)
-                indices = tensors["sample_index"].tolist()
-                tokens = int(tensors["input_ids"].numel())
-                manifest["shards"].append({"file": name, "sha256": sha256, "bytes": size,
-                                           "num_samples": len(indices), "num_tokens": tokens})
-                manifest["num_samples"] += len(indices)
-                manifest["num_tokens"] += tokens
-                atomic_write_json(self.path / MANIFEST, manifest)
-                self.manifest = manifest
+                self.manifest = _record(manifest, entry)
+                atomic_write_json(self.path / MANIFEST, self.manifest)
         finally:
             Path(tmp).unlink(missing_ok=True)
         self.done.update(indices)
 
     def _write_temp(self, tensors: dict[str, Any]) -> tuple[str, str, int]:
         """The shard in a durable temp file -> (its path, sha256, size in bytes)."""
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".shard.", suffix=".tmp")
+        fd, tmp = temp_file(self.path, ".shard.")
         try:
             with os.fdopen(fd, "wb") as f:
                 sha256 = write_safetensors(f, tensors, {"format": FORMAT, "layer_ids": ",".join(map(str, self.layer_ids))})

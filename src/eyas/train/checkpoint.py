@@ -28,7 +28,8 @@ import torch.nn as nn
 from eyas.draft.checkpoint import WEIGHTS, save_drafter
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
-from eyas.paths import atomic_write_bytes, fsync_dir
+from eyas.lock import LOCK_FILE
+from eyas.paths import atomic_write_bytes, fsync_dir, plain_name
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -80,7 +81,7 @@ def _to_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-OUR_FILES = {"config.json", WEIGHTS, "metrics.jsonl", "tensorboard", CHECKPOINTS}
+OUR_FILES = {"config.json", WEIGHTS, "metrics.jsonl", "tensorboard", CHECKPOINTS, LOCK_FILE}
 
 
 def check_out_folder(out: Path) -> None:
@@ -96,7 +97,7 @@ def latest_checkpoint(out: Path) -> Path | None:
     pointer = out / CHECKPOINTS / LATEST
     if not pointer.is_file():
         return None
-    folder = out / CHECKPOINTS / pointer.read_text().strip()
+    folder = out / CHECKPOINTS / plain_name(pointer.read_text(errors="replace").strip(), str(pointer))
     if not (folder / TRAINER).is_file():
         raise EyasError(f"{pointer} names {folder.name}, which is missing or incomplete; delete {out} to start over.")
     return folder

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 
 HELP = "train an EAGLE-3 drafter (training-time test) from a store or online"
+ON_INTERRUPT = "interrupted; add --resume to the same command to continue from its last checkpoint."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

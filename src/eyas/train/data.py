@@ -43,6 +43,7 @@ class StoreSource:
         from eyas.store import Store
 
         self.store = Store(path)
+        self.store.check()  # structure only: the sha256 and NaN/inf scan are `eyas inspect --verify`'s
         if len(self.store) == 0:
             raise EyasError(f"The store {path} holds no samples; capture into it first (eyas capture).")
         self.crop = crop

@@ -22,6 +22,7 @@ from eyas.draft.config import DraftConfig
 from eyas.draft.model import Eagle3Drafter
 from eyas.draft.vocab import TokenCounter, build_draft_vocab, coverage, default_draft_vocab_size
 from eyas.errors import EyasError
+from eyas.lock import output_lock
 from eyas.store.format import first_nonfinite
 from eyas.train import checkpoint as ckpt
 from eyas import distributed
@@ -71,8 +72,9 @@ def train(cfg: TrainConfig, stop_at: int | None = None) -> dict[str, Any]:
     d, device = distributed.init(cfg.device, cfg.fsdp)
     created_group = d.enabled
     try:
-        run = setup(cfg, d, device)
-        return fit(run, stop_at)
+        with output_lock(cfg.out, "train"):  # shared by this job's processes
+            run = setup(cfg, d, device)
+            return fit(run, stop_at)
     finally:
         if created_group:
             distributed.shutdown(d)
@@ -140,7 +142,11 @@ def _open_source(cfg: TrainConfig, device: torch.device):
         folder = resolve_model(spec)
     except EyasError as e:
         raise EyasError(f"The store was captured from {spec!r}, which cannot be loaded here ({e}); pass --model.") from None
-    _check_identity(spec, folder, source)
+    try:
+        _check_identity(spec, folder, source)
+    except (OSError, ValueError) as e:  # transformers' own errors for a folder or hub id it cannot load
+        first = (str(e).splitlines() or [""])[0]
+        raise EyasError(f"The target {spec!r} cannot be loaded here ({type(e).__name__}: {first}); pass --model.") from None
     return source, folder
 
 

@@ -22,6 +22,7 @@ from safetensors import safe_open
 from eyas.errors import EyasError
 from eyas.models.identity import text_config
 from eyas.models.layers import decoder_parts
+from eyas.paths import plain_name
 
 
 @dataclass
@@ -45,7 +46,7 @@ def _weight_files(folder: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file holding it (single file or sharded with an index)."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        return {k: folder / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+        return {k: folder / plain_name(f, str(index)) for k, f in json.loads(index.read_text())["weight_map"].items()}
     single = folder / "model.safetensors"
     if not single.is_file():
         raise EyasError(f"{folder} has no model.safetensors(.index.json): training reads the target's weights from it.")
