@@ -13,6 +13,7 @@ from eyas.capture.batching import token_budget_batches
 from eyas.capture.staging import HostStager
 from eyas.capture.vllm import make_vllm_backend  # light: vLLM itself is imported only when used
 from eyas.data.prepared import PreparedData
+from eyas.data.template import check_same_template
 from eyas.errors import EyasError
 from eyas.store import StoreWriter
 from eyas.store.reader import read_manifest
@@ -33,8 +34,11 @@ def default_model_dtype(device: str) -> str:
 
 def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", layers: str = "auto",
             dtype: str = "bf16", device: str = "cpu", model_dtype: str | None = None, batch_tokens: int = 8192,
-            shard_mb: float = 1024, progress: bool = True, **backend_options: Any) -> dict[str, Any]:
+            shard_mb: float = 1024, progress: bool = True, chat_template: str | Path | None = None,
+            **backend_options: Any) -> dict[str, Any]:
     """Capture every prepared sample of `data` not yet in the store at `out`; return the manifest.
+    The samples were rendered with the chat template recorded in `data`; a `chat_template`
+    file, if given, must be that template.
 
     Under `torchrun`, rank r of W owns the samples whose position is r modulo W: ownership
     does not depend on what is already stored, so ranks resume independently and never
@@ -47,6 +51,8 @@ def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", 
     if batch_tokens < 1:
         raise EyasError("--batch-tokens must be positive.")
     prepared = PreparedData(data)
+    if prepared.chat_template is not None:
+        check_same_template(prepared.chat_template, chat_template, f"The prepared data in {data}")
     ranks, dev = init(device, fsdp=False)
     if ranks.enabled and backend != "hf":
         raise EyasError(f"--backend {backend} parallelises inside the engine; run it without torchrun.")

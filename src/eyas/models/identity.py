@@ -40,12 +40,18 @@ class ModelIdentity:
 
     def check_same(self, other: "ModelIdentity", what: str) -> None:
         """Raise unless `other` (recorded in `what`) describes the same model and tokenizer."""
+        same_name = self.model == other.model  # then say "changed", never "X differs from X"
         if self.tokenizer_hash != other.tokenizer_hash:
             raise EyasError(
+                f"{what} was made with a different tokenizer than the one now at {self.model} (it has changed since)."
+                if same_name else
                 f"{what} was made with a different tokenizer ({other.model}) than the one given ({self.model})."
             )
         if self.config_hash != other.config_hash:
-            raise EyasError(f"{what} was made for model {other.model}, not for {self.model} (configs differ).")
+            raise EyasError(
+                f"{what} was made for model {self.model} before its config changed (configs differ)." if same_name else
+                f"{what} was made for model {other.model}, not for {self.model} (configs differ)."
+            )
 
 
 def _digest(obj: Any) -> str:
