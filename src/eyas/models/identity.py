@@ -58,9 +58,14 @@ def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _stable(d: dict[str, Any]) -> dict[str, Any]:
+    """`d` without volatile keys, at every level: a wrapper's nested text and vision configs
+    get their own dtype when the model loads."""
+    return {k: _stable(v) if isinstance(v, dict) else v for k, v in d.items() if k not in _VOLATILE_KEYS}
+
+
 def config_hash(config) -> str:
-    d = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_KEYS}
-    return _digest(d)
+    return _digest(_stable(config.to_dict()))
 
 
 def tokenizer_hash(tokenizer) -> str:
