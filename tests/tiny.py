@@ -61,7 +61,9 @@ WRAPPERS = {
         text=dict(rope_parameters={"rope_type": "default", "rope_theta": 20000.0, "mrope_section": [2, 3, 3]}),
         vision=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
                     window_size=56, fullatt_block_indexes=[0]), **_IMAGE_IDS)),
-    "kimi_k25": ("Kimi_K25Config", dict(text=KIMI_TEXT, vision=dict(_VISION, num_hidden_layers=1, pos_emb_height=4,
+    # config.json names the class as Kimi's checkpoints (and vLLM's registry) do; transformers
+    # finds its own Kimi_K25ForConditionalGeneration from model_type.
+    "kimi_k25": ("Kimi_K25Config", dict(architectures=["KimiK25ForConditionalGeneration"], text=KIMI_TEXT, vision=dict(_VISION, num_hidden_layers=1, pos_emb_height=4,
                                                                    pos_emb_width=4), projection_hidden_size=32,
                                         **_IMAGE_IDS)),
 }
@@ -115,13 +117,14 @@ def build_model(out: Path, family: str = "llama", layers: int = 8, tokenizer_dir
         extra = dict(extra)
         special = dict(bos_token_id=0, eos_token_id=2, pad_token_id=0)  # inside the tiny vocabulary
         text, vision = {**kwargs, **special, **extra.pop("text")}, extra.pop("vision")
+        architectures = extra.pop("architectures", None)
         config = getattr(transformers, config_name)(text_config=text, vision_config=vision, tie_word_embeddings=False,
                                                     **extra)
         auto = AutoModelForImageTextToText
     else:
         config_name, extra = FAMILIES[family]
         config = getattr(transformers, config_name)(**{**kwargs, **extra})
-        auto = AutoModelForCausalLM
+        auto, architectures = AutoModelForCausalLM, None
     torch.manual_seed(seed)
     model = auto.from_config(config)
     # Random init gives near-identical layers; scale weights up so layers differ visibly.
@@ -130,4 +133,7 @@ def build_model(out: Path, family: str = "llama", layers: int = 8, tokenizer_dir
             if p.dim() > 1:
                 p.normal_(0, 0.08)
     model.save_pretrained(out)
+    if architectures:
+        saved = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**saved, "architectures": architectures}, indent=2))
     return out
