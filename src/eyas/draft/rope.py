@@ -26,8 +26,7 @@ def drafter_rope(text_config) -> tuple[dict[str, Any], str]:
     rope = getattr(text_config, "rope_parameters", None)
     source = "the target's rope_parameters"
     if rope is None and getattr(text_config, "rope_theta", None) is not None:  # configs older than transformers 5
-        rope = {"rope_type": "default", **(getattr(text_config, "rope_scaling", None) or {}),
-                "rope_theta": text_config.rope_theta}
+        rope = {**(getattr(text_config, "rope_scaling", None) or {}), "rope_theta": text_config.rope_theta}
         source = "the target's rope_theta and rope_scaling"
     if not rope:
         raise EyasError(f"{name} states no rotary settings (rope_parameters or rope_theta) for the drafter to follow.")
@@ -44,7 +43,7 @@ def drafter_rope(text_config) -> tuple[dict[str, Any], str]:
         del rope[key]
     if dropped:
         source += "; M-RoPE as plain 1-D rope (text positions are equal on every axis)"
-    rope_type = rope.setdefault("rope_type", rope.pop("type", "default"))
+    rope_type = rope["rope_type"] = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
     if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
         raise EyasError(f"{name}'s rope_type {rope_type!r} has no Llama equivalent for the drafter "
                         f"(it takes default, {', '.join(ROPE_INIT_FUNCTIONS)}).")
