@@ -14,6 +14,8 @@ from transformers import AutoTokenizer
 from eyas.capture.run import capture
 from eyas.cli import main
 from eyas.data.prepared import PreparedData
+from eyas.data.template import ChatTemplate
+from eyas.draft import DraftConfig
 from eyas.errors import EyasError
 from eyas.store import Store
 from eyas.train import TrainConfig, train
@@ -64,8 +66,22 @@ def test_prepare_with_template_then_capture_then_train(prepared, tiny_llama_dir,
     assert Store(store).manifest["num_samples"] == len(PreparedData(prep))
     common = dict(steps=2, batch_tokens=128, ttt_steps=2, eval_fraction=0.0, progress=False)
     offline = train(TrainConfig(out=str(tmp_path / "off"), store=str(store), **common))
-    online = train(TrainConfig(out=str(tmp_path / "on"), online=True, model=str(tiny_llama_dir), data=str(prep), **common))
+    online = train(TrainConfig(out=str(tmp_path / "on"), online=True, model=str(tiny_llama_dir), data=str(prep),
+                               **common))
     assert offline["step"] == online["step"] == 2
+    recorded = PreparedData(prep).chat_template
+    for run in ("off", "on"):  # the drafter carries the template on, for eval
+        assert ChatTemplate.from_dict(DraftConfig.load(tmp_path / run).chat_template) == recorded
+    # eval renders its prompts with it, unasked
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello there"}) + "\n")
+    with pytest.raises(SystemExit) as e:
+        main(["eval", "--model", str(tiny_llama_dir), "--draft", str(tmp_path / "off"), "--prompts", str(prompts),
+              "--max-new-tokens", "4", "--baseline", "none", "--output", str(tmp_path / "eval.json")])
+    assert e.value.code == 0
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    for record in json.loads((tmp_path / "eval.json").read_text())["records"]:
+        assert tokenizer.decode(record["prompt_ids"]).startswith("<|begin_of_text|><|start_header_id|>user")
 
 
 def test_a_different_template_at_capture_is_refused(prepared, tiny_llama_dir, tmp_path):

@@ -62,6 +62,8 @@ def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", 
     header = {
         "target": engine.identity.to_dict(), "layer_ids": list(engine.layer_ids), "dtype": dtype,
         "hidden_size": engine.hidden_size, "prepared": prepared.meta["fingerprint"],
+        # passed on to the drafter, so that eval renders prompts as the training data was rendered
+        "chat_template": prepared.meta.get("chat_template"),
     }
     writer = StoreWriter(out, header, shard_bytes=int(shard_mb * (1 << 20)))
     lengths = [prepared.length(i) for i in range(len(prepared))]

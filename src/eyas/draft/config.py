@@ -36,6 +36,7 @@ class DraftConfig:
     norm_before_residual: bool = False
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    chat_template: dict[str, Any] | None = None  # the training data's (data/template.py ChatTemplate), for eval
 
     def __post_init__(self) -> None:
         self.aux_layer_ids = tuple(int(k) for k in self.aux_layer_ids)

@@ -172,7 +172,8 @@ def _new_draft_config(cfg: TrainConfig, source, folder: str, train_pos: list[int
     _log(d, f"draft vocabulary: {size} of {source.identity.vocab_size} tokens, covering "
             f"{100 * coverage(counter, draft_ids):.2f}% of the trained tokens in the data")
     draft = DraftConfig.for_target(AutoConfig.from_pretrained(folder), source.identity, source.layer_ids, size,
-                                   ttt_steps=cfg.ttt_steps, ttt_decay=cfg.ttt_decay)
+                                   ttt_steps=cfg.ttt_steps, ttt_decay=cfg.ttt_decay,
+                                   chat_template=source.chat_template)
     return draft, draft_ids
 
 
