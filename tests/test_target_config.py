@@ -19,10 +19,11 @@ from eyas.models.identity import ModelIdentity
 
 def test_gemma3_rope_follows_the_full_attention_layers(tmp_path):
     config = transformers.Gemma3TextConfig(num_hidden_layers=4)
-    assert config.rope_parameters["sliding_attention"]["rope_theta"] != config.rope_parameters["full_attention"]["rope_theta"]
+    full, sliding = (config.rope_parameters[k]["rope_theta"] for k in ("full_attention", "sliding_attention"))
+    assert full != sliding
     identity = ModelIdentity("gemma", "c", "t", 4, config.hidden_size, config.vocab_size)
     cfg = DraftConfig.for_target(config, identity, (1, 2, 3, 4), 64)
-    assert cfg.rope_parameters == {"rope_type": "default", "rope_theta": config.rope_parameters["full_attention"]["rope_theta"]}
+    assert cfg.rope_parameters == {"rope_type": "default", "rope_theta": full}
     cfg.save(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["rope_theta"] == 1_000_000.0 and saved["rope_scaling"] is None
@@ -33,7 +34,8 @@ def test_gemma3_rope_follows_the_full_attention_layers(tmp_path):
 def test_scaled_and_legacy_rope_settings_are_kept():
     llama3 = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
               "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    assert drafter_rope(transformers.LlamaConfig(rope_parameters=llama3, max_position_embeddings=131072)) == (llama3, "the target's rope_parameters")
+    config = transformers.LlamaConfig(rope_parameters=llama3, max_position_embeddings=131072)
+    assert drafter_rope(config) == (llama3, "the target's rope_parameters")
     legacy = SimpleNamespace(rope_parameters=None, rope_theta=20000.0, rope_scaling={"type": "linear", "factor": 2.0})
     assert drafter_rope(legacy) == ({"factor": 2.0, "rope_theta": 20000.0, "rope_type": "linear"},
                                     "the target's rope_theta and rope_scaling")

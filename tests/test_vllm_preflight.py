@@ -134,3 +134,16 @@ def test_export_to_vllm_refuses_a_target_vllm_cannot_serve(models, tmp_path, cap
         main(["export", str(draft), "--to", "vllm", "--out", str(tmp_path / "x"), "--serve-command"])
     assert e.value.code == 2 and "vllm serve" not in capsys.readouterr().out
     export_drafter(draft, "sglang", tmp_path / "sglang")  # SGLang's own limits are checked elsewhere
+
+
+def test_without_vllm_here_the_command_is_said_to_be_unchecked(models, tmp_path, capsys, monkeypatch):
+    """Export on a training machine without vLLM: the folder is written, the command flagged."""
+    from eyas.capture.vllm import engine
+
+    def missing():
+        raise EyasError("The vLLM backend needs vLLM")
+
+    monkeypatch.setattr(engine, "installed_vllm_version", missing)
+    export_drafter(_drafter(models["gemma3"], tmp_path / "draft"), "vllm", tmp_path / "vllm")
+    assert (tmp_path / "vllm" / "model.safetensors").is_file()
+    assert "the command was not checked against vLLM here (The vLLM backend needs vLLM)" in capsys.readouterr().err

@@ -63,9 +63,10 @@ WRAPPERS = {
                     window_size=56, fullatt_block_indexes=[0]), **_IMAGE_IDS)),
     # config.json names the class as Kimi's checkpoints (and vLLM's registry) do; transformers
     # finds its own Kimi_K25ForConditionalGeneration from model_type.
-    "kimi_k25": ("Kimi_K25Config", dict(architectures=["KimiK25ForConditionalGeneration"], text=KIMI_TEXT, vision=dict(_VISION, num_hidden_layers=1, pos_emb_height=4,
-                                                                   pos_emb_width=4), projection_hidden_size=32,
-                                        **_IMAGE_IDS)),
+    "kimi_k25": ("Kimi_K25Config", dict(
+        architectures=["KimiK25ForConditionalGeneration"], text=KIMI_TEXT,
+        vision=dict(_VISION, num_hidden_layers=1, pos_emb_height=4, pos_emb_width=4), projection_hidden_size=32,
+        **_IMAGE_IDS)),
 }
 
 

@@ -56,18 +56,17 @@ def planned_serve_command(ckpt: str | Path, to: str, out: str | Path, *, target:
 def check_vllm_serves(cfg: DraftConfig, target: str) -> None:
     """Refuse a drafter the installed vLLM cannot serve with its target (see capture/vllm/preflight.py);
     without vLLM or the target's config here, say that the command is unchecked."""
-    from eyas.capture.vllm.engine import installed_vllm_version
-    from eyas.capture.vllm.preflight import preflight
+    from transformers import AutoConfig
+
+    from eyas.capture.vllm.preflight import preflight_where_installed
 
     try:
-        installed_vllm_version()
-        from transformers import AutoConfig
-
         config = AutoConfig.from_pretrained(target)
-    except (EyasError, OSError, ValueError) as e:
-        print(f"eyas: note: the serve command was not checked against vLLM here ({e})", file=sys.stderr)
+    except (OSError, ValueError) as e:
+        print(f"eyas: note: the serve command was not checked: the target's config is not readable here ({e})",
+              file=sys.stderr)
         return
-    preflight(config, target, cfg.layer_ids, "auto", "export --to sglang if SGLang serves this target")
+    preflight_where_installed(config, target, cfg.layer_ids, "auto", "export --to sglang if SGLang serves this target")
 
 
 def export_tensors(cfg: DraftConfig, state: dict[str, torch.Tensor], layout: Layout, dtype: str) -> dict[str, torch.Tensor]:

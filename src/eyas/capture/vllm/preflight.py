@@ -11,6 +11,7 @@ same costs minutes and ends in a worker crash.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from eyas.errors import EyasError
@@ -27,17 +28,29 @@ def preflight(config: Any, model: str, layer_ids: tuple[int, ...] | None, dtype:
     vllm_environment()  # before vLLM is first imported
     version = installed_vllm_version()
     arch, cls = model_class(config, model, version, instead)
-    from vllm.model_executor.models.interfaces import SupportsEagle3, supports_eagle3
+    from vllm.model_executor.models.interfaces import supports_eagle3
 
     if not supports_eagle3(cls):
         raise EyasError(f"vLLM {version}'s {arch} has no EAGLE-3 aux hidden-state support (it does not implement "
                         f"SupportsEagle3); {instead}, or upgrade vLLM to a release whose {arch} supports EAGLE-3.")
-    if layer_ids and 0 in layer_ids[:-1] and cls.set_aux_hidden_state_layers is not SupportsEagle3.set_aux_hidden_state_layers:
-        raise EyasError(f"vLLM {version}'s {arch} collects aux hidden states with its own code, outside the shared path "
-                        f"that handles layer id 0 (the embedding output, where DeepSeek-V2-style forwards crash on "
-                        f"a missing residual); use aux layer ids of 1 or more, or {instead}.")
+    if layer_ids and 0 in layer_ids[:-1]:
+        check_layer_id_0(cls, f"vLLM {version}'s {arch}", instead)
     check_router(config, model)
     check_head_size(config, model, dtype, instead)
+
+
+def preflight_where_installed(config: Any, model: str, layer_ids: tuple[int, ...] | None, dtype: str, instead: str,
+                              engine_args: dict[str, Any] | None = None) -> None:
+    """`preflight` for a command printed here and run elsewhere: without vLLM on this machine
+    (a training or client machine), say that the command is unchecked instead of refusing."""
+    from eyas.capture.vllm.engine import installed_vllm_version
+
+    try:
+        installed_vllm_version()
+    except EyasError as e:
+        print(f"eyas: note: the command was not checked against vLLM here ({e})", file=sys.stderr)
+        return
+    preflight(config, model, layer_ids, dtype, instead, engine_args)
 
 
 def model_class(config: Any, model: str, version: str, instead: str) -> tuple[str, type]:
@@ -57,6 +70,18 @@ def model_class(config: Any, model: str, version: str, instead: str) -> tuple[st
     except Exception as e:  # what the engine's workers would hit too, minutes later
         raise EyasError(f"vLLM {version} cannot import its {arch} here ({type(e).__name__}: {e}), so its engine "
                         f"would fail the same way; {instead}, or install what vLLM's {arch} needs.") from None
+
+
+def check_layer_id_0(cls: type, name: str, instead: str) -> None:
+    """Id 0 is the embedding output, before any residual exists. vLLM's shared aux path
+    (`EagleModelMixin`, reached through the default `set_aux_hidden_state_layers`) handles
+    that; a class that overrides it collects aux states its own way, and DeepSeek-V2's crashes."""
+    from vllm.model_executor.models.interfaces import SupportsEagle3
+
+    if cls.set_aux_hidden_state_layers is not SupportsEagle3.set_aux_hidden_state_layers:
+        raise EyasError(f"{name} collects aux hidden states with its own code, outside the shared path that handles "
+                        f"layer id 0 (the embedding output, where DeepSeek-V2-style forwards crash on a missing "
+                        f"residual); use aux layer ids of 1 or more, or {instead}.")
 
 
 def check_router(config: Any, model: str) -> None:
