@@ -147,3 +147,16 @@ def test_without_vllm_here_the_command_is_said_to_be_unchecked(models, tmp_path,
     export_drafter(_drafter(models["gemma3"], tmp_path / "draft"), "vllm", tmp_path / "vllm")
     assert (tmp_path / "vllm" / "model.safetensors").is_file()
     assert "the command was not checked against vLLM here (The vLLM backend needs vLLM)" in capsys.readouterr().err
+
+
+def test_head_size_check_follows_vllm_mla_disable(models, monkeypatch, no_engine):
+    """With VLLM_MLA_DISABLE=1 vLLM runs DeepSeek attention unabsorbed, so the MLA head size no longer applies."""
+    from transformers import AutoConfig
+
+    from eyas.capture.vllm.preflight import check_head_size
+
+    config = AutoConfig.from_pretrained(models["deepseek_head_24"])
+    with pytest.raises(EyasError, match="takes MLA head sizes"):
+        check_head_size(config, "ds", "float32", "use --backend hf")
+    monkeypatch.setenv("VLLM_MLA_DISABLE", "1")
+    check_head_size(config, "ds", "float32", "use --backend hf")

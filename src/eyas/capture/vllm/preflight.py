@@ -106,6 +106,8 @@ def check_head_size(config: Any, model: str, dtype: str, instead: str) -> None:
     for 576 = kv_lora_rank 512 + rope 64 only); for other attention the platform's selector
     raises itself when no backend fits (its CPU kernel runs sizes beyond its advertised list)."""
     import torch
+    import vllm.config  # noqa: F401  (first: vLLM's arch-config convertor cannot be imported before it)
+    import vllm.envs as envs
     from vllm.platforms import current_platform
     from vllm.transformers_utils.config import get_hf_text_config
     from vllm.transformers_utils.model_arch_config_convertor import (
@@ -117,7 +119,7 @@ def check_head_size(config: Any, model: str, dtype: str, instead: str) -> None:
 
     text = get_hf_text_config(config)
     convertor = MODEL_ARCH_CONFIG_CONVERTORS.get(config.model_type, ModelArchConfigConvertorBase)(config, text)
-    mla, head_size = convertor.is_deepseek_mla(), convertor.get_head_size()
+    mla, head_size = convertor.is_deepseek_mla() and not envs.VLLM_MLA_DISABLE, convertor.get_head_size()
     run_dtype = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
                  "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}.get(dtype, torch.bfloat16)
     selector = AttentionSelectorConfig(head_size=head_size, dtype=run_dtype, kv_cache_dtype=None, block_size=None,
