@@ -41,6 +41,35 @@ FAMILIES = {
 }
 
 
+# Multimodal wrappers nesting a text model (`text_config`), with a one- or two-layer vision
+# tower; eyas runs the text decoder on text alone. Token ids for images sit at the top of
+# the 512-token vocabulary, which the tiny tokenizer never produces for chat text.
+_VISION = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, patch_size=14)
+_IMAGE_IDS = dict(image_token_id=511, video_token_id=510, vision_start_token_id=509, vision_end_token_id=508)
+# Kimi-K2.5 nests a DeepseekV3 text model: MLA with head size 576 (kv_lora_rank 512 +
+# qk_rope_head_dim 64), MoE routed by sigmoid scores with noaux_tc, which its config states.
+KIMI_TEXT = dict(
+    model_type="deepseek_v3", n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+    first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=24, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16,
+    n_group=1, topk_group=1, num_key_value_heads=4, head_dim=64, topk_method="noaux_tc", scoring_func="sigmoid",
+    rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+WRAPPERS = {
+    "gemma3_mm": ("Gemma3Config", dict(text=dict(sliding_window=16), vision=dict(_VISION, num_hidden_layers=1, image_size=28),
+                                       mm_tokens_per_image=4, image_token_index=511, boi_token_index=509,
+                                       eoi_token_index=510)),
+    "qwen2_5_vl": ("Qwen2_5_VLConfig", dict(
+        text=dict(rope_parameters={"rope_type": "default", "rope_theta": 20000.0, "mrope_section": [2, 3, 3]}),
+        vision=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
+                    window_size=56, fullatt_block_indexes=[0]), **_IMAGE_IDS)),
+    # config.json names the class as Kimi's checkpoints (and vLLM's registry) do; transformers
+    # finds its own Kimi_K25ForConditionalGeneration from model_type.
+    "kimi_k25": ("Kimi_K25Config", dict(
+        architectures=["KimiK25ForConditionalGeneration"], text=KIMI_TEXT,
+        vision=dict(_VISION, num_hidden_layers=1, pos_emb_height=4, pos_emb_width=4), projection_hidden_size=32,
+        **_IMAGE_IDS)),
+}
+
+
 def corpus() -> list[str]:
     """Real English text from the packaged chitchat dialogues."""
     import importlib.util
@@ -72,26 +101,40 @@ def build_tokenizer(out: Path, template: str = CHATML, vocab_size: int = 512):
 
 def build_model(out: Path, family: str = "llama", layers: int = 8, tokenizer_dir: Path | None = None,
                 seed: int = 0) -> Path:
-    """A random tiny model of `family` saved with the tiny tokenizer into `out`."""
+    """A random tiny model of `family` (a text model of FAMILIES or a wrapper of WRAPPERS)
+    saved with the tiny tokenizer into `out`."""
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir) if tokenizer_dir else build_tokenizer(out)
     if tokenizer_dir:
         tokenizer.save_pretrained(out)
-    config_name, extra = FAMILIES[family]
     kwargs = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
                   tie_word_embeddings=False)
-    kwargs.update(extra)
-    config = getattr(transformers, config_name)(**kwargs)
+    if family in WRAPPERS:
+        config_name, extra = WRAPPERS[family]
+        extra = dict(extra)
+        special = dict(bos_token_id=0, eos_token_id=2, pad_token_id=0)  # inside the tiny vocabulary
+        text, vision = {**kwargs, **special, **extra.pop("text")}, extra.pop("vision")
+        architectures = extra.pop("architectures", None)
+        config = getattr(transformers, config_name)(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                                                    **extra)
+        auto = AutoModelForImageTextToText
+    else:
+        config_name, extra = FAMILIES[family]
+        config = getattr(transformers, config_name)(**{**kwargs, **extra})
+        auto, architectures = AutoModelForCausalLM, None
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    model = auto.from_config(config)
     # Random init gives near-identical layers; scale weights up so layers differ visibly.
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0, 0.08)
     model.save_pretrained(out)
+    if architectures:
+        saved = json.loads((out / "config.json").read_text())
+        (out / "config.json").write_text(json.dumps({**saved, "architectures": architectures}, indent=2))
     return out

@@ -32,6 +32,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (hf backend)")
     p.add_argument("--model-dtype", default=None, help="dtype the target runs in (default float32 on cpu, bf16 on cuda)")
     p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per forward (default 8192)")
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="not needed: the template `prepare` used is recorded with --data; if given, it must be that one")
     p.add_argument("--shard-mb", type=float, default=1024, help="target shard size in MiB (default 1024)")
     # --- vLLM backend: flags defined in src/eyas/capture/vllm/options.py ---
     from eyas.capture.vllm import add_vllm_arguments
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         raise EyasError(f"missing {', '.join(missing)} (see eyas capture --help)")
     capture(args.model, args.data, args.out, backend=args.backend, layers=args.layers, dtype=args.dtype,
             device=args.device, model_dtype=model_dtype, batch_tokens=args.batch_tokens, shard_mb=args.shard_mb,
-            **options)
+            chat_template=args.chat_template, **options)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one summary
         print(summary(Store(args.out)))
     return 0

@@ -13,6 +13,7 @@ from eyas.capture.batching import token_budget_batches
 from eyas.capture.staging import HostStager
 from eyas.capture.vllm import make_vllm_backend  # light: vLLM itself is imported only when used
 from eyas.data.prepared import PreparedData
+from eyas.data.template import check_same_template
 from eyas.errors import EyasError
 from eyas.lock import output_lock
 from eyas.store import StoreWriter
@@ -34,8 +35,11 @@ def default_model_dtype(device: str) -> str:
 
 def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", layers: str = "auto",
             dtype: str = "bf16", device: str = "cpu", model_dtype: str | None = None, batch_tokens: int = 8192,
-            shard_mb: float = 1024, progress: bool = True, **backend_options: Any) -> dict[str, Any]:
+            shard_mb: float = 1024, progress: bool = True, chat_template: str | Path | None = None,
+            **backend_options: Any) -> dict[str, Any]:
     """Capture every prepared sample of `data` not yet in the store at `out`; return the manifest.
+    The samples were rendered with the chat template recorded in `data`; a `chat_template`
+    file, if given, must be that template.
 
     Under `torchrun`, rank r of W owns the samples whose position is r modulo W: ownership
     does not depend on what is already stored, so ranks resume independently and never
@@ -57,6 +61,8 @@ def _capture(model: str, data: str | Path, out: str | Path, backend: str, layers
     if batch_tokens < 1:
         raise EyasError("--batch-tokens must be positive.")
     prepared = PreparedData(data)
+    if prepared.chat_template is not None:
+        check_same_template(prepared.chat_template, chat_template, f"The prepared data in {data}")
     ranks, dev = init(device, fsdp=False)
     if ranks.enabled and backend != "hf":
         raise EyasError(f"--backend {backend} parallelises inside the engine; run it without torchrun.")
@@ -66,6 +72,8 @@ def _capture(model: str, data: str | Path, out: str | Path, backend: str, layers
     header = {
         "target": engine.identity.to_dict(), "layer_ids": list(engine.layer_ids), "dtype": dtype,
         "hidden_size": engine.hidden_size, "prepared": prepared.meta["fingerprint"],
+        # passed on to the drafter, so that eval renders prompts as the training data was rendered
+        "chat_template": prepared.meta.get("chat_template"),
     }
     writer = StoreWriter(out, header, shard_bytes=int(shard_mb * (1 << 20)))
     lengths = [prepared.length(i) for i in range(len(prepared))]

@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from eyas.data.prepared import PreparedSample, write_prepared
 from eyas.data.sources import BadRecord, TruncatedTail, iter_records, normalize
-from eyas.data.template import require_chat_template, tokenize_conversation
+from eyas.data.template import ChatTemplate, require_chat_template, tokenize_conversation
 from eyas.errors import EyasError
 
 
@@ -19,8 +19,10 @@ TAIL = "cut off at the end of the file"
 
 
 def prepare(model: str, source: str, out: str | Path, max_len: int = 2048, limit: int | None = None,
-            strict: bool = False, chat_template: str | None = None, progress: bool = True) -> dict[str, Any]:
-    """Tokenize `source` for `model`; keep at most `limit` samples. Returns the summary."""
+            strict: bool = False, chat_template: str | Path | ChatTemplate | None = None,
+            progress: bool = True) -> dict[str, Any]:
+    """Tokenize `source` for `model` with its tokenizer's chat template, or `chat_template` (a
+    file, or one recorded earlier); keep at most `limit` samples. Returns the summary."""
     from transformers import AutoConfig
 
     from eyas.models import load_tokenizer, model_identity, resolve_model
@@ -28,10 +30,15 @@ def prepare(model: str, source: str, out: str | Path, max_len: int = 2048, limit
     if max_len < 2:
         raise EyasError("--max-len must be at least 2.")
     tokenizer = load_tokenizer(model)
-    if chat_template:
-        tokenizer.chat_template = Path(chat_template).read_text()
-    require_chat_template(tokenizer, model)
+    # The identity is the tokenizer as shipped; the template used is recorded beside it, so
+    # later stages load the same tokenizer and are not asked for the template again.
     identity = model_identity(model, AutoConfig.from_pretrained(resolve_model(model)), tokenizer)
+    if chat_template is not None and not isinstance(chat_template, ChatTemplate):
+        chat_template = ChatTemplate.from_file(chat_template)
+    if chat_template is not None:
+        chat_template.apply(tokenizer)
+    require_chat_template(tokenizer, model)
+    template = chat_template or ChatTemplate(tokenizer.chat_template, "tokenizer")
 
     samples: list[PreparedSample] = []
     conversations: list[list[dict[str, str]]] = []
@@ -77,7 +84,7 @@ def prepare(model: str, source: str, out: str | Path, max_len: int = 2048, limit
     for s in samples:
         fingerprint.update(s.input_ids.numpy().tobytes() + s.loss_mask.numpy().tobytes())
     write_prepared(out, samples, conversations, {
-        "target": identity.to_dict(), "source": source, "max_len": max_len,
+        "target": identity.to_dict(), "chat_template": template.to_dict(), "source": source, "max_len": max_len,
         "fingerprint": fingerprint.hexdigest()[:16], "summary": summary,
     })
     return summary

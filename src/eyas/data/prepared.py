@@ -1,7 +1,8 @@
 """The prepared-data folder that `eyas prepare` writes and every later stage reads.
 
 prepared/
-  prepared.json          eyas version, target identity, max_len, source, counts
+  prepared.json          eyas version, target identity, max_len, source, counts, and the chat
+                         template the samples were rendered with (text, source, sha256)
   samples.safetensors    input_ids [T] int32, loss_mask [T] uint8, offsets [n+1] int64,
                          source_index [n] int64 (the record's position in the source)
   conversations.jsonl    the normalised messages of each kept sample, in the same order
@@ -19,6 +20,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from eyas import __version__
+from eyas.data.template import ChatTemplate
 from eyas.errors import EyasError
 from eyas.models.identity import ModelIdentity
 from eyas.paths import atomic_write_bytes, atomic_write_json
@@ -53,6 +55,13 @@ class PreparedData:
     @property
     def identity(self) -> ModelIdentity:
         return ModelIdentity.from_dict(self.meta["target"])
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        """The template `prepare` rendered with (None in data from before eyas recorded it:
+        the tokenizer's own was used then)."""
+        record = self.meta.get("chat_template")
+        return ChatTemplate.from_dict(record) if record else None
 
     def __len__(self) -> int:
         return len(self.source_index)

@@ -1,4 +1,5 @@
-"""Tokenize a conversation with the target's own chat template and mark the assistant tokens.
+"""Tokenize a conversation with the target's chat template (its own, or one the user gives
+`prepare`, recorded with the prepared data) and mark the assistant tokens.
 
 The mask is derived from the template itself, not from per-family regexes: for assistant
 turn i, the text the template adds when that message is appended after
@@ -10,10 +11,64 @@ earlier reasoning) fall back to locating the turn's content followed by the same
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
 import torch
 
 from eyas.data.sources import BadRecord
 from eyas.errors import EyasError
+
+
+@dataclass(frozen=True)
+class ChatTemplate:
+    """The template `prepare` rendered with, recorded in the prepared data so that later stages
+    render (regenerate) and check (capture, train --online) with the same one, unasked."""
+
+    text: str
+    source: str  # "tokenizer" or the file it was read from
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode()).hexdigest()
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "ChatTemplate":
+        path = Path(path).expanduser()
+        try:
+            return cls(path.read_text(), str(path.resolve()))
+        except OSError as e:
+            raise EyasError(f"Cannot read the chat template {path}: {e.strerror or e}.") from None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"text": self.text, "source": self.source, "sha256": self.sha256}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ChatTemplate":
+        return cls(d["text"], d["source"])
+
+    def apply(self, tokenizer) -> None:
+        tokenizer.chat_template = self.text
+
+
+def check_same_template(recorded: ChatTemplate, given: str | Path | None, what: str) -> None:
+    """A stage given `--chat-template FILE` must name the template `what` was prepared with."""
+    if given is None:
+        return
+    other = ChatTemplate.from_file(given)
+    if other.sha256 == recorded.sha256:
+        return
+    if other.source == recorded.source:
+        raise EyasError(f"The chat template {given} has changed since {what} was prepared with it (sha256 "
+                        f"{recorded.sha256[:12]}, now {other.sha256[:12]}); prepare the data again.")
+    made = "the tokenizer's own template" if recorded.source == "tokenizer" else recorded.source
+    raise EyasError(
+        f"{what} was prepared with {made} (sha256 {recorded.sha256[:12]}), but --chat-template {given} is a "
+        f"different template (sha256 {other.sha256[:12]}); drop --chat-template to use the recorded one, or "
+        f"prepare the data again with it."
+    )
 
 
 def require_chat_template(tokenizer, model: str) -> None:

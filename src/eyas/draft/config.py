@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from eyas.draft.rope import drafter_rope
 from eyas.errors import EyasError
 from eyas.models.identity import ModelIdentity, text_config
 
@@ -29,6 +30,7 @@ class DraftConfig:
     target: dict[str, Any]  # ModelIdentity.to_dict()
     rms_norm_eps: float = 1e-5
     rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    rope_source: str = "given"  # which of the target's settings the rope follows (see draft/rope.py)
     max_position_embeddings: int = 8192
     hidden_act: str = "silu"
     norm_before_residual: bool = False
@@ -36,6 +38,7 @@ class DraftConfig:
     norm_output: bool = False  # feed the post-norm output back between steps (EAGLE 3.1; vLLM `norm_output`)
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    chat_template: dict[str, Any] | None = None  # the training data's (data/template.py ChatTemplate), for eval
 
     def __post_init__(self) -> None:
         self.aux_layer_ids = tuple(int(k) for k in self.aux_layer_ids)
@@ -56,10 +59,11 @@ class DraftConfig:
     @classmethod
     def for_target(cls, target_config, identity: ModelIdentity, layer_ids: tuple[int, ...], draft_vocab_size: int,
                    **overrides: Any) -> "DraftConfig":
-        """A one-layer Llama-style head with the target's width, heads and rotary settings."""
+        """A one-layer Llama-style head with the target's (text model's) width, heads and the rotary
+        settings of its full-attention layers."""
         tc = text_config(target_config)
         heads = tc.num_attention_heads
-        rope = getattr(tc, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(tc, "rope_theta", 10000.0)}
+        rope, rope_source = drafter_rope(tc)
         kwargs = dict(
             hidden_size=tc.hidden_size,
             intermediate_size=getattr(tc, "intermediate_size", 4 * tc.hidden_size),
@@ -72,7 +76,8 @@ class DraftConfig:
             label_layer_id=layer_ids[-1],
             target=identity.to_dict(),
             rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-5),
-            rope_parameters=dict(rope),
+            rope_parameters=rope,
+            rope_source=rope_source,
             max_position_embeddings=getattr(tc, "max_position_embeddings", 8192),
         )
         kwargs.update(overrides)

@@ -10,6 +10,7 @@ import torch
 from tqdm import tqdm
 
 from eyas import __version__
+from eyas.data.template import ChatTemplate
 from eyas.draft import Eagle3Drafter, load_drafter
 from eyas.errors import EyasError
 from eyas.evaluate.drafter import DrafterSession
@@ -137,6 +138,8 @@ def evaluate(cfg: EvalConfig) -> dict:
     aux_ids: tuple[int, ...] = ()
     if cfg.draft:
         drafter = load_checked_drafter(cfg.draft, model, identity)
+        if drafter.config.chat_template:  # prompts as the drafter's training data was rendered
+            ChatTemplate.from_dict(drafter.config.chat_template).apply(tokenizer)
         aux_ids = drafter.config.aux_layer_ids
         gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
         proposers.append(Eagle3(DrafterSession(drafter), cfg.steps, tree=cfg.tree, top_k=cfg.top_k,

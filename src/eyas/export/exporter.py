@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,8 @@ def export_drafter(ckpt: str | Path, to: str, out: str | Path, *, target: str | 
     layout.check(cfg)
     out = Path(out).resolve()
     serving = serving_info(cfg, target, num_speculative_tokens)
+    if layout.engine == "vllm":
+        check_vllm_serves(cfg, serving["target"])
     tensors = export_tensors(cfg, state, layout, dtype)
     config = layout.config(cfg, serving)
     with owned_out(out, force, Path(ckpt), "export"):
@@ -43,8 +46,27 @@ def export_drafter(ckpt: str | Path, to: str, out: str | Path, *, target: str | 
 def planned_serve_command(ckpt: str | Path, to: str, out: str | Path, *, target: str | None = None,
                           num_speculative_tokens: int = 3) -> str:
     """The serve command for exporting `ckpt` to `out`, without writing anything."""
-    serving = serving_info(DraftConfig.load(ckpt), target, num_speculative_tokens)
-    return serve_command(get_layout(to).engine, serving["target"], Path(out).resolve(), num_speculative_tokens)
+    cfg, layout = DraftConfig.load(ckpt), get_layout(to)
+    serving = serving_info(cfg, target, num_speculative_tokens)
+    if layout.engine == "vllm":
+        check_vllm_serves(cfg, serving["target"])
+    return serve_command(layout.engine, serving["target"], Path(out).resolve(), num_speculative_tokens)
+
+
+def check_vllm_serves(cfg: DraftConfig, target: str) -> None:
+    """Refuse a drafter the installed vLLM cannot serve with its target (see capture/vllm/preflight.py);
+    without vLLM or the target's config here, say that the command is unchecked."""
+    from transformers import AutoConfig
+
+    from eyas.capture.vllm.preflight import preflight_where_installed
+
+    try:
+        config = AutoConfig.from_pretrained(target)
+    except (OSError, ValueError) as e:
+        print(f"eyas: note: the serve command was not checked: the target's config is not readable here ({e})",
+              file=sys.stderr)
+        return
+    preflight_where_installed(config, target, cfg.layer_ids, "auto", "export --to sglang if SGLang serves this target")
 
 
 def export_tensors(cfg: DraftConfig, state: dict[str, torch.Tensor], layout: Layout, dtype: str) -> dict[str, torch.Tensor]:

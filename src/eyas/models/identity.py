@@ -40,21 +40,32 @@ class ModelIdentity:
 
     def check_same(self, other: "ModelIdentity", what: str) -> None:
         """Raise unless `other` (recorded in `what`) describes the same model and tokenizer."""
+        same_name = self.model == other.model  # then say "changed", never "X differs from X"
         if self.tokenizer_hash != other.tokenizer_hash:
             raise EyasError(
+                f"{what} was made with a different tokenizer than the one now at {self.model} (it has changed since)."
+                if same_name else
                 f"{what} was made with a different tokenizer ({other.model}) than the one given ({self.model})."
             )
         if self.config_hash != other.config_hash:
-            raise EyasError(f"{what} was made for model {other.model}, not for {self.model} (configs differ).")
+            raise EyasError(
+                f"{what} was made for model {self.model} before its config changed (configs differ)." if same_name else
+                f"{what} was made for model {other.model}, not for {self.model} (configs differ)."
+            )
 
 
 def _digest(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def _stable(d: dict[str, Any]) -> dict[str, Any]:
+    """`d` without volatile keys, at every level: a wrapper's nested text and vision configs
+    get their own dtype when the model loads."""
+    return {k: _stable(v) if isinstance(v, dict) else v for k, v in d.items() if k not in _VOLATILE_KEYS}
+
+
 def config_hash(config) -> str:
-    d = {k: v for k, v in config.to_dict().items() if k not in _VOLATILE_KEYS}
-    return _digest(d)
+    return _digest(_stable(config.to_dict()))
 
 
 def tokenizer_hash(tokenizer) -> str:

@@ -30,16 +30,19 @@ class DecoderParts:
 
 def decoder_parts(model: nn.Module) -> DecoderParts:
     """The decoder layers are the ModuleList of `num_hidden_layers` modules; the final norm
-    sits beside them in the same parent module."""
+    sits beside them in the same parent module. The search starts at the text decoder
+    (`get_decoder()`), so a multimodal wrapper's vision layers are never candidates."""
     n = text_config(model.config).num_hidden_layers
+    root = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    root = root if isinstance(root, nn.Module) else model
     candidates = [
-        (name, module) for name, module in model.named_modules()
+        (name, module) for name, module in root.named_modules()
         if isinstance(module, nn.ModuleList) and len(module) == n and name.split(".")[-1] in ("layers", "h", "blocks")
     ]
     if not candidates:
         raise EyasError(f"Cannot find the {n} decoder layers of {type(model).__name__}; eyas does not support it yet.")
     name, layers = min(candidates, key=lambda c: c[0].count("."))
-    parent = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    parent = root.get_submodule(name.rpartition(".")[0]) if "." in name else root
     for norm_name in _NORM_NAMES:
         norm = getattr(parent, norm_name, None)
         if isinstance(norm, nn.Module):

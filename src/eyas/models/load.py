@@ -32,15 +32,29 @@ def load_tokenizer(spec: str):
         raise EyasError(f"Could not load a tokenizer for {spec!r}: {e}") from e
 
 
+def auto_model_class(config):
+    """transformers' auto class that builds `config`'s text-generating model: the causal LM, or
+    for a multimodal wrapper (`*ForConditionalGeneration` nesting a `text_config`) the
+    image-text-to-text model, whose text decoder eyas then runs on text alone."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+        if type(config) in auto._model_mapping:
+            return auto
+    raise EyasError(f"transformers has no text-generating model for {type(config).__name__}; eyas needs a "
+                    f"causal LM or an image-text-to-text wrapper around one.")
+
+
 def load_target(spec: str, dtype: str = "float32", device: str = "cpu", attn: str | None = None):
     """Return `(model, tokenizer)`, the model in eval mode with gradients off. `attn=None`
     lets transformers pick its best attention for the family (sdpa where supported)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     folder = resolve_model(spec)
     try:
         extra = {"attn_implementation": attn} if attn else {}
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=parse_dtype(dtype), **extra)
+        model = auto_model_class(AutoConfig.from_pretrained(folder)).from_pretrained(folder, dtype=parse_dtype(dtype),
+                                                                                     **extra)
     except (OSError, ValueError) as e:
         raise EyasError(f"Could not load model {spec!r}: {e}") from e
     model.to(device).eval().requires_grad_(False)

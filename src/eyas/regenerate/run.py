@@ -5,7 +5,8 @@ assistant turn of every conversation in one generator call. A finished group is 
 to `regenerated.jsonl` in the output folder (one fsync'd line per conversation), so a
 killed run resumes after the last complete group. At the end the regenerated
 conversations go through `eyas prepare` (same target, same --max-len), which writes a
-valid prepared folder next to them.
+valid prepared folder next to them. Prompts are rendered, and the result prepared, with the
+chat template recorded in the source data.
 
 With `minutes`, the run stops after the first group that ends past that budget; the
 prepared folder then holds the conversations finished so far, and the same command
@@ -65,6 +66,8 @@ def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf
     conversations, max_len, fingerprint = source.conversations(), int(source.meta["max_len"]), source.meta["fingerprint"]
     describe_target(model).identity.check_same(source.identity, f"The prepared data in {data}")
     tokenizer = load_tokenizer(model)
+    if source.chat_template is not None:
+        source.chat_template.apply(tokenizer)  # render as `prepare` did
     with output_lock(out, "regenerate"):  # one run per folder: two would interleave the progress file
         done = read_progress(out / PROGRESS, fingerprint)
         todo = [i for i in range(len(conversations)) if i not in done]
@@ -93,7 +96,8 @@ def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf
         with open(out / CONVERSATIONS, "w", encoding="utf-8") as f:
             for i in sorted(done):
                 f.write(json.dumps({"messages": done[i]}, ensure_ascii=False) + "\n")
-        return prepare(model, str(out / CONVERSATIONS), out, max_len=max_len, progress=progress)
+        return prepare(model, str(out / CONVERSATIONS), out, max_len=max_len, chat_template=source.chat_template,
+                       progress=progress)
 
 
 def regenerate_group(generator, tokenizer, conversations: list[list[dict[str, str]]], max_len: int,

@@ -48,6 +48,7 @@ class StoreSource:
             raise EyasError(f"The store {path} holds no samples; capture into it first (eyas capture).")
         self.crop = crop
         self.identity: ModelIdentity = self.store.identity
+        self.chat_template: dict | None = self.store.manifest.get("chat_template")
         self.layer_ids = self.store.layer_ids
         self.hidden_size = self.store.hidden_size
         self.sample_index = self.store.sample_indices().tolist()
@@ -94,6 +95,7 @@ class OnlineSource:
         self.capturer.identity.check_same(self.prepared.identity, f"The prepared data in {data}")
         self.crop = crop
         self.identity: ModelIdentity = self.capturer.identity
+        self.chat_template: dict | None = self.prepared.meta.get("chat_template")
         self.layer_ids = self.capturer.layer_ids
         self.hidden_size = self.capturer.hidden_size
         self.sample_index = list(range(len(self.prepared)))

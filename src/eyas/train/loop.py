@@ -179,7 +179,7 @@ def _new_draft_config(cfg: TrainConfig, source, folder: str, train_pos: list[int
             f"{100 * coverage(counter, draft_ids):.2f}% of the trained tokens in the data")
     draft = DraftConfig.for_target(AutoConfig.from_pretrained(folder), source.identity, source.layer_ids, size,
                                    ttt_steps=cfg.ttt_steps, ttt_decay=cfg.ttt_decay, fc_norm=cfg.fc_norm,
-                                   norm_output=cfg.norm_output)
+                                   norm_output=cfg.norm_output, chat_template=source.chat_template)
     return draft, draft_ids
 
 

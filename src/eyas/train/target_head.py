@@ -54,13 +54,28 @@ def _weight_files(folder: Path) -> dict[str, Path]:
         return {k: single for k in f.keys()}
 
 
-def _find(files: dict[str, Path], name: str) -> str | None:
+def _stored_names(skeleton: nn.Module, files: dict[str, Path]) -> dict[str, str]:
+    """Module-tree name -> stored tensor name, renamed the way
+    transformers renames at load time (multimodal wrappers are saved in an older layout,
+    e.g. `language_model.model.*` for the module `model.language_model.*`)."""
+    try:  # transformers 5's loading internals; without them, names are taken as stored
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:
+        return {k: k for k in files}
+    transforms = get_model_conversion_mapping(skeleton)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    return {rename_source_key(k, renamings, converters)[0]: k for k in files}
+
+
+def _find(stored: dict[str, str], name: str) -> str | None:
     """The stored tensor for parameter `name`; checkpoints sometimes nest the language model
     differently from the module tree, so fall back to a unique match on the name's tail."""
-    if name in files:
-        return name
+    if name in stored:
+        return stored[name]
     tail = ".".join(name.split(".")[-3:])
-    matches = [k for k in files if k == tail or k.endswith("." + tail)]
+    matches = [v for k, v in stored.items() if k == tail or k.endswith("." + tail)]
     return matches[0] if len(matches) == 1 else None
 
 
@@ -73,12 +88,14 @@ def _read(files: dict[str, Path], key: str) -> torch.Tensor:
 def load_target_head(folder: str | Path) -> TargetHead:
     """Load embeddings, final norm and lm_head (float32, CPU) of the model in `folder`; the
     last one stays cached, so runs in one process (tests, notebooks) read it once."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
+
+    from eyas.models.load import auto_model_class
 
     folder = Path(folder)
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config)
+        skeleton = auto_model_class(config).from_config(config)
     module_names = {id(m): n for n, m in skeleton.named_modules(remove_duplicate=False)}
     embed_name = module_names[id(skeleton.get_input_embeddings())] + ".weight"
     head = skeleton.get_output_embeddings()
@@ -86,11 +103,12 @@ def load_target_head(folder: str | Path) -> TargetHead:
     norm_prefix = module_names[id(norm)]
 
     files = _weight_files(folder)
-    embed_key = _find(files, embed_name)
+    stored = _stored_names(skeleton, files)
+    embed_key = _find(stored, embed_name)
     if embed_key is None:
         raise EyasError(f"{folder}: no tensor {embed_name} (the input embeddings) in its safetensors.")
     embed = _read(files, embed_key)
-    head_key = _find(files, module_names[id(head)] + ".weight") if head is not None else None
+    head_key = _find(stored, module_names[id(head)] + ".weight") if head is not None else None
     if head_key is not None:
         lm_head = _read(files, head_key)
     elif getattr(text_config(config), "tie_word_embeddings", False) or getattr(config, "tie_word_embeddings", False):
@@ -101,7 +119,7 @@ def load_target_head(folder: str | Path) -> TargetHead:
     norm = copy.deepcopy(norm).to_empty(device="cpu")
     state = {}
     for pname in norm.state_dict():
-        key = _find(files, f"{norm_prefix}.{pname}")
+        key = _find(stored, f"{norm_prefix}.{pname}")
         if key is None:
             raise EyasError(f"{folder}: no tensor {norm_prefix}.{pname} (the final norm) in its safetensors.")
         state[pname] = _read(files, key)

@@ -30,19 +30,3 @@ def describe_target(model: str, layers: str = "auto") -> Target:
         raise EyasError(f"Could not read the config of model {model!r}: {e}") from e
     identity = model_identity(model, config, load_tokenizer(model))
     return Target(folder, config, identity, resolve_layer_ids(layers, identity.num_layers))
-
-
-def check_vllm_can_load(target: Target, engine_args: dict) -> None:
-    """Fail before starting an engine when vLLM has no implementation of the architecture."""
-    from vllm import ModelRegistry
-
-    if engine_args.get("model_impl", "auto") not in ("auto", "vllm"):
-        return  # the user chose vLLM's transformers backend (or another): let vLLM judge
-    archs = list(getattr(target.config, "architectures", None) or [])
-    supported = ModelRegistry.get_supported_archs()
-    if not any(a in supported for a in archs):
-        raise EyasError(
-            f"vLLM cannot load {target.identity.model}: its architecture {archs or '(none in config.json)'} is not "
-            f"one of vLLM's models. Use --backend hf, or try vLLM's transformers backend with "
-            f"--engine-arg model_impl=transformers."
-        )

@@ -1,0 +1,139 @@
+"""Refuse, before any engine process starts, a target the installed vLLM cannot run with
+EAGLE-3 aux hidden states: for capture (`--backend vllm`) and for serving an exported drafter.
+
+Each check asks vLLM's own code, so it follows the installed release instead of a list eyas
+keeps: its model registry and model class (is the architecture there, does it import, does
+it implement `SupportsEagle3`, does it collect aux states on the shared path that takes id
+0), vLLM's architecture-config convertor (MLA or not, head size) and the platform's attention
+selector (does the backend it picks take that head size). Starting an engine to learn the
+same costs minutes and ends in a worker crash.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from eyas.errors import EyasError
+
+
+def preflight(config: Any, model: str, layer_ids: tuple[int, ...] | None, dtype: str, instead: str,
+              engine_args: dict[str, Any] | None = None) -> None:
+    """Raise `EyasError` (one sentence ending in `instead`, what to do) when vLLM cannot run
+    `model` (transformers `config`) with EAGLE-3 aux states at `layer_ids` (aux ids then N)."""
+    from eyas.capture.vllm.engine import installed_vllm_version, vllm_environment
+
+    if (engine_args or {}).get("model_impl", "auto") not in ("auto", "vllm"):
+        return  # the user chose vLLM's transformers backend (or another): let vLLM judge
+    vllm_environment()  # before vLLM is first imported
+    version = installed_vllm_version()
+    arch, cls = model_class(config, model, version, instead)
+    from vllm.model_executor.models.interfaces import supports_eagle3
+
+    if not supports_eagle3(cls):
+        raise EyasError(f"vLLM {version}'s {arch} has no EAGLE-3 aux hidden-state support (it does not implement "
+                        f"SupportsEagle3); {instead}, or upgrade vLLM to a release whose {arch} supports EAGLE-3.")
+    if layer_ids and 0 in layer_ids[:-1]:
+        check_layer_id_0(cls, f"vLLM {version}'s {arch}", instead)
+    check_router(config, model)
+    check_head_size(config, model, dtype, instead)
+
+
+def preflight_where_installed(config: Any, model: str, layer_ids: tuple[int, ...] | None, dtype: str, instead: str,
+                              engine_args: dict[str, Any] | None = None) -> None:
+    """`preflight` for a command printed here and run elsewhere: without vLLM on this machine
+    (a training or client machine), say that the command is unchecked instead of refusing."""
+    from eyas.capture.vllm.engine import installed_vllm_version
+
+    try:
+        installed_vllm_version()
+    except EyasError as e:
+        print(f"eyas: note: the command was not checked against vLLM here ({e})", file=sys.stderr)
+        return
+    preflight(config, model, layer_ids, dtype, instead, engine_args)
+
+
+def model_class(config: Any, model: str, version: str, instead: str) -> tuple[str, type]:
+    """The first of the config's architectures that vLLM registers, and its class (imported
+    here, as the engine would import it)."""
+    from vllm import ModelRegistry
+
+    archs = list(getattr(config, "architectures", None) or [])
+    arch = next((a for a in archs if a in ModelRegistry.get_supported_archs()), None)
+    if arch is None:
+        raise EyasError(
+            f"vLLM cannot load {model}: its architecture {archs or '(none in config.json)'} is not one of vLLM "
+            f"{version}'s models; {instead}, or try vLLM's transformers backend with --engine-arg model_impl=transformers."
+        )
+    try:
+        return arch, ModelRegistry.models[arch].load_model_cls()
+    except Exception as e:  # what the engine's workers would hit too, minutes later
+        raise EyasError(f"vLLM {version} cannot import its {arch} here ({type(e).__name__}: {e}), so its engine "
+                        f"would fail the same way; {instead}, or install what vLLM's {arch} needs.") from None
+
+
+def check_layer_id_0(cls: type, name: str, instead: str) -> None:
+    """Id 0 is the embedding output, before any residual exists. vLLM's shared aux path
+    (`EagleModelMixin`, reached through the default `set_aux_hidden_state_layers`) handles
+    that; a class that overrides it collects aux states its own way, and DeepSeek-V2's crashes."""
+    from vllm.model_executor.models.interfaces import SupportsEagle3
+
+    if cls.set_aux_hidden_state_layers is not SupportsEagle3.set_aux_hidden_state_layers:
+        raise EyasError(f"{name} collects aux hidden states with its own code, outside the shared path that handles "
+                        f"layer id 0 (the embedding output, where DeepSeek-V2-style forwards crash on a missing "
+                        f"residual); use aux layer ids of 1 or more, or {instead}.")
+
+
+def check_router(config: Any, model: str) -> None:
+    """DeepSeek-style MoE routers: vLLM reads `topk_method` and `scoring_func` with defaults
+    (no bias, softmax) that transformers' DeepseekV3 never uses, and transformers' config
+    does not write them; a silent fallback would capture a different model."""
+    text = config.get_text_config()
+    if getattr(text, "n_routed_experts", None) is None or getattr(text, "kv_lora_rank", None) is None:
+        return
+    missing = [k for k in ("topk_method", "scoring_func") if getattr(text, k, None) is None]
+    if missing:
+        raise EyasError(
+            f"The config of {model} does not set {' and '.join(missing)} for its DeepSeek-style MoE router, so vLLM "
+            f"would route with softmax and no e_score_correction_bias while transformers' DeepseekV3 routes with "
+            f"sigmoid and noaux_tc; add \"topk_method\": \"noaux_tc\" and \"scoring_func\": \"sigmoid\" to its "
+            f"{'text_config' if text is not config else 'config.json'} if that is how it was trained."
+        )
+
+
+def check_head_size(config: Any, model: str, dtype: str, instead: str) -> None:
+    """vLLM validates MLA head sizes against the chosen backend (the CPU MLA kernel is built
+    for 576 = kv_lora_rank 512 + rope 64 only); for other attention the platform's selector
+    raises itself when no backend fits (its CPU kernel runs sizes beyond its advertised list)."""
+    import torch
+    import vllm.config  # noqa: F401  (first: vLLM's arch-config convertor cannot be imported before it)
+    import vllm.envs as envs
+    from vllm.platforms import current_platform
+    from vllm.transformers_utils.config import get_hf_text_config
+    from vllm.transformers_utils.model_arch_config_convertor import (
+        MODEL_ARCH_CONFIG_CONVERTORS,
+        ModelArchConfigConvertorBase,
+    )
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.attention.selector import AttentionSelectorConfig
+
+    text = get_hf_text_config(config)
+    convertor = MODEL_ARCH_CONFIG_CONVERTORS.get(config.model_type, ModelArchConfigConvertorBase)(config, text)
+    mla, head_size = convertor.is_deepseek_mla() and not envs.VLLM_MLA_DISABLE, convertor.get_head_size()
+    run_dtype = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+                 "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}.get(dtype, torch.bfloat16)
+    selector = AttentionSelectorConfig(head_size=head_size, dtype=run_dtype, kv_cache_dtype=None, block_size=None,
+                                       use_mla=mla)
+    kind = "MLA head size" if mla else "attention head size"
+    try:
+        backend = resolve_obj_by_qualname(current_platform.get_attn_backend_cls(None, selector,
+                                                                                 num_heads=text.num_attention_heads))
+    except (ValueError, NotImplementedError) as e:
+        raise EyasError(f"vLLM has no attention backend on {current_platform.device_name} for {model}'s {kind} "
+                        f"{head_size} ({e}); {instead}.") from None
+    if mla and not backend.supports_head_size(head_size):
+        raise EyasError(
+            f"vLLM's {backend.get_name()} attention on {current_platform.device_name} takes MLA head sizes "
+            f"{backend.get_supported_head_sizes()} only, and {model}'s is {head_size} (kv_lora_rank + "
+            f"qk_rope_head_dim); {instead}."
+        )
