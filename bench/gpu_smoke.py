@@ -3,7 +3,7 @@ bench spends device time on them: the static-cache greedy path against `model.ge
 the compiled TTT step loss against the eager one, a few online training steps through the
 real trainer (compiled loss, flex attention) and every decoding method of `eyas eval`.
 
-  PYTHONPATH=src:tests python3 bench/gpu_smoke.py --work /tmp/smoke
+  PYTHONPATH=src:tests python3 bench/gpu_smoke.py --work /tmp/smoke --texts /tmp/m/mt_bench.jsonl
 """
 
 from __future__ import annotations
@@ -20,17 +20,21 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", default="/tmp/smoke")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--texts", help="a JSONL of MT-bench questions to train the tiny tokenizer on where the packaged "
+                                   "chitchat corpus is not installed (the GPU machine)")
     args = p.parse_args()
     work, dev = Path(args.work), args.device
     work.mkdir(parents=True, exist_ok=True)
     from tiny import build_model, build_tokenizer, corpus
 
-    folder = build_model(work / "llama", "llama")
+    texts = [t for line in open(args.texts) for t in json.loads(line)["turns"]] if args.texts else corpus()
+    build_tokenizer(work / "tok", texts=texts)
+    folder = build_model(work / "llama", "llama", tokenizer_dir=work / "tok")
     checks = {}
     t0 = time.monotonic()
     checks["static_greedy_equals_generate"] = static_greedy(folder, dev)
     checks["compiled_loss_equals_eager"] = compiled_loss(dev)
-    checks["train_and_eval"] = train_and_eval(folder, work, dev, corpus())
+    checks["train_and_eval"] = train_and_eval(folder, work, dev, texts)
     print(json.dumps(checks, indent=1, default=str))
     print(f"gpu smoke: {'ok' if all(v is True or isinstance(v, dict) for v in checks.values()) else 'FAILED'} "
           f"in {time.monotonic() - t0:.0f} s")

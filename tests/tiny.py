@@ -82,7 +82,7 @@ def corpus() -> list[str]:
     return texts
 
 
-def build_tokenizer(out: Path, template: str = CHATML, vocab_size: int = 512):
+def build_tokenizer(out: Path, template: str = CHATML, vocab_size: int = 512, texts: list[str] | None = None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -91,7 +91,7 @@ def build_tokenizer(out: Path, template: str = CHATML, vocab_size: int = 512):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus(), trainer)
+    tok.train_from_iterator(texts or corpus(), trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                    bos_token="<|endoftext|>")
     fast.chat_template = template

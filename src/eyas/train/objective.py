@@ -107,9 +107,9 @@ def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor, mask: torch.Te
 
 @functools.cache
 def step_loss(cuda: bool):
-    """The loss of one TTT step; on CUDA compiled, so the float32 log-probabilities over the
-    draft vocabulary are never written out (eager, each step reads and writes [B, n, Vd]
-    float32 tensors some ten times forward and backward, most of a small head's step)."""
+    """The loss of one TTT step; on CUDA compiled, to fuse the float32 passes that eager makes
+    over [B, n, Vd] (cast, log-softmax, product, sum, and their backward): for a small head
+    they move more bytes than its matrix products."""
     return torch.compile(soft_cross_entropy, dynamic=True) if cuda else soft_cross_entropy
 
 
