@@ -48,12 +48,12 @@ def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", 
     """
     with output_lock(out, "capture"):
         return _capture(model, data, out, backend, layers, dtype, device, model_dtype, batch_tokens, shard_mb,
-                        progress, **backend_options)
+                        progress, chat_template, **backend_options)
 
 
 def _capture(model: str, data: str | Path, out: str | Path, backend: str, layers: str, dtype: str, device: str,
              model_dtype: str | None, batch_tokens: int, shard_mb: float, progress: bool,
-             **backend_options: Any) -> dict[str, Any]:
+             chat_template: str | Path | None, **backend_options: Any) -> dict[str, Any]:
     from eyas.distributed import all_reduce, barrier, init, shutdown
 
     if backend not in BACKENDS:
