@@ -13,8 +13,11 @@ and token i+1 and predicts the target's argmax at i+1.
 
 Run on the CPU (a store captured in fp32 from `eyas prepare ... --max-len 256`):
 
+    eyas prepare --model packaged:smollm2-135m --data packaged:sharegpt --out out/diag/prepared \\
+        --limit 200 --max-len 256
+    eyas capture --model packaged:smollm2-135m --data out/diag/prepared --out out/diag/store --dtype fp32
     HF_HUB_OFFLINE=1 PYTHONPATH=src python bench/diagnose.py --store out/diag/store \\
-        --work out/diag/runs --steps 150 --seeds 0 1 --output bench/results/diagnose_cpu.json
+        --work out/diag/runs --seeds 0 1 --output bench/results/diagnose_cpu.json
 
 `--regen-store` adds eyas's drafter trained and measured on a second store (e.g. from
 `eyas regenerate`); its held-out tokens are that store's own, not the first store's.
@@ -360,9 +363,9 @@ def main() -> None:
     ap.add_argument("--model", default="packaged:smollm2-135m", help="the target (a folder, or an eyas spec)")
     ap.add_argument("--work", type=Path, required=True, help="where eyas's drafters are written (must not exist)")
     ap.add_argument("--output", type=Path, required=True)
-    ap.add_argument("--steps", type=int, default=150)
+    ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--lr", type=float, default=3e-3)
-    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--clip", type=float, default=0.5)
     ap.add_argument("--decay", type=float, default=0.8)
     ap.add_argument("--batch-tokens", type=int, default=1024)
@@ -371,7 +374,7 @@ def main() -> None:
     ap.add_argument("--eval-fraction", type=float, default=0.2)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--fc-norm-seeds", type=int, nargs="+", help="seeds of the fc_norm runs (default: the first seed)")
-    ap.add_argument("--probe-epochs", type=int, default=3)
+    ap.add_argument("--probe-epochs", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -388,10 +391,21 @@ def main() -> None:
                        "eval_trained_positions": int(sum(data.trained(p).sum() for p in data.eval))}
     print(json.dumps(result["store"]), flush=True)
 
-    eyas_runs = [train_eyas(a.store, a.work / f"eyas-seed{s}", a, s, False) for s in a.seeds]
-    for r in eyas_runs:
-        print("eyas", r, flush=True)
-    d2t = load_file(str(a.work / f"eyas-seed{a.seeds[0]}" / "model.safetensors"))["d2t"]
+    def save() -> None:  # after every piece, so that a run cut short keeps what it measured
+        result["wall_seconds"] = round(time.monotonic() - t0, 1)
+        a.output.parent.mkdir(parents=True, exist_ok=True)
+        a.output.write_text(json.dumps(result, indent=1) + "\n")
+
+    def record(name: str, runs: list[dict[str, Any]], run: dict[str, Any]) -> None:
+        runs.append(run)
+        result[name] = {"runs": runs, "step0": spread([r["acc_per_step"][0] for r in runs])}
+        print(name, run, flush=True)
+        save()
+
+    first = a.work / f"eyas-seed{a.seeds[0]}"
+    eyas_runs: list[dict[str, Any]] = []
+    record("eyas", eyas_runs, train_eyas(a.store, first, a, a.seeds[0], False))
+    d2t = load_file(str(first / "model.safetensors"))["d2t"]
     draft_ids = torch.arange(len(d2t)) + d2t
     own = draft_vocab(data, a.draft_vocab)
     result["draft_vocab_check"] = {"same_as_rebuilt": bool(torch.equal(own, draft_ids)),
@@ -399,42 +413,32 @@ def main() -> None:
     to_draft = torch.full((data.embed.shape[0],), -1, dtype=torch.long)
     to_draft[draft_ids] = torch.arange(len(draft_ids))
     draft_w = data.embed[draft_ids]
+    result["transplant_max_logit_diff_per_step"] = transplant_check(data, first, a.ttt_steps)
+    print("transplant", result["transplant_max_logit_diff_per_step"], result["draft_vocab_check"], flush=True)
 
-    diff = transplant_check(data, a.work / f"eyas-seed{a.seeds[0]}", a.ttt_steps)
-    result["transplant_max_logit_diff_per_step"] = diff
-    print("transplant", diff, flush=True)
-    ref_runs = [train_reference(data, d2t, a, s) for s in a.seeds]
-    for r in ref_runs:
-        print("reference", r, flush=True)
+    ref_runs: list[dict[str, Any]] = []
+    record("reference", ref_runs, train_reference(data, d2t, a, a.seeds[0]))
     result["bigram"] = bigram(data, to_draft)
-    print("bigram", result["bigram"], flush=True)
-    result["probe_step0_information"] = probe(data, draft_w, to_draft, False, a)
     result["probe_late"] = probe(data, draft_w, to_draft, True, a)
-    print("probes", result["probe_step0_information"], result["probe_late"], flush=True)
-    fc_seeds = a.fc_norm_seeds or a.seeds[:1]
-    fc_norm_runs = [train_eyas(a.store, a.work / f"eyas-fcnorm-seed{s}", a, s, True) for s in fc_seeds]
-    for r in fc_norm_runs:
-        print("eyas fc_norm", r, flush=True)
-
-    result["eyas"] = {"runs": eyas_runs, "step0": spread([r["acc_per_step"][0] for r in eyas_runs])}
-    result["reference"] = {"runs": ref_runs, "step0": spread([r["acc_per_step"][0] for r in ref_runs])}
-    result["eyas_fc_norm"] = {"runs": fc_norm_runs, "step0": spread([r["acc_per_step"][0] for r in fc_norm_runs])}
+    result["probe_step0_information"] = probe(data, draft_w, to_draft, False, a)
+    print("bigram", result["bigram"], "probes", result["probe_step0_information"], result["probe_late"], flush=True)
+    save()
+    for s in a.seeds[1:]:
+        record("eyas", eyas_runs, train_eyas(a.store, a.work / f"eyas-seed{s}", a, s, False))
+        record("reference", ref_runs, train_reference(data, d2t, a, s))
+    fc_norm_runs: list[dict[str, Any]] = []
+    for s in a.fc_norm_seeds or a.seeds[:1]:
+        record("eyas_fc_norm", fc_norm_runs, train_eyas(a.store, a.work / f"eyas-fcnorm-seed{s}", a, s, True))
     if a.regen_store:
         regen = Data(a.regen_store, model_dir, a.eval_fraction)
-        runs = [train_eyas(a.regen_store, a.work / f"eyas-regen-seed{s}", a, s, False) for s in a.seeds[:1]]
+        run = train_eyas(a.regen_store, a.work / "eyas-regen", a, a.seeds[0], False)
         result["eyas_regenerated"] = {
             "note": "a different store: these are its own held-out tokens, not the ones above",
             "samples": len(regen.ids), "tokens": sum(len(x) for x in regen.ids),
-            "bigram": bigram(regen, to_draft), "runs": runs,
-            "step0": spread([r["acc_per_step"][0] for r in runs])}
+            "bigram": bigram(regen, to_draft), "runs": [run]}
         print("regenerated", result["eyas_regenerated"], flush=True)
-    result["wall_seconds"] = round(time.monotonic() - t0, 1)
-    a.output.parent.mkdir(parents=True, exist_ok=True)
-    a.output.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({k: result[k] for k in ("bigram", "probe_step0_information", "probe_late")}, indent=1))
-    print("eyas", result["eyas"]["step0"], "reference", result["reference"]["step0"],
-          "fc_norm", result["eyas_fc_norm"]["step0"], f"wall {result['wall_seconds']} s")
-
+        save()
+    print(json.dumps(result, indent=1))
 
 if __name__ == "__main__":
     main()
