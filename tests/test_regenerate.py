@@ -173,3 +173,21 @@ def test_static_cache_path_equals_generate(smollm2_dir):
     gen.model.set_attn_implementation("sdpa")  # the reference runs transformers' own attention throughout
     assert fast == gen.sample(prompts, budgets, temperature=0.0, seed=0)
     assert all(0 < len(f) <= b for f, b in zip(fast, budgets)) and any(len(f) == b for f, b in zip(fast, budgets))
+
+
+def test_an_answer_that_opens_a_conversation_is_dropped(smollm2_dir):
+    """ShareGPT holds conversations that start with the assistant: that answer has no prompt to
+    be regenerated from (the chat template refuses an empty conversation), so it is dropped."""
+    from eyas.models import load_tokenizer
+    from eyas.regenerate.run import regenerate_group
+
+    class Echo:
+        def generate(self, prompts, budgets, temperature, seed):
+            return [[42] for _ in prompts]
+
+    conv = [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"}]
+    tokenizer = load_tokenizer(SMOLLM2)
+    (out,) = regenerate_group(Echo(), tokenizer, [conv], 160, NEW, 0.0, 0)
+    assert [m["role"] for m in out] == ["user", "assistant"]
+    assert out[1]["content"] == tokenizer.decode([42], skip_special_tokens=True)

@@ -103,7 +103,7 @@ def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf
 def regenerate_group(generator, tokenizer, conversations: list[list[dict[str, str]]], max_len: int,
                      max_new_tokens: int, temperature: float, seed: int) -> list[list[dict[str, str]]]:
     """Replace the assistant turns of each conversation, one round per turn."""
-    convs = [[dict(m) for m in c] for c in conversations]
+    convs = [_without_leading_answers([dict(m) for m in c]) for c in conversations]
     turn = [_next_assistant(c, 0) for c in convs]  # index of each conversation's next assistant message
     while True:
         pending, prompts, budgets = [], [], []
@@ -126,6 +126,12 @@ def regenerate_group(generator, tokenizer, conversations: list[list[dict[str, st
             convs[c][j]["content"] = tokenizer.decode(new, skip_special_tokens=True)
             turn[c] = _next_assistant(convs[c], j + 1)
         seed += len(pending)
+
+
+def _without_leading_answers(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """An answer with no message before it has no prompt to be regenerated from: drop it."""
+    first = next((j for j, m in enumerate(messages) if m["role"] != "assistant"), len(messages))
+    return messages[first:]
 
 
 def _next_assistant(messages: list[dict[str, str]], start: int) -> int | None:
