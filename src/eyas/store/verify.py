@@ -30,11 +30,16 @@ SMALL = ("input_ids", "loss_mask", "offsets", "sample_index")
 
 def check_structure(store) -> None:
     """Raise `EyasError` naming the first structural problem of `store` (a `Store`)."""
+    _check_store(store, full=False)
+
+
+def _check_store(store, full: bool) -> None:
+    """The manifest, the files it names, then every shard (`full`: sha256 and NaN/inf too)."""
     check_layer_ids(store.manifest)
     check_files(store.path, store.manifest)
     seen: set[int] = set()
     for i in range(len(store.manifest["shards"])):
-        seen.update(check_shard(store, i, seen, full=False))
+        seen.update(check_shard(store, i, seen, full=full))
 
 
 def check_layer_ids(m: dict[str, Any]) -> None:
@@ -138,8 +143,4 @@ def _check_small(name: str, t: dict[str, torch.Tensor], T: int, vocab: int) -> N
 
 def verify_store(store) -> None:
     """Everything `check_structure` checks, plus every shard's sha256 and NaN/inf in its states."""
-    check_layer_ids(store.manifest)
-    check_files(store.path, store.manifest)
-    seen: set[int] = set()
-    for i in range(len(store.manifest["shards"])):
-        seen.update(check_shard(store, i, seen, full=True))
+    _check_store(store, full=True)
