@@ -225,3 +225,34 @@ def test_compiled_step_loss_equals_eager():
     torch.testing.assert_close(ce_comp, ce_eager, rtol=1e-5, atol=1e-5)
     assert grad_eager.abs().sum() > 0
     torch.testing.assert_close(grad_comp.float(), grad_eager.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_flex_ttt_attention_with_padded_positions_equals_dense(monkeypatch):
+    """The flex path pads positions to a multiple of its block size so that block masks are
+    reused across batch lengths; real rows must come out exactly as the dense path's. (CUDA
+    runs it compiled; here flex attention runs eagerly, forward only, as the CPU allows.)"""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    import eyas.draft.model as dm
+
+    monkeypatch.setattr(dm, "_compiled_flex", lambda: flex_attention)
+    g = torch.Generator().manual_seed(3)
+    for T, steps in ((150, 3), (dm.FLEX_PAD, 2), (5, 1)):
+        q, k0, v0 = (torch.randn(2, 3, T, 16, generator=g) for _ in range(3))
+        extra = [(torch.randn(2, 3, T, 16, generator=g), torch.randn(2, 3, T, 16, generator=g)) for _ in range(steps - 1)]
+        flex = dm.ttt_attention_flex(q, k0, v0, extra)
+        assert flex.shape == q.shape
+        torch.testing.assert_close(flex, dm.ttt_attention_dense(q, k0, v0, extra), atol=1e-5, rtol=1e-5)
+
+
+def test_labels_do_not_depend_on_how_rows_are_chunked(setup, monkeypatch):
+    import eyas.train.objective as objective
+
+    _, head, draft_ids, _, hidden, loss_mask = setup
+    whole = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids)
+    T, V = hidden.shape[1], head.lm_head_weight.shape[0]
+    monkeypatch.setattr(objective, "LABEL_CHUNK", 2 * T * V - 1)  # one row per chunk
+    rows = objective.make_labels(head, hidden[:, :, -1], loss_mask, draft_ids)
+    assert hidden.shape[0] >= 2
+    torch.testing.assert_close(rows.probs, whole.probs)
+    assert torch.equal(rows.target_draft, whole.target_draft) and torch.equal(rows.trained, whole.trained)

@@ -181,12 +181,22 @@ def ttt_attention_dense(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
 def ttt_attention_flex(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
                        extra: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """The same attention as one flex-attention call over the keys of all steps laid end to
-    end ([B, nH, (1+k)T, d]); the block mask skips every block that is neither causal step-0
-    nor on a same-position diagonal, so the cost is ~T^2/2 + kT, never (1+k)T^2."""
+    end ([B, nH, (1+k)T', d]); the block mask skips every block that is neither causal step-0
+    nor on a same-position diagonal, so the cost is ~T^2/2 + kT, never (1+k)T^2.
+
+    Positions are padded to T' (a multiple of FLEX_PAD): building a block mask costs more
+    than the attention itself, and batches come in every length, so masks are built once per
+    padded length and reused. Real queries never see a padded key (step-0 keys only up to
+    their own position, later steps only at it); the padded queries' rows are dropped."""
     T = q.shape[-2]
-    k = torch.cat([k0, *(kj for kj, _ in extra)], dim=2)
-    v = torch.cat([v0, *(vj for _, vj in extra)], dim=2)
-    return _compiled_flex()(q, k, v, block_mask=_ttt_block_mask(T, 1 + len(extra), q.device))
+    pad = -T % FLEX_PAD
+    k = torch.cat([F.pad(kj, (0, 0, 0, pad)) for kj in (k0, *(kj for kj, _ in extra))], dim=2)
+    v = torch.cat([F.pad(vj, (0, 0, 0, pad)) for vj in (v0, *(vj for _, vj in extra))], dim=2)
+    out = _compiled_flex()(F.pad(q, (0, 0, 0, pad)), k, v, block_mask=_ttt_block_mask(T + pad, 1 + len(extra), q.device))
+    return out[..., :T, :]
+
+
+FLEX_PAD = 128  # flex attention's block size
 
 
 @functools.cache
@@ -196,7 +206,7 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=True)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=512)
 def _ttt_block_mask(T: int, steps: int, device: torch.device):
     from torch.nn.attention.flex_attention import create_block_mask
 
