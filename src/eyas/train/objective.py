@@ -53,12 +53,16 @@ def make_labels(head: TargetHead, last_hidden: torch.Tensor, loss_mask: torch.Te
     B, T, _ = last_hidden.shape
     target_to_draft = torch.full((head.lm_head_weight.shape[0],), -1, dtype=torch.long, device=last_hidden.device)
     target_to_draft[draft_ids] = torch.arange(len(draft_ids), device=last_hidden.device)
+    rows = max(1, LABEL_CHUNK // (T * head.lm_head_weight.shape[0]))  # bounds the [rows, T, V] logits
     probs, target_draft = [], []
-    for b in range(B):  # one row at a time bounds the [T, V] logits
-        logits = head.logits(last_hidden[b]).float()  # [T, V]
+    for b in range(0, B, rows):
+        logits = head.logits(last_hidden[b : b + rows]).float()  # [rows, T, V]
         target_draft.append(target_to_draft[logits.argmax(-1)])
-        probs.append(logits[:, draft_ids].softmax(-1))
-    return Labels(torch.stack(probs), torch.stack(target_draft), trained_positions(loss_mask))
+        probs.append(logits[..., draft_ids].softmax(-1))
+    return Labels(torch.cat(probs), torch.cat(target_draft), trained_positions(loss_mask))
+
+
+LABEL_CHUNK = 1 << 28  # target logits computed at once (1 GiB in float32): rows, not the batch
 
 
 class TTTObjective(nn.Module):
