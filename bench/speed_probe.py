@@ -1,0 +1,276 @@
+"""Where the time goes in regeneration and online training on a small target, on a GPU,
+without the real weights: a random-weight model with SmolLM2-135M's exact config and
+tokenizer runs eyas's own code paths, which cost the same whatever the weights are.
+
+  python bench/speed_probe.py pack        # here: .carry/probe = config + tokenizer + conversations
+  PYTHONPATH=src python3 bench/speed_probe.py run --carry .carry/probe --out $OUT   # on the GPU
+
+`run` writes speed_probe.json: regeneration answer tokens/s (every answer runs to its
+budget, since random weights rarely stop), online training tokens/s at two batch sizes,
+and for each the top CUDA kernels and the host-side share from torch.profiler, so that
+launch-bound and compute-bound steps can be told apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pack(args) -> None:
+    from eyas.models import resolve_model
+
+    folder = Path(resolve_model("packaged:smollm2-135m"))
+    out = Path(args.carry)
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    for name in FILES:
+        if (folder / name).exists():
+            shutil.copy(folder / name, out / name)
+    shutil.copy(Path(args.conversations), out / "conversations.jsonl.gz")
+    print(f"packed {out}: {sum(f.stat().st_size for f in out.iterdir()) >> 20} MiB")
+
+
+def random_model(carry: Path, folder: Path) -> None:
+    """An HF folder with SmolLM2's config and tokenizer and random bf16 weights."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in FILES:
+        if (carry / name).exists():
+            shutil.copy(carry / name, folder / name)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+
+
+def _profile_table(prof, limit: int = 18) -> dict:
+    """Top CUDA kernels by device time, and host vs device totals of the profiled region."""
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    device_total = sum(e.self_device_time_total for e in events)
+    rows = [{"kernel": e.key[:120], "ms": round(e.self_device_time_total / 1e3, 2), "calls": e.count,
+             "share": round(e.self_device_time_total / max(device_total, 1), 3)} for e in events[:limit]]
+    launches = sum(e.count for e in events)
+    host = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    host.sort(key=lambda e: -e.self_cpu_time_total)
+    host_rows = [{"op": e.key[:100], "ms": round(e.self_cpu_time_total / 1e3, 2), "calls": e.count} for e in host[:limit]]
+    return {"device_ms": round(device_total / 1e3, 1), "kernel_launches": launches, "top": rows, "host_top": host_rows}
+
+
+def probe_regen(model_dir: Path, conversations: Path, work: Path, n: int, minutes: float) -> dict:
+    from eyas.data.prepare import prepare
+    from eyas.regenerate.run import regenerate
+
+    data = work / "conversations.jsonl"
+    with gzip.open(conversations, "rt", encoding="utf-8") as f:
+        lines = [next(f) for _ in range(n)]
+    data.write_text("".join(lines), encoding="utf-8")
+    prepare(str(model_dir), str(data), work / "prepared", max_len=1024, progress=False)
+    t0 = time.monotonic()
+    summary = regenerate(str(model_dir), work / "prepared", work / "regen", max_new_tokens=256, group_size=4096,
+                         device=DEVICE, progress=False, minutes=minutes)
+    seconds = time.monotonic() - t0
+    from eyas.data.prepared import PreparedData
+
+    answers = int(PreparedData(work / "regen").loss_mask.sum())
+    out = {"conversations": summary.get("kept"), "answer_tokens": answers, "seconds": round(seconds, 1),
+           "answer_tokens_per_s": round(answers / seconds, 1)}
+    out["decode_profile"] = profile_decode(model_dir) if DEVICE == "cuda" else profile_decode(model_dir, 8, 80, 4)
+    return out
+
+
+def profile_decode(model_dir: Path, rows: int = 2048, prompt: int = 256, steps: int = 48) -> dict:
+    """One batch of the static-cache loop, eager and with the decode step as a CUDA graph:
+    ms per decode step, tokens that agree, and a profile of a few steps of each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from eyas.models import load_target
+    from eyas.regenerate.static import StaticGreedy
+
+    model, _ = load_target(str(model_dir), dtype="bf16", device=DEVICE)
+    prompts = [[1 + (i * 7 + j) % 4000 for j in range(prompt - i % 64)] for i in range(rows)]
+    out: dict = {"rows": rows, "prompt": prompt}
+    tokens = {}
+    for name, graphs in (("eager", False), ("graph", True)):
+        greedy = StaticGreedy(model, pad_id=0, stops=[], cache_tokens=1 << 21, graphs=graphs)
+        greedy._batch(prompts[:64], [4] * 64)  # warm-up
+        _sync()
+        t0 = time.monotonic()
+        tokens[name] = greedy._batch(prompts, [steps] * rows)
+        _sync()
+        full = time.monotonic() - t0
+        t0 = time.monotonic()
+        greedy._batch(prompts, [1] * rows)  # prefill only
+        _sync()
+        prefill = time.monotonic() - t0
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            greedy._batch(prompts, [8] * rows)
+            _sync()
+        step_ms = 1e3 * (full - prefill) / (steps - 1)
+        out[name] = {"prefill_s": round(prefill, 3), "decode_step_ms": round(step_ms, 2),
+                     "decode_tokens_per_s": round(rows / step_ms * 1e3, 1), "profile_prefill_and_7_steps": _profile_table(prof)}
+    same = sum(a == b for a, b in zip(tokens["eager"], tokens["graph"]))
+    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(tokens["eager"], tokens["graph"])]
+    out["rows_identical"] = same
+    out["first_difference_median"] = sorted(d for d in first_diff if d is not None)[len([d for d in first_diff if d is not None]) // 2] if same < rows else None
+    return out
+
+
+def probe_train(model_dir: Path, prepared: Path, work: Path, batch_tokens: int, steps: int, profile_steps: int,
+                options: dict) -> dict:
+    """eyas's own online training set-up and steps; tokens/s over the timed steps, then a
+    profile of a few more."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from eyas import distributed
+    from eyas.train import TrainConfig
+    from eyas.train.loop import setup, train_step
+
+    out = work / f"train-{batch_tokens}"
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = TrainConfig(online=True, model=str(model_dir), data=str(prepared), out=str(out), batch_tokens=batch_tokens,
+                      max_len=1024, lr=1e-3, steps=steps + profile_steps + 4, device=DEVICE, progress=False,
+                      eval_fraction=0, **options)
+    d, device = distributed.init(DEVICE, False)
+    run = setup(cfg, d, device)
+    for _ in range(3):  # compile and warm up
+        train_step(run)
+    _sync()
+    tokens, t0 = 0, time.monotonic()
+    for _ in range(steps):
+        tokens += sum(run.source.lengths[p] for b in run.train_stream.for_step(run.step, run.group, 0, 1) for p in b)
+        train_step(run)
+    _sync()
+    seconds = time.monotonic() - t0
+    # The target's forward alone over the same kind of batches, for the online ratio.
+    t1, fwd_tokens = time.monotonic(), 0
+    for s in range(steps):
+        positions = run.train_stream.for_step(s, run.group, 0, 1)[0]
+        fwd_tokens += sum(run.source.lengths[p] for p in positions)
+        run.source.load(positions, device)
+    _sync()
+    load_s = time.monotonic() - t1
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(profile_steps):
+            train_step(run)
+        _sync()
+    phases = phase_times(run, steps)
+    return {"phases_ms_per_step": phases, "batch_tokens": batch_tokens, "options": options, "steps": steps, "seconds": round(seconds, 2),
+            "tokens_per_s": round(tokens / seconds, 1), "target_forward_tokens_per_s": round(fwd_tokens / load_s, 1),
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if DEVICE == "cuda" else None,
+            f"profile_{profile_steps}_steps": _profile_table(prof)}
+
+
+def phase_times(run, steps: int) -> dict:
+    """The parts of a training step, each timed to completion (synchronised): planning
+    the batch, the target's forward (online load), labels, drafter forward, backward, and
+    the optimizer. Their sum against an unsynchronised step shows how much overlaps."""
+    from eyas.train.loop import _autocast, _check_inputs, _draft_ids, _weights
+    from eyas.train.objective import make_labels
+
+    totals: dict[str, float] = {}
+
+    def tick(name: str, t0: float) -> float:
+        _sync()
+        now = time.monotonic()
+        totals[name] = totals.get(name, 0.0) + now - t0
+        return now
+
+    for _ in range(steps):
+        t = time.monotonic()
+        micro = run.train_stream.for_step(run.step, run.group, run.d.rank, run.d.world)
+        weights = _weights(run, micro)
+        t = tick("plan", t)
+        for positions in micro:
+            batch = run.source.load(positions, run.device)
+            t = tick("load_target_forward", t)
+            _check_inputs(batch)
+            t = tick("check_inputs", t)
+            with _autocast(run.device):
+                labels = make_labels(run.head, batch.hidden[:, :, -1], batch.loss_mask, _draft_ids(run))
+                t = tick("labels", t)
+                loss, _, _ = run.model(batch.input_ids, batch.hidden[:, :, :-1], labels, weights)
+            t = tick("drafter_forward", t)
+            loss.backward()
+            t = tick("backward", t)
+        torch.nn.utils.clip_grad_norm_([p for p in run.model.parameters() if p.requires_grad], run.cfg.clip)
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        run.step += 1
+        tick("optimizer", t)
+    return {k: round(1e3 * v / steps, 1) for k, v in totals.items()}
+
+
+def run(args) -> None:
+    out, work, carry = Path(args.out), Path(args.work), Path(args.carry)
+    out.mkdir(parents=True, exist_ok=True)
+    work.mkdir(parents=True, exist_ok=True)
+    deadline = time.monotonic() + 60 * args.minutes
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    result: dict = {"command": " ".join(sys.argv), "commit": commit, "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
+                    "torch": torch.__version__}
+    model_dir = work / "random-smollm2"
+
+    def part(name: str, fn) -> None:
+        if time.monotonic() > deadline:
+            result[name] = {"skipped": "out of time"}
+            return
+        t0 = time.monotonic()
+        try:
+            result[name] = fn()
+        except Exception:  # a failed part is recorded; the others still run
+            result[name] = {"error": traceback.format_exc()[-3000:]}
+        result[name + "_wall_s"] = round(time.monotonic() - t0, 1)
+        (out / "speed_probe.json").write_text(json.dumps(result, indent=1, default=str))
+        print(f"{name}: {json.dumps(result[name], default=str)[:1500]}", flush=True)
+
+    part("random_model", lambda: random_model(carry, model_dir) or {"folder": str(model_dir)})
+    part("regenerate", lambda: probe_regen(model_dir, carry / "conversations.jsonl.gz", work, args.regen_conversations,
+                                           args.regen_minutes))
+    prepared = work / "prepared"
+    for bt in args.batch_tokens:
+        part(f"train_{bt}", lambda bt=bt: probe_train(model_dir, prepared, work, bt, args.train_steps, 3,
+                                                      {"fc_norm": True, "norm_output": True}))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="stage", required=True)
+    pk = sub.add_parser("pack")
+    pk.add_argument("--carry", default=".carry/probe")
+    pk.add_argument("--conversations", default=".carry/bench/b/conversations.jsonl.gz")
+    r = sub.add_parser("run")
+    r.add_argument("--carry", default=".carry/probe")
+    r.add_argument("--work", default="/tmp/probe")
+    r.add_argument("--out", required=True)
+    r.add_argument("--minutes", type=float, default=4.0)
+    r.add_argument("--regen-conversations", type=int, default=3000)
+    r.add_argument("--regen-minutes", type=float, default=1.0)
+    r.add_argument("--train-steps", type=int, default=12)
+    r.add_argument("--batch-tokens", type=int, nargs="+", default=[65536, 131072])
+    args = p.parse_args()
+    {"pack": pack, "run": run}[args.stage](args)
+
+
+if __name__ == "__main__":
+    main()
