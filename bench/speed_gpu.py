@@ -47,6 +47,7 @@ import contextlib
 import gc
 import io
 import json
+import logging
 import os
 import random
 import re
@@ -140,7 +141,8 @@ class Record:
     def run(self, name: str, need_s: float, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
         """Run part `name` unless less than `need_s` of the budget is left; record it either way."""
         if self.left() < need_s:
-            self.data["parts"][name] = {"ok": False, "skipped": f"{self.left():.0f} s left of the budget, needs ~{need_s:.0f} s"}
+            why = f"{self.left():.0f} s left of the budget, needs ~{need_s:.0f} s"
+            self.data["parts"][name] = {"ok": False, "skipped": why}
             say(f"[{self.elapsed():6.1f} s] {name}: SKIPPED ({self.left():.0f} s left, needs ~{need_s:.0f} s)")
             self.save()
             return None
@@ -162,6 +164,8 @@ class Record:
 
     def save(self) -> None:
         self.data["elapsed_s"] = round(self.elapsed(), 1)
+        self.data["dynamo_warnings"] = DYNAMO_WARNINGS.report()  # so far in the run
+        self.data["compile_counters"] = _compile_counters()
         self.data.update(headline(self.data["parts"]))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
@@ -313,8 +317,8 @@ def build(ctx: Context) -> dict[str, Any]:
     ctx.model, ctx.tokenizer = model, tokenizer
     _share_target(ctx)
     ctx.lengths = build_prepared(ctx.prepared, ctx.folder, model.config, tokenizer, ctx.args.tokens)
-    return {"samples": len(ctx.lengths), "tokens": sum(ctx.lengths), "target_params": sum(p.numel() for p in model.parameters()),
-            "model_dtype": str(dtype)}
+    return {"samples": len(ctx.lengths), "tokens": sum(ctx.lengths), "model_dtype": str(dtype),
+            "target_params": sum(p.numel() for p in model.parameters())}
 
 
 def _share_target(ctx: Context) -> None:
@@ -324,14 +328,15 @@ def _share_target(ctx: Context) -> None:
 
     from eyas.models.load import parse_dtype
 
-    model, original = ctx.model, hf.load_target
-    own = {id(m): set(m._forward_pre_hooks) for m in model.modules()}
+    original = hf.load_target
+    own = {name: set(m._forward_pre_hooks) for name, m in ctx.model.named_modules()}
 
     def load_target(spec, dtype="float32", device="cpu", attn=None):
-        if Path(str(spec)).resolve() != ctx.folder.resolve():
+        model = ctx.model  # looked up at each call: a freed target is not kept alive here
+        if model is None or Path(str(spec)).resolve() != ctx.folder.resolve():
             return original(spec, dtype=dtype, device=device, attn=attn)
-        for m in model.modules():
-            for key in set(m._forward_pre_hooks) - own[id(m)]:
+        for name, m in model.named_modules():
+            for key in set(m._forward_pre_hooks) - own[name]:
                 del m._forward_pre_hooks[key]
                 m._forward_pre_hooks_with_kwargs.pop(key, None)
         if parse_dtype(dtype) != model.dtype or not _same_device(torch.device(device), model.device):
@@ -481,6 +486,25 @@ def _compile_counters() -> dict[str, Any]:
         return {"error": repr(e)}
 
 
+class DynamoWarnings(logging.Handler):
+    """torch._dynamo's warnings (a recompile limit hit, say), counted, the first few kept."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.count, self.first = 0, []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.count += 1
+        if len(self.first) < 10:
+            self.first.append(record.getMessage()[:1000])
+
+    def report(self) -> dict[str, Any]:
+        return {"count": self.count, "first": self.first}
+
+
+DYNAMO_WARNINGS = DynamoWarnings()
+
+
 def _mask_cache() -> dict[str, int]:
     from eyas.draft.model import _ttt_block_mask
 
@@ -511,7 +535,7 @@ def part_train(ctx: Context) -> dict[str, Any]:
             "store": str(ctx.fp8_store), "batch_tokens": cfg.batch_tokens, "draft_vocab": run.draft.draft_vocab_size,
             "ttt_steps": run.draft.ttt_steps, "batches_per_epoch": len(run.train_stream),
             "block_mask_cache": {"before_timed": masks_before, "after_timed": masks_after},
-            "compile_counters": _compile_counters(),
+            "compile_counters": _compile_counters(), "dynamo_warnings": DYNAMO_WARNINGS.report(),
             "note": "peak_gib is above the memory resident before setup (the bench's own target model)"}
 
 
@@ -728,7 +752,8 @@ def _in_memory_run(cfg, draft, head, source, device: torch.device):
     with torch.device(device):
         drafter = Eagle3Drafter(draft, head.embed_weight)
     V = draft.vocab_size
-    drafter.set_vocab(torch.randperm(V, generator=torch.Generator().manual_seed(0))[: draft.draft_vocab_size].sort().values.to(device))
+    draft_ids = torch.randperm(V, generator=torch.Generator().manual_seed(0))[: draft.draft_vocab_size].sort().values
+    drafter.set_vocab(draft_ids.to(device))
     model = distributed.wrap(TTTObjective(drafter).to(device), d, device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
                                   weight_decay=cfg.weight_decay)
@@ -959,7 +984,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tokens", type=int, default=None, help="prepared tokens (default 262144 at 8b, 6000 at tiny)")
     p.add_argument("--batch-tokens", type=int, default=None, help="capture's --batch-tokens (default 16384; 4096 at tiny)")
-    p.add_argument("--batch1-tokens", type=int, default=None, help="tokens through the batch-1 loop (default 32768; 2048 at tiny)")
+    p.add_argument("--batch1-tokens", type=int, default=None,
+                   help="tokens through the batch-1 loop (default 32768; 2048 at tiny)")
     p.add_argument("--minutes", type=float, default=4.5, help="the whole run's budget; parts that would not fit are skipped")
     p.add_argument("--train-seconds", type=float, default=12.0, help="timed seconds of the main training measurement")
     p.add_argument("--warm-steps", type=int, default=3)
@@ -997,6 +1023,7 @@ def main() -> None:
         "peak_tflops": PEAK_TFLOPS, "flop_formula": FLOP_FORMULA,
     })
     LEFT = record.left
+    logging.getLogger("torch._dynamo").addHandler(DYNAMO_WARNINGS)
     ctx = Context(args=args, device=device, work=work, folder=work / "model", prepared=work / "prepared", record=record)
     say(f"speed_gpu: {machine}, shape {args.shape}, {args.tokens:,} tokens, budget {args.minutes} min -> {record.path}")
     if record.run("build", 10, lambda: build(ctx)) is None:
