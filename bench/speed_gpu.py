@@ -987,7 +987,7 @@ def main() -> None:
     p.add_argument("--batch1-tokens", type=int, default=None,
                    help="tokens through the batch-1 loop (default 32768; 2048 at tiny)")
     p.add_argument("--minutes", type=float, default=4.5, help="the whole run's budget; parts that would not fit are skipped")
-    p.add_argument("--train-seconds", type=float, default=12.0, help="timed seconds of the main training measurement")
+    p.add_argument("--train-seconds", type=float, default=10.0, help="timed seconds of the main training measurement")
     p.add_argument("--warm-steps", type=int, default=3)
     p.add_argument("--parts-steps", type=int, default=4)
     p.add_argument("--preload-steps", type=int, default=8)
