@@ -661,12 +661,16 @@ def part_profile(ctx: Context) -> dict[str, Any]:
     total = sum(_self_device_us(e) for e in kernels)
     top = sorted(kernels, key=_self_device_us, reverse=True)[: ctx.args.top]
     cpu_top = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[: ctx.args.top]
+    ops = [e for e in events if not _is_kernel(e)]
+    op_top = sorted(ops, key=_self_device_us, reverse=True)[: ctx.args.top] if cuda else []
     return {
         "steps": ctx.args.profile_steps, "tokens": sum(lengths), "wall_s": wall, "tok_s_under_profiler": sum(lengths) / wall,
         "kernel_total_ms": total / 1e3, "gpu_busy_share": total / 1e6 / wall if cuda else None,
         "top_cuda_kernels": [{"name": e.key[:200], "total_ms": round(_self_device_us(e) / 1e3, 3), "calls": e.count,
                               "share": round(_self_device_us(e) / total, 4) if total else None} for e in top],
         "kernel_classes": _kernel_classes(kernels, total),
+        "top_ops_by_kernel_time": [{"name": e.key[:200], "kernel_ms": round(_self_device_us(e) / 1e3, 3), "calls": e.count}
+                                   for e in op_top],
         "top_cpu_ops_self": [{"name": e.key[:200], "self_cpu_ms": round(e.self_cpu_time_total / 1e3, 3), "calls": e.count}
                              for e in cpu_top],
         "analysis_s": time.perf_counter() - start,
@@ -686,9 +690,9 @@ def _is_kernel(e) -> bool:
 
 
 KERNEL_CLASSES = [  # first match wins; names as CUDA/Triton report them
-    ("matmul (cuBLAS/CUTLASS)", re.compile(r"gemm|xmma|cutlass|nvjet|sm90_|sm80_|cublas", re.I)),
     ("flex attention", re.compile(r"flex|triton_tem", re.I)),
     ("sdpa/flash attention", re.compile(r"flash|fmha|attention|efficient", re.I)),
+    ("matmul (cuBLAS/CUTLASS)", re.compile(r"gemm|xmma|cutlass|nvjet|sm90_|sm80_|cublas", re.I)),
     ("triton fused (compiled)", re.compile(r"^triton_", re.I)),
     ("memcpy/memset", re.compile(r"memcpy|memset", re.I)),
     ("reduce/softmax/argmax", re.compile(r"reduce|softmax|argmax|norm", re.I)),
