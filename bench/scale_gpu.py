@@ -37,10 +37,10 @@ SHAPES = {  # Llama-family shapes: hidden, layers, intermediate, heads, kv heads
 }
 
 
-def build_target(folder: Path, shape: str, device: str):
-    """A random bf16 Llama of `shape` and a word-level tokenizer with a chat template."""
+def random_target_config(shape: str):
+    """The LlamaConfig of `shape` and a word-level tokenizer (token i is "t{i}") with a chat template."""
     from tokenizers import Tokenizer, models
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+    from transformers import LlamaConfig, PreTrainedTokenizerFast
 
     H, L, I, nh, nkv, V = SHAPES[shape]
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
@@ -48,6 +48,14 @@ def build_target(folder: Path, shape: str, device: str):
     tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     config = LlamaConfig(hidden_size=H, num_hidden_layers=L, intermediate_size=I, num_attention_heads=nh,
                          num_key_value_heads=nkv, vocab_size=V, max_position_embeddings=8192, tie_word_embeddings=False)
+    return config, tokenizer
+
+
+def build_target(folder: Path, shape: str, device: str):
+    """A random bf16 Llama of `shape` and a word-level tokenizer with a chat template."""
+    from transformers import AutoModelForCausalLM
+
+    config, tokenizer = random_target_config(shape)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder)
@@ -80,13 +88,31 @@ def pure_forward(model_dir: Path, prepared: Path, device: str, batch_tokens: int
     """tok/s of the decoder alone (up to its final norm) over the capture's own batches."""
     from transformers import AutoModelForCausalLM
 
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
+    rate = forward_rate(model, prepared, device, batch_tokens)
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rate
+
+
+def forward_rate(model, prepared: Path, device: str, batch_tokens: int, max_tokens: int | None = None) -> float:
+    """tok/s of `model`'s decoder (up to its final norm) over the capture's own batches of
+    `prepared` (the first batches holding `max_tokens`, if given), after two warm-up batches."""
     from eyas.capture.batching import token_budget_batches
     from eyas.data.prepared import PreparedData
 
     data = PreparedData(prepared)
     lengths = [data.length(i) for i in range(len(data))]
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).to(device).eval()
     batches = token_budget_batches(list(range(len(data))), lengths, batch_tokens)
+    if max_tokens is not None:
+        kept, total = [], 0
+        for batch in batches:
+            if total >= max_tokens:
+                break
+            kept.append(batch)
+            total += sum(lengths[i] for i in batch)
+        batches = kept
 
     def run(batch):
         T = max(lengths[i] for i in batch)
@@ -104,11 +130,7 @@ def pure_forward(model_dir: Path, prepared: Path, device: str, batch_tokens: int
     for batch in batches:
         run(batch)
     _sync(device)
-    seconds = time.perf_counter() - start
-    del model
-    if device == "cuda":
-        torch.cuda.empty_cache()
-    return sum(lengths) / seconds
+    return sum(lengths[i] for batch in batches for i in batch) / (time.perf_counter() - start)
 
 
 def _sync(device: str) -> None:
