@@ -6,7 +6,7 @@ prompt lookup, all in eyas's own lossless decoding loop.
 Stages (bench/README.md shows how the model reaches the GPU machine):
   pack   (here)  split the packaged GGUF in two; .carry/bench/a gets part 1 and the MT-bench
                  questions, .carry/bench/b part 2, the gguf wheel and every packaged
-                 conversation (ShareGPT + chitchat, first two user turns, gzipped)
+                 conversation (ShareGPT + chitchat, every turn, gzipped)
   train  (GPU)   prepare -> regenerate (greedy, the target's own answers, time-boxed) ->
                  train --online (a short probe sizes the run to its time budget)
   eval   (GPU)   MT-bench, greedy, in parallel worker processes over disjoint questions:
@@ -41,7 +41,7 @@ import torch
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 WHEEL = Path("/opt/pypi/files/gguf-0.19.0-py3-none-any.whl")
-SPLIT = 0.6  # share of the GGUF in part a: part b also carries the conversations
+SPLIT = 0.5  # share of the GGUF in part a: part b also carries the conversations, part a rides with other work
 METHODS = {"prompt-lookup": 7, "eagle3-chain": 7, "eagle3-tree": 7}
 
 
@@ -74,9 +74,11 @@ def pack(args) -> None:
             except BadRecord:
                 continue
             users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-            # Up to two user turns, as in MT-bench. The answers are placeholders: regeneration
-            # replaces every one, and a conversation it does not reach is never prepared.
-            turns = messages[users[0]:users[2] if len(users) > 2 else len(messages)] if users else []
+            # Every turn: later turns are what MT-bench's second turn is like (the target's own
+            # earlier answer in context). The answers are placeholders: regeneration replaces
+            # every one, drops turns past --max-len, and never prepares a conversation it does
+            # not reach.
+            turns = messages[users[0]:] if users else []
             key = tuple(m["content"] for m in turns if m["role"] == "user")
             if not key or key in seen:
                 continue
@@ -108,7 +110,8 @@ def train_stage(args) -> None:
     conversations = work / "conversations.jsonl"
     with gzip.open(args.conversations, "rt", encoding="utf-8") as f:
         conversations.write_text(f.read(), encoding="utf-8")
-    report: dict = {"command": " ".join(sys.argv), "device": _device_name(args.device)}
+    report: dict = {"command": " ".join(sys.argv), "device": _device_name(args.device),
+                    "tokenizer_parts": _tokenizer_parts(args.model)}
     t0 = time.monotonic()
     report["prepare"] = prepare(args.model, str(conversations), work / "prepared", max_len=args.max_len,
                                 progress=False)
@@ -175,6 +178,21 @@ def ship_drafter(folder: Path, out: Path, part: int = 15 << 20) -> None:
     for i in range(0, len(data), part):
         (out / f"drafter.bf16.part{i // part}").write_bytes(data[i:i + part])
     shutil.copy(folder / "config.json", out / "drafter_config.json")
+
+
+def _tokenizer_parts(model: str) -> dict:
+    """Digests of what the tokenizer identity hashes, to tell which part differs between
+    machines with other library versions."""
+    import transformers
+
+    from eyas.models import load_tokenizer
+    from eyas.models.identity import _digest, tokenizer_hash
+
+    tok = load_tokenizer(model)
+    return {"transformers": transformers.__version__, "hash": tokenizer_hash(tok),
+            "vocab": _digest(sorted(tok.get_vocab().items(), key=lambda kv: kv[1])),
+            "vocab_size": len(tok.get_vocab()), "chat_template": _digest(getattr(tok, "chat_template", None)),
+            "special": {k: str(v) for k, v in sorted(tok.special_tokens_map.items())}}
 
 
 def _answer_tokens(prepared: Path) -> int:
@@ -372,7 +390,7 @@ def main() -> None:
     tr.add_argument("--minutes", type=float, default=9.0, help="the whole stage's budget")
     tr.add_argument("--regen-minutes", type=float, default=3.0)
     tr.add_argument("--regen-tokens", type=int, default=256)
-    tr.add_argument("--regen-group", type=int, default=4096)
+    tr.add_argument("--regen-group", type=int, default=2048)
     tr.add_argument("--max-len", type=int, default=1024)
     tr.add_argument("--batch-tokens", type=int, default=65536)
     tr.add_argument("--lr", type=float, default=1e-3)

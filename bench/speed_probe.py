@@ -5,10 +5,10 @@ tokenizer runs eyas's own code paths, which cost the same whatever the weights a
   python bench/speed_probe.py pack        # here: .carry/probe = config + tokenizer + conversations
   PYTHONPATH=src python3 bench/speed_probe.py run --carry .carry/probe --out $OUT   # on the GPU
 
-`run` writes speed_probe.json: regeneration answer tokens/s (every answer runs to its
-budget, since random weights rarely stop), online training tokens/s at two batch sizes,
-and for each the top CUDA kernels and the host-side share from torch.profiler, so that
-launch-bound and compute-bound steps can be told apart.
+`run` writes speed_probe.json: the regeneration loop's decode step, eager and as a CUDA
+graph (ms per step, and whether both give the same tokens), and online training's tokens/s
+with a synchronised breakdown of a step; each with the top CUDA kernels and host-side ops
+from torch.profiler, so that launch-bound and compute-bound work can be told apart.
 """
 
 from __future__ import annotations
@@ -46,7 +46,19 @@ def pack(args) -> None:
     for name in FILES:
         if (folder / name).exists():
             shutil.copy(folder / name, out / name)
-    shutil.copy(Path(args.conversations), out / "conversations.jsonl.gz")
+    # Real conversations with their original answers: training's sample lengths as they are.
+    from eyas.data.sources import BadRecord, iter_records, normalize
+
+    lines = []
+    for record in iter_records("packaged:sharegpt"):
+        try:
+            lines.append(json.dumps({"messages": normalize(record)}, ensure_ascii=False) + "\n")
+        except BadRecord:
+            continue
+        if len(lines) == args.conversations:
+            break
+    with gzip.open(out / "conversations.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(lines)
     print(f"packed {out}: {sum(f.stat().st_size for f in out.iterdir()) >> 20} MiB")
 
 
@@ -77,26 +89,15 @@ def _profile_table(prof, limit: int = 18) -> dict:
     return {"device_ms": round(device_total / 1e3, 1), "kernel_launches": launches, "top": rows, "host_top": host_rows}
 
 
-def probe_regen(model_dir: Path, conversations: Path, work: Path, n: int, minutes: float) -> dict:
+def prepare_sample(model_dir: Path, conversations: Path, work: Path, n: int) -> dict:
+    """The first `n` packaged conversations, prepared for the random model (training's data)."""
     from eyas.data.prepare import prepare
-    from eyas.regenerate.run import regenerate
 
     data = work / "conversations.jsonl"
     with gzip.open(conversations, "rt", encoding="utf-8") as f:
-        lines = [next(f) for _ in range(n)]
+        lines = [line for _, line in zip(range(n), f)]
     data.write_text("".join(lines), encoding="utf-8")
-    prepare(str(model_dir), str(data), work / "prepared", max_len=1024, progress=False)
-    t0 = time.monotonic()
-    summary = regenerate(str(model_dir), work / "prepared", work / "regen", max_new_tokens=256, group_size=4096,
-                         device=DEVICE, progress=False, minutes=minutes)
-    seconds = time.monotonic() - t0
-    from eyas.data.prepared import PreparedData
-
-    answers = int(PreparedData(work / "regen").loss_mask.sum())
-    out = {"conversations": summary.get("kept"), "answer_tokens": answers, "seconds": round(seconds, 1),
-           "answer_tokens_per_s": round(answers / seconds, 1)}
-    out["decode_profile"] = profile_decode(model_dir) if DEVICE == "cuda" else profile_decode(model_dir, 8, 80, 4)
-    return out
+    return prepare(str(model_dir), str(data), work / "prepared", max_len=1024, progress=False)
 
 
 def profile_decode(model_dir: Path, rows: int = 2048, prompt: int = 256, steps: int = 48) -> dict:
@@ -113,7 +114,7 @@ def profile_decode(model_dir: Path, rows: int = 2048, prompt: int = 256, steps: 
     tokens = {}
     for name, graphs in (("eager", False), ("graph", True)):
         greedy = StaticGreedy(model, pad_id=0, stops=[], cache_tokens=1 << 21, graphs=graphs)
-        greedy._batch(prompts[:64], [4] * 64)  # warm-up
+        greedy._batch(prompts[:64], [4] * len(prompts[:64]))  # warm-up
         _sync()
         t0 = time.monotonic()
         tokens[name] = greedy._batch(prompts, [steps] * rows)
@@ -245,8 +246,8 @@ def run(args) -> None:
         print(f"{name}: {json.dumps(result[name], default=str)[:1500]}", flush=True)
 
     part("random_model", lambda: random_model(carry, model_dir) or {"folder": str(model_dir)})
-    part("regenerate", lambda: probe_regen(model_dir, carry / "conversations.jsonl.gz", work, args.regen_conversations,
-                                           args.regen_minutes))
+    part("prepare", lambda: prepare_sample(model_dir, carry / "conversations.jsonl.gz", work, args.conversations))
+    part("decode", lambda: profile_decode(model_dir) if DEVICE == "cuda" else profile_decode(model_dir, 8, 80, 4))
     prepared = work / "prepared"
     for bt in args.batch_tokens:
         part(f"train_{bt}", lambda bt=bt: probe_train(model_dir, prepared, work, bt, args.train_steps, 3,
@@ -258,16 +259,15 @@ def main() -> None:
     sub = p.add_subparsers(dest="stage", required=True)
     pk = sub.add_parser("pack")
     pk.add_argument("--carry", default=".carry/probe")
-    pk.add_argument("--conversations", default=".carry/bench/b/conversations.jsonl.gz")
+    pk.add_argument("--conversations", type=int, default=3000)
     r = sub.add_parser("run")
     r.add_argument("--carry", default=".carry/probe")
     r.add_argument("--work", default="/tmp/probe")
     r.add_argument("--out", required=True)
     r.add_argument("--minutes", type=float, default=4.0)
-    r.add_argument("--regen-conversations", type=int, default=3000)
-    r.add_argument("--regen-minutes", type=float, default=1.0)
-    r.add_argument("--train-steps", type=int, default=12)
-    r.add_argument("--batch-tokens", type=int, nargs="+", default=[65536, 131072])
+    r.add_argument("--conversations", type=int, default=3000)
+    r.add_argument("--train-steps", type=int, default=8)
+    r.add_argument("--batch-tokens", type=int, nargs="+", default=[65536])
     args = p.parse_args()
     {"pack": pack, "run": run}[args.stage](args)
 
