@@ -5,8 +5,8 @@ tokenizer runs eyas's own code paths, which cost the same whatever the weights a
   python bench/speed_probe.py pack        # here: .carry/probe = config + tokenizer + conversations
   PYTHONPATH=src python3 bench/speed_probe.py run --carry .carry/probe --out $OUT   # on the GPU
 
-`run` writes speed_probe.json: the regeneration loop's decode step, eager and as a CUDA
-graph (ms per step, and whether both give the same tokens), and online training's tokens/s
+`run` writes speed_probe.json: the regeneration loop's decode step (prefill time, ms per
+step), and online training's tokens/s
 with a synchronised breakdown of a step; each with the top CUDA kernels and host-side ops
 from torch.profiler, so that launch-bound and compute-bound work can be told apart.
 """
@@ -101,8 +101,8 @@ def prepare_sample(model_dir: Path, conversations: Path, work: Path, n: int) -> 
 
 
 def profile_decode(model_dir: Path, rows: int = 2048, prompt: int = 256, steps: int = 48) -> dict:
-    """One batch of the static-cache loop, eager and with the decode step as a CUDA graph:
-    ms per decode step, tokens that agree, and a profile of a few steps of each."""
+    """One batch of the static-cache loop: prefill time, ms per decode step, and a profile
+    of the prefill and a few steps."""
     from torch.profiler import ProfilerActivity, profile
 
     from eyas.models import load_target
@@ -110,31 +110,23 @@ def profile_decode(model_dir: Path, rows: int = 2048, prompt: int = 256, steps: 
 
     model, _ = load_target(str(model_dir), dtype="bf16", device=DEVICE)
     prompts = [[1 + (i * 7 + j) % 4000 for j in range(prompt - i % 64)] for i in range(rows)]
-    out: dict = {"rows": rows, "prompt": prompt}
-    tokens = {}
-    for name, graphs in (("eager", False), ("graph", True)):
-        greedy = StaticGreedy(model, pad_id=0, stops=[], cache_tokens=1 << 21, graphs=graphs)
-        greedy._batch(prompts[:64], [4] * len(prompts[:64]))  # warm-up
+    greedy = StaticGreedy(model, pad_id=0, stops=[], cache_tokens=1 << 21)
+    greedy._batch(prompts[:64], [4] * len(prompts[:64]))  # warm-up
+    _sync()
+    t0 = time.monotonic()
+    greedy._batch(prompts, [steps] * rows)
+    _sync()
+    full = time.monotonic() - t0
+    t0 = time.monotonic()
+    greedy._batch(prompts, [1] * rows)  # prefill only
+    _sync()
+    prefill = time.monotonic() - t0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        greedy._batch(prompts, [8] * rows)
         _sync()
-        t0 = time.monotonic()
-        tokens[name] = greedy._batch(prompts, [steps] * rows)
-        _sync()
-        full = time.monotonic() - t0
-        t0 = time.monotonic()
-        greedy._batch(prompts, [1] * rows)  # prefill only
-        _sync()
-        prefill = time.monotonic() - t0
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            greedy._batch(prompts, [8] * rows)
-            _sync()
-        step_ms = 1e3 * (full - prefill) / (steps - 1)
-        out[name] = {"prefill_s": round(prefill, 3), "decode_step_ms": round(step_ms, 2),
-                     "decode_tokens_per_s": round(rows / step_ms * 1e3, 1), "profile_prefill_and_7_steps": _profile_table(prof)}
-    same = sum(a == b for a, b in zip(tokens["eager"], tokens["graph"]))
-    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None) for a, b in zip(tokens["eager"], tokens["graph"])]
-    out["rows_identical"] = same
-    out["first_difference_median"] = sorted(d for d in first_diff if d is not None)[len([d for d in first_diff if d is not None]) // 2] if same < rows else None
-    return out
+    step_ms = 1e3 * (full - prefill) / (steps - 1)
+    return {"rows": rows, "prompt": prompt, "prefill_s": round(prefill, 3), "decode_step_ms": round(step_ms, 2),
+            "decode_tokens_per_s": round(rows / step_ms * 1e3, 1), "profile_prefill_and_7_steps": _profile_table(prof)}
 
 
 def probe_train(model_dir: Path, prepared: Path, work: Path, batch_tokens: int, steps: int, profile_steps: int,

@@ -14,7 +14,6 @@ step's attention therefore folds the query heads that share a KV head into the q
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Iterator
 
 import torch
@@ -61,13 +60,11 @@ class StaticGreedy:
     """Greedy continuations of many prompts; equal, token for token, to `model.generate`
     with do_sample=False (tests/test_regenerate.py checks it on the real SmolLM2)."""
 
-    def __init__(self, model, pad_id: int, stops: list[int], cache_tokens: int, max_rows: int = 4096,
-                 graphs: bool = True):
+    def __init__(self, model, pad_id: int, stops: list[int], cache_tokens: int, max_rows: int = 4096):
         _register()
         model.set_attn_implementation(ATTENTION)
         self.model, self.pad, self.stops = model, pad_id, stops
         self.cache_tokens, self.max_rows = cache_tokens, max_rows
-        self.graphs = graphs  # on CUDA, replay each batch's decode step as a CUDA graph
         self.device = next(model.parameters()).device
 
     def generate(self, prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
@@ -126,7 +123,6 @@ class StaticGreedy:
         budget = torch.tensor(budgets, device=dev)
         generated = torch.empty(B, N, dtype=torch.long, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
-        step = _DecodeStep(self.model, cache, real, lengths, T, graph=self.graphs and dev.type == "cuda")
         for s in range(N):
             token = logits.argmax(-1)  # [B]
             generated[:, s] = token
@@ -135,68 +131,8 @@ class StaticGreedy:
             if s + 1 == N or (s % 8 == 7 and bool(done.all())):
                 generated = generated[:, : s + 1]
                 break
-            logits = step(token, s)
+            slot = T + s
+            mask = (real & (slots[None] <= slot))[:, None, None]  # [B, 1, 1, L]
+            logits = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=(lengths + s)[:, None],
+                                past_key_values=cache, cache_position=slots[slot:slot + 1], use_cache=True).logits[:, -1]
         return [cut_at_stop(g[:n], self.stops) for g, n in zip(generated.tolist(), budgets)]
-
-
-class _DecodeStep:
-    """One decode forward over the static cache: token [B] at slot T + s -> logits [B, V].
-
-    On CUDA the forward is captured once per batch as a CUDA graph and replayed: a small
-    model's decode step is a thousand short kernels, and launching them one by one from
-    Python costs several times their run time. Inputs go through fixed buffers, which is
-    what lets the same graph serve every step; the cache is written in place either way.
-    """
-
-    def __init__(self, model, cache, real: torch.Tensor, lengths: torch.Tensor, T: int, graph: bool):
-        self.model, self.cache, self.real, self.lengths, self.T = model, cache, real, lengths, T
-        B, L = real.shape
-        dev = real.device
-        self.slots = torch.arange(L, device=dev)
-        self.token = torch.zeros(B, 1, dtype=torch.long, device=dev)
-        self.mask = torch.zeros(B, 1, 1, L, dtype=torch.bool, device=dev)
-        self.position = torch.zeros(B, 1, dtype=torch.long, device=dev)
-        self.slot = torch.zeros(1, dtype=torch.long, device=dev)
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.want_graph = graph
-        self.logits: torch.Tensor | None = None
-
-    def _set(self, token: torch.Tensor, s: int) -> None:
-        slot = self.T + s
-        self.token.copy_(token[:, None])
-        self.mask.copy_((self.real & (self.slots[None] <= slot))[:, None, None])  # [B, 1, 1, L]
-        self.position.copy_((self.lengths + s)[:, None])
-        self.slot.fill_(slot)
-
-    def _forward(self) -> torch.Tensor:
-        return self.model(input_ids=self.token, attention_mask=self.mask, position_ids=self.position,
-                          past_key_values=self.cache, cache_position=self.slot, use_cache=True).logits[:, -1]
-
-    def __call__(self, token: torch.Tensor, s: int) -> torch.Tensor:
-        self._set(token, s)
-        if self.want_graph and self.graph is None:
-            self._capture()
-        if self.graph is None:
-            return self._forward()
-        self.graph.replay()
-        return self.logits
-
-    def _capture(self) -> None:
-        """Warm up on a side stream (as CUDA graph capture requires), then capture. The
-        warm-up and the capture both compute the current step: writing the same cache slot
-        twice with the same values is harmless, and replay then computes it for real."""
-        self.want_graph = False
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                self.logits = self._forward()
-        except RuntimeError as e:  # an op that cannot be captured: decode eagerly instead
-            warnings.warn(f"eyas regenerate: CUDA graph capture failed ({e}); decoding without it.", stacklevel=2)
-            self.logits = None
-            return
-        self.graph = graph
