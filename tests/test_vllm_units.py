@@ -243,7 +243,7 @@ def test_print_serve_command(tmp_path, tiny_llama_dir, capsys):
 
     with pytest.raises(SystemExit) as done:
         main(["capture", "--backend", "vllm", "--model", str(tiny_llama_dir), "--layers", "1,3", "--spool", str(tmp_path),
-              "--tensor-parallel-size", "2", "--engine-arg", "max_model_len=2048", "--print-serve-command"])
+              "--tensor-parallel-size", "2", "--engine-arg", "max_model_len=512", "--print-serve-command"])
     assert done.value.code == 0
     argv = shlex.split(capsys.readouterr().out)
     assert argv[:3] == ["vllm", "serve", str(tiny_llama_dir)]
@@ -253,7 +253,7 @@ def test_print_serve_command(tmp_path, tiny_llama_dir, capsys):
         takes_value = rest and not rest[0].startswith("--")
         flags[flag], rest = (rest[0], rest[1:]) if takes_value else (True, rest)
     assert flags["--no-enable-prefix-caching"] is True
-    assert flags["--tensor-parallel-size"] == "2" and flags["--max-model-len"] == "2048"
+    assert flags["--tensor-parallel-size"] == "2" and flags["--max-model-len"] == "512"
     spec = json.loads(flags["--speculative-config"])
     assert spec["method"] == "extract_hidden_states"
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 8]
@@ -263,6 +263,12 @@ def test_print_serve_command(tmp_path, tiny_llama_dir, capsys):
     with pytest.raises(SystemExit) as done:
         main(["capture", "--backend", "vllm", "--model", str(tiny_llama_dir), "--print-serve-command"])
     assert done.value.code == 2 and "needs --spool DIR" in capsys.readouterr().err
+    # What vLLM's own model config refuses is refused here, before a server is ever started.
+    with pytest.raises(SystemExit) as done:
+        main(["capture", "--backend", "vllm", "--model", str(tiny_llama_dir), "--spool", str(tmp_path),
+              "--engine-arg", "max_model_len=2048", "--print-serve-command"])
+    assert done.value.code == 2
+    assert "(ValidationError: User-specified max_model_len (2048) is greater than the derived" in capsys.readouterr().err
 
 
 def test_in_process_data_parallel_points_to_a_server(tmp_path, tiny_llama_dir, tiny_prepared):

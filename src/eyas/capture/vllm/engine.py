@@ -158,6 +158,15 @@ def with_native_cpu_rotary(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {**kwargs, "compilation_config": {**config, "custom_ops": ops}}
 
 
+def text_only(config: Any, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """A multimodal wrapper (a config nesting a `text_config`) is captured on text alone:
+    vLLM's `language_model_only` leaves out its vision tower and the dummy-image profiling at
+    start (which needs the processor's media tokens). An --engine-arg that sets it wins."""
+    if config.get_text_config() is config:
+        return dict(extra or {})
+    return {"language_model_only": True, **(extra or {})}
+
+
 def engine_kwargs(model_dir: str, layer_ids: tuple[int, ...], spool: str | Path, dtype: str,
                   tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
                   extra: dict[str, Any] | None = None, owner_pid: int | None = None) -> dict[str, Any]:
