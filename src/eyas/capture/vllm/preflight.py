@@ -4,9 +4,10 @@ EAGLE-3 aux hidden states: for capture (`--backend vllm`) and for serving an exp
 Each check asks vLLM's own code, so it follows the installed release instead of a list eyas
 keeps: its model registry and model class (is the architecture there, does it import, does
 it implement `SupportsEagle3`, does it collect aux states on the shared path that takes id
-0), vLLM's architecture-config convertor (MLA or not, head size) and the platform's attention
-selector (does the backend it picks take that head size). Starting an engine to learn the
-same costs minutes and ends in a worker crash.
+0), vLLM's architecture-config convertor (MLA or not, head size), the platform's attention
+selector (does the backend it picks take that head size) and vLLM's own model config, built
+here as the engine builds it first (a wrapper's image processor, max_model_len). Starting
+an engine to learn the same costs minutes and ends in a worker crash.
 """
 
 from __future__ import annotations
