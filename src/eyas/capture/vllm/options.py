@@ -57,6 +57,7 @@ def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_serve_command(args: argparse.Namespace) -> None:
+    from eyas.capture.vllm.engine import text_only
     from eyas.capture.vllm.preflight import preflight_where_installed
     from eyas.capture.vllm.serve import serve_command
     from eyas.capture.vllm.target import describe_target
@@ -67,10 +68,11 @@ def print_serve_command(args: argparse.Namespace) -> None:
     print("# eyas must be installed where vLLM runs (its connector is imported from eyas); the server writes to "
           f"{args.spool}, which must be the same folder for the capture client.", file=sys.stderr)
     target = describe_target(args.model, args.layers)
+    engine_args = text_only(target.config, o["engine_args"])
     preflight_where_installed(target.config, args.model, target.layer_ids, args.model_dtype or "auto",
-                              "use --backend hf", o["engine_args"])
+                              "use --backend hf", engine_args, target.folder)
     print(serve_command(target, args.spool, args.model_dtype or "auto", o["tensor_parallel_size"],
-                        o["pipeline_parallel_size"], o["data_parallel_size"], o["engine_args"]))
+                        o["pipeline_parallel_size"], o["data_parallel_size"], engine_args))
 
 
 def make_vllm_backend(model: str, layers: str, model_dtype: str, endpoint: str | None = None, spool: str | None = None,

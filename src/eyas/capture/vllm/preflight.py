@@ -4,9 +4,10 @@ EAGLE-3 aux hidden states: for capture (`--backend vllm`) and for serving an exp
 Each check asks vLLM's own code, so it follows the installed release instead of a list eyas
 keeps: its model registry and model class (is the architecture there, does it import, does
 it implement `SupportsEagle3`, does it collect aux states on the shared path that takes id
-0), vLLM's architecture-config convertor (MLA or not, head size) and the platform's attention
-selector (does the backend it picks take that head size). Starting an engine to learn the
-same costs minutes and ends in a worker crash.
+0), vLLM's architecture-config convertor (MLA or not, head size), the platform's attention
+selector (does the backend it picks take that head size) and vLLM's own model config, built
+here as the engine builds it first (a wrapper's image processor, max_model_len). Starting
+an engine to learn the same costs minutes and ends in a worker crash.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from eyas.errors import EyasError
 
 
 def preflight(config: Any, model: str, layer_ids: tuple[int, ...] | None, dtype: str, instead: str,
-              engine_args: dict[str, Any] | None = None) -> None:
+              engine_args: dict[str, Any] | None = None, folder: str | None = None) -> None:
     """Raise `EyasError` (one sentence ending in `instead`, what to do) when vLLM cannot run
-    `model` (transformers `config`) with EAGLE-3 aux states at `layer_ids` (aux ids then N)."""
+    `model` (transformers `config`, read from `folder`, by default `model` itself) with
+    EAGLE-3 aux states at `layer_ids` (aux ids then N)."""
     from eyas.capture.vllm.engine import installed_vllm_version, vllm_environment
 
     if (engine_args or {}).get("model_impl", "auto") not in ("auto", "vllm"):
@@ -37,10 +39,11 @@ def preflight(config: Any, model: str, layer_ids: tuple[int, ...] | None, dtype:
         check_layer_id_0(cls, f"vLLM {version}'s {arch}", instead)
     check_router(config, model)
     check_head_size(config, model, dtype, instead)
+    check_model_config(folder or model, model, f"vLLM {version}'s {arch}", dtype, instead, engine_args)
 
 
 def preflight_where_installed(config: Any, model: str, layer_ids: tuple[int, ...] | None, dtype: str, instead: str,
-                              engine_args: dict[str, Any] | None = None) -> None:
+                              engine_args: dict[str, Any] | None = None, folder: str | None = None) -> None:
     """`preflight` for a command printed here and run elsewhere: without vLLM on this machine
     (a training or client machine), say that the command is unchecked instead of refusing."""
     from eyas.capture.vllm.engine import installed_vllm_version
@@ -50,7 +53,7 @@ def preflight_where_installed(config: Any, model: str, layer_ids: tuple[int, ...
     except EyasError as e:
         print(f"eyas: note: the command was not checked against vLLM here ({e})", file=sys.stderr)
         return
-    preflight(config, model, layer_ids, dtype, instead, engine_args)
+    preflight(config, model, layer_ids, dtype, instead, engine_args, folder)
 
 
 def model_class(config: Any, model: str, version: str, instead: str) -> tuple[str, type]:
@@ -137,3 +140,25 @@ def check_head_size(config: Any, model: str, dtype: str, instead: str) -> None:
             f"{backend.get_supported_head_sizes()} only, and {model}'s is {head_size} (kv_lora_rank + "
             f"qk_rope_head_dim); {instead}."
         )
+
+
+def check_model_config(folder: str, model: str, name: str, dtype: str, instead: str,
+                       engine_args: dict[str, Any] | None) -> None:
+    """The engine's first step, in this process: vLLM's `ModelConfig` for the folder. For a
+    multimodal wrapper it sets up the model's input processing (image processor, tokenizer's
+    media tokens) even for text-only prompts, and fails here as the engine would, minutes
+    later (on these machines: no torchvision for the processors that need it)."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    args = {k: v for k, v in (engine_args or {}).items() if k in known and k not in ("model", "dtype")}
+    run_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)
+    try:
+        EngineArgs(model=folder, dtype=run_dtype, **args).create_model_config()
+    except Exception as e:  # whatever vLLM raises, the engine would raise too
+        text = str(e).split("Value error, ", 1)[-1]  # a pydantic ValidationError's own line
+        cause = text.split(". ")[0].split("\n")[0]
+        raise EyasError(f"{name} cannot set up {model} here ({type(e).__name__}: {cause}), so its engine would "
+                        f"fail the same way after starting; {instead}.") from None
