@@ -68,3 +68,30 @@ def test_deepseek_router_fields_must_be_stated():
         check_router(wrapped, "kimi")
     check_router(transformers.DeepseekV3Config(topk_method="noaux_tc", scoring_func="sigmoid"), "ds")
     check_router(transformers.Qwen3MoeConfig(), "qwen3-moe")  # not DeepSeek-style: nothing to state
+
+
+def test_a_tokenizer_refusal_says_what_differs():
+    """Two identities whose tokenizers differ only in special tokens (what two transformers
+    versions made of one GGUF) are refused with the difference named; old artifacts without
+    the parts still get the plain refusal."""
+    from eyas.errors import EyasError
+    from eyas.models.identity import ModelIdentity
+
+    parts = {"vocab": "v1", "chat_template": "c1", "special": {"eos_token": "<|im_end|>", "pad_token": "<|im_end|>"}}
+    here = ModelIdentity("m", "cfg", "tok-a", 2, 8, 16, parts)
+    gguf_517 = {**parts, "special": {"eos_token": "<|im_start|>"}}
+    there = ModelIdentity.from_dict({**here.to_dict(), "tokenizer_hash": "tok-b", "tokenizer_parts": gguf_517})
+    with pytest.raises(EyasError) as e:
+        here.check_same(there, "The drafter d")
+    message = str(e.value)
+    assert "eos_token '<|im_start|>' there, '<|im_end|>' here" in message
+    assert "pad_token None there, '<|im_end|>' here" in message
+    assert "Vocabulary and chat template are the same" in message
+    old = {k: v for k, v in there.to_dict().items() if k != "tokenizer_parts"}
+    with pytest.raises(EyasError) as e:
+        here.check_same(ModelIdentity.from_dict(old), "The drafter d")
+    assert "What differs" not in str(e.value)
+    with pytest.raises(EyasError, match="What differs: the vocabulary"):
+        here.check_same(ModelIdentity.from_dict({**there.to_dict(), "tokenizer_parts": {**parts, "vocab": "v2"}}), "x")
+    assert here == ModelIdentity.from_dict({**here.to_dict(), "tokenizer_parts": None})
+    hash(here)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from eyas.errors import EyasError
@@ -30,22 +30,26 @@ class ModelIdentity:
     num_layers: int
     hidden_size: int
     vocab_size: int
+    # What tokenizer_hash covers, part by part (vocabulary and chat-template digests, special
+    # tokens as text), so a refusal can say what differs; None in artifacts from before it.
+    tokenizer_parts: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelIdentity":
-        return cls(**{k: d[k] for k in cls.__dataclass_fields__})
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d or k != "tokenizer_parts"})
 
     def check_same(self, other: "ModelIdentity", what: str) -> None:
         """Raise unless `other` (recorded in `what`) describes the same model and tokenizer."""
         same_name = self.model == other.model  # then say "changed", never "X differs from X"
         if self.tokenizer_hash != other.tokenizer_hash:
             raise EyasError(
-                f"{what} was made with a different tokenizer than the one now at {self.model} (it has changed since)."
-                if same_name else
-                f"{what} was made with a different tokenizer ({other.model}) than the one given ({self.model})."
+                (f"{what} was made with a different tokenizer than the one now at {self.model} (it has changed since)."
+                 if same_name else
+                 f"{what} was made with a different tokenizer ({other.model}) than the one given ({self.model}).")
+                + _tokenizer_difference(other.tokenizer_parts, self.tokenizer_parts)
             )
         if self.config_hash != other.config_hash:
             raise EyasError(
@@ -68,13 +72,43 @@ def config_hash(config) -> str:
     return _digest(_stable(config.to_dict()))
 
 
-def tokenizer_hash(tokenizer) -> str:
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    return _digest({
-        "vocab": vocab,
+def _tokenizer_content(tokenizer) -> dict[str, Any]:
+    return {
+        "vocab": sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1]),
         "chat_template": getattr(tokenizer, "chat_template", None),
         "special": {k: str(v) for k, v in sorted(tokenizer.special_tokens_map.items())},
-    })
+    }
+
+
+def tokenizer_hash(tokenizer) -> str:
+    return _digest(_tokenizer_content(tokenizer))
+
+
+def tokenizer_parts(tokenizer) -> dict[str, Any]:
+    content = _tokenizer_content(tokenizer)
+    return {"vocab": _digest(content["vocab"]), "chat_template": _digest(content["chat_template"]),
+            "special": content["special"]}
+
+
+def _tokenizer_difference(then: dict[str, Any] | None, now: dict[str, Any] | None) -> str:
+    """' What differs: ...' between two recorded tokenizer_parts, or '' when either is unknown.
+    The same model files can give different tokenizers under different transformers versions
+    (a GGUF's special tokens, for one), which is worth saying when only those differ."""
+    if not then or not now:
+        return ""
+    differs = [name for name in ("vocab", "chat_template") if then.get(name) != now.get(name)]
+    special = [f"{k} {then['special'].get(k)!r} there, {now['special'].get(k)!r} here"
+               for k in sorted(set(then.get("special", {})) | set(now.get("special", {})))
+               if then["special"].get(k) != now["special"].get(k)]
+    parts = [{"vocab": "the vocabulary", "chat_template": "the chat template"}[n] for n in differs]
+    if special:
+        parts.append("special tokens (" + "; ".join(special) + ")")
+    text = f" What differs: {', '.join(parts)}." if parts else ""
+    if not differs and special:
+        text += (" Vocabulary and chat template are the same; different transformers versions can read the same "
+                 "model files with different special tokens, and if that is the case here, run this stage with "
+                 "the version the artifact was made with.")
+    return text
 
 
 def text_config(config):
@@ -93,4 +127,5 @@ def model_identity(spec: str, config, tokenizer) -> ModelIdentity:
         num_layers=int(tc.num_hidden_layers),
         hidden_size=int(tc.hidden_size),
         vocab_size=int(tc.vocab_size),
+        tokenizer_parts=tokenizer_parts(tokenizer),
     )
