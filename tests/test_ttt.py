@@ -256,3 +256,18 @@ def test_labels_do_not_depend_on_how_rows_are_chunked(setup, monkeypatch):
     assert hidden.shape[0] >= 2
     torch.testing.assert_close(rows.probs, whole.probs)
     assert torch.equal(rows.target_draft, whole.target_draft) and torch.equal(rows.trained, whole.trained)
+
+
+def test_a_batch_with_nothing_to_score_still_trains_every_weight(setup):
+    """Only scored positions reach lm_head and the loss; a micro-batch with none (all prompt)
+    must still give a zero loss connected to every trainable weight, or backward (and DDP,
+    which expects a gradient for each) fails."""
+    drafter, head, draft_ids, input_ids, hidden, loss_mask = setup
+    labels = make_labels(head, hidden[:, :, -1], torch.zeros_like(loss_mask), draft_ids)
+    weights = torch.full((K,), 0.25)
+    loss, stats, rows = TTTObjective(drafter)(input_ids, hidden[:, :, :3], labels, weights)
+    loss.backward()
+    assert loss.item() == 0 and (stats == 0).all() and (rows == 0).all()
+    for name, p in drafter.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and (p.grad == 0).all(), name

@@ -118,14 +118,20 @@ class Eagle3Drafter(nn.Module):
         return self.lm_head(normed), normed if self.config.norm_output else prenorm
 
     def forward_ttt(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int | None = None):
-        """Training-time test over whole sequences.
+        """Training-time test over whole sequences: a list of `steps` logits tensors [B, T, Vd]
+        (see `forward_ttt_states` for the alignment)."""
+        return [self.lm_head(normed) for normed in self.forward_ttt_states(input_ids, aux_hidden, steps)]
+
+    def forward_ttt_states(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int | None = None):
+        """Training-time test over whole sequences, up to the final norm.
 
         input_ids [B, T]: the sample's tokens; aux_hidden [B, T, L_aux, H]: target states.
         Step k at position i reads token i+1+k and, as hidden, the target's state at i (k=0)
         or the drafter's own step-(k-1) output; it predicts the target's distribution at
         position i+1+k. Its query sees step-0 keys at positions <= i and the position-i key
-        of each step 1..k. Returns a list of `steps` logits tensors [B, T, Vd]; entries whose
-        input token lies past the end are garbage and must be masked by the caller.
+        of each step 1..k. Returns a list of `steps` normed outputs [B, T, H], whose
+        `lm_head` gives the logits (training applies it only where a position is scored);
+        entries whose input token lies past the end are garbage and must be masked by the caller.
         """
         steps = steps or self.config.ttt_steps
         B, T = input_ids.shape
@@ -134,7 +140,7 @@ class Eagle3Drafter(nn.Module):
         base_pos = torch.arange(T, device=input_ids.device).expand(B, T)
         k0 = v0 = None
         extra: list[tuple[torch.Tensor, torch.Tensor]] = []
-        all_logits = []
+        states = []
         for k in range(steps):
             x, residual = self.midlayer.pre_attention(self.embed_tokens(padded[:, 1 + k : 1 + k + T]), hidden)
             cos, sin = self.rope(x, base_pos + k)
@@ -144,9 +150,11 @@ class Eagle3Drafter(nn.Module):
             else:
                 extra.append((kk, vv))
             out = ttt_attention(q, k0, v0, extra)  # [B, nH, T, d]
-            logits, hidden = self.outputs(self.midlayer.post_attention(out.transpose(1, 2).flatten(2), residual))
-            all_logits.append(logits)
-        return all_logits
+            prenorm = self.midlayer.post_attention(out.transpose(1, 2).flatten(2), residual)
+            normed = self.norm(prenorm)
+            states.append(normed)
+            hidden = normed if self.config.norm_output else prenorm
+        return states
 
 
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,

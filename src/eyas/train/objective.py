@@ -81,25 +81,38 @@ class TTTObjective(nn.Module):
         loss [B] (to name a sample whose loss is not finite).
         """
         K = len(weights)
-        T = input_ids.shape[1]
-        all_logits = self.drafter.forward_ttt(input_ids, aux_hidden, K)
+        B, T = input_ids.shape
+        states = self.drafter.forward_ttt_states(input_ids, aux_hidden, K)  # K x [B, T, H]
+        # Step k at position i is scored iff its label position j = i+1+k is trained and the
+        # target's token there is in the draft vocabulary. Only scored positions go through
+        # lm_head and the loss (prompts, padding and the steps' overhang are ~30% of a batch);
+        # one nonzero for all steps keeps it to one host sync per micro-batch.
+        scored = torch.zeros(K, B, T, dtype=torch.bool, device=input_ids.device)
+        trained = torch.zeros(K, device=input_ids.device)
+        for k in range(min(K, T - 1)):
+            target = labels.target_draft[:, 1 + k :]  # [B, T-1-k]
+            scored[k, :, : T - 1 - k] = labels.trained[:, 1 + k :] & (target >= 0)
+            trained[k] = labels.trained[:, 1 + k :].sum()
+        where = scored.nonzero().split(scored.flatten(1).sum(1).tolist())  # K x [N_k, 3]: (k, b, i)
         loss = aux_hidden.new_zeros((), dtype=torch.float32)
-        row_loss = aux_hidden.new_zeros(input_ids.shape[0], dtype=torch.float32)
+        row_loss = aux_hidden.new_zeros(B, dtype=torch.float32)
         stats = []
-        for k, logits in enumerate(all_logits):
-            n = T - 1 - k  # positions i whose label position j = i+1+k exists
-            if n <= 0:
-                stats.append(loss.new_zeros(4))
+        for k, (normed, idx) in enumerate(zip(states, where)):
+            if len(idx) == 0:  # an empty slice keeps every weight in the graph: backward and DDP need it
+                loss = loss + self.drafter.lm_head(normed.flatten(0, 1)[:0]).float().sum()
+                stats.append(torch.stack([loss.new_zeros(()), loss.new_zeros(()), trained[k], loss.new_zeros(())]))
                 continue
-            target, trained = labels.target_draft[:, 1 + k :], labels.trained[:, 1 + k :]  # [B, n]
-            in_vocab = trained & (target >= 0)
-            ce = step_loss(logits.is_cuda)(logits[:, :n], labels.probs[:, 1 + k :], in_vocab)  # [B, n]
-            rows = ce.sum(-1)  # [B]
-            loss = loss + weights[k] * rows.sum()
+            b, i = idx[:, 1], idx[:, 2]
+            logits = self.drafter.lm_head(normed[b, i])  # [N_k, Vd]
+            ce = step_loss(logits.is_cuda)(logits[None], labels.probs[b, i + 1 + k][None],
+                                           torch.ones_like(b, dtype=torch.bool)[None])[0]  # [N_k]
+            rows = row_loss.new_zeros(B).index_add(0, b, ce)  # [B]
+            loss = loss + weights[k] * ce.sum()
             row_loss = row_loss + rows.detach()
             with torch.no_grad():
-                correct = (logits[:, :n].argmax(-1) == target) & in_vocab
-                stats.append(torch.stack([rows.sum().detach(), correct.sum(), trained.sum(), in_vocab.sum()]).float())
+                correct = (logits.argmax(-1) == labels.target_draft[b, i + 1 + k]).sum()
+                stats.append(torch.stack([ce.sum().detach(), correct.float(), trained[k],
+                                          torch.tensor(float(len(idx)), device=loss.device)]))
         return loss, torch.stack(stats), row_loss
 
 
