@@ -287,3 +287,88 @@ def test_online_training_equals_offline_on_the_same_states(tiny_llama_dir, tiny_
 
 if __name__ == "__main__":
     _first_step(sys.argv[1:])
+
+
+def _old_load(source, positions: list[int]):
+    """The batch as training loaded it before the host/device split: every sample dequantised to
+    float32 on the CPU (hidden_fp8.float() * scale), zero-padded, then moved."""
+    from eyas.train.data import Batch
+
+    T = max(source.lengths[p] for p in positions)
+    rows = []
+    for p in positions:
+        s = source.store.stored(p)
+        hidden = s["hidden"].float() if s["scale"] is None else s["hidden"].float() * s["scale"].unsqueeze(-1)
+        rows.append((s["input_ids"], s["loss_mask"], hidden))
+
+    def pad(k: int) -> torch.Tensor:
+        first = rows[0][k][: source.crop]
+        out = first.new_zeros(len(rows), T, *first.shape[1:])
+        for b, row in enumerate(rows):
+            out[b, : min(len(row[k]), source.crop)] = row[k][: source.crop]
+        return out
+
+    return Batch(pad(0), pad(1), pad(2), [source.sample_index[p] for p in positions])
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_batches_are_the_same_read_ahead_or_not(smollm2_store, tmp_path, dtype):
+    """From fp8 and bf16 stores: the batches `load` returns, read in a background thread or
+    directly, equal the float32 ones of the old path bit for bit (fp8 -> float32 is exact and the
+    scale product is one float32 rounding on either side), in the same order, same samples."""
+    import threading
+
+    from eyas.train.data import BatchStream, StoreSource
+
+    store = derive_store(smollm2_store, tmp_path / dtype, n=8, length=48, dtype=dtype)
+    source = StoreSource(store, crop=40)  # some samples cropped, batches of several lengths
+    stream = BatchStream(list(range(8)), source.lengths, source.sample_index, 128, seed=1)
+    items = [stream.item(s) for s in range(3 * len(stream))]  # three epochs, reshuffled
+    threads = []
+    read = source.read
+    source.read = lambda positions, pin=False: threads.append(threading.current_thread().name) or read(positions, pin)
+    direct = [source.load(p, torch.device("cpu")) for p in items]
+    source.read_ahead(iter(items), torch.device("cpu"))
+    ahead = [source.load(p, torch.device("cpu")) for p in items]
+    source.close()
+    assert threads == ["MainThread"] * len(items) + ["eyas-prefetch"] * len(items)
+    for positions, a, b in zip(items, direct, ahead):
+        old = _old_load(source, positions)
+        for batch in (a, b):
+            assert batch.sample_index == old.sample_index
+            assert batch.hidden.dtype == torch.float32 and batch.input_ids.dtype == torch.long
+            for k in ("input_ids", "loss_mask", "hidden"):
+                assert torch.equal(getattr(batch, k), getattr(old, k)), k
+    # A batch asked for out of the read-ahead order is read directly; the order goes on after it.
+    source.read_ahead(iter(items), torch.device("cpu"))
+    assert torch.equal(source.load(items[5], torch.device("cpu")).hidden, direct[5].hidden)
+    assert torch.equal(source.load(items[0], torch.device("cpu")).hidden, direct[0].hidden)
+    source.close()
+
+
+def test_training_reads_ahead_and_trains_on_the_same_data(smollm2_store, tmp_path, monkeypatch):
+    """A short run from an fp8 store (2 micro-batches a step, several epochs) reads every
+    training batch in the background thread and ends with exactly the weights of a run that
+    loads each batch the old way, in the old order, on the main thread."""
+    import threading
+
+    from eyas.train.data import StoreSource
+
+    store = derive_store(smollm2_store, tmp_path / "fp8", n=8, length=48, dtype="fp8")
+    common = dict(store=str(store), steps=6, batch_tokens=128, grad_accum=2, lr=3e-3, warmup=0,
+                  **{k: v for k, v in FAST.items() if k != "batch_tokens"})
+    threads = []
+    read = StoreSource.read
+    monkeypatch.setattr(StoreSource, "read", lambda self, positions, pin=False: (
+        threads.append(threading.current_thread().name), read(self, positions, pin))[1])
+    train(TrainConfig(out=str(tmp_path / "new"), **common))
+    assert threads and set(threads) == {"eyas-prefetch"}
+    monkeypatch.setattr(StoreSource, "load", lambda self, positions, device: _old_load(self, positions))
+    monkeypatch.setattr(StoreSource, "read_ahead", lambda self, items, device: None)
+    train(TrainConfig(out=str(tmp_path / "old"), **common))
+    a, b = load_file(tmp_path / "new" / "model.safetensors"), load_file(tmp_path / "old" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    assert rows(tmp_path / "new") == [{**r, "tokens_per_s": n["tokens_per_s"]} for r, n in
+                                      zip(rows(tmp_path / "old"), rows(tmp_path / "new"))]

@@ -105,7 +105,8 @@ def first_nonfinite(t: torch.Tensor) -> list[int] | None:
 
 
 def dequantize(hidden: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """Stored hidden states back to float32 [T, L, H]."""
+    """Stored hidden states [..., L, H] back to float32, on whichever device they are: the
+    product is float32 x float32 rounded once, so the CPU and a GPU give the same bits."""
     if scale is None:
         return hidden.float()
-    return hidden.float() * scale.unsqueeze(-1)
+    return hidden.to(torch.float32, copy=True).mul_(scale.unsqueeze(-1))  # in place: one float32 copy, not two

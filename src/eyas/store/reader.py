@@ -149,21 +149,28 @@ class Store:
             return torch.zeros(0, dtype=torch.int64)
         return torch.cat([self.shard_tensor(i, "sample_index") for i in range(len(self.manifest["shards"]))])
 
-    def sample(self, pos: int) -> dict[str, torch.Tensor]:
-        """One sample: `input_ids [T] int64`, `loss_mask [T] bool`, `hidden [T, L, H] float32`."""
+    def stored(self, pos: int) -> dict[str, Any]:
+        """One sample as stored: `input_ids [T] int64`, `loss_mask [T] bool`, `hidden [T, L, H]` in
+        the store's dtype, `scale [T, L] float32` (fp8) or None; `dequantize` turns them into floats."""
         if not 0 <= pos < len(self):
             raise IndexError(pos)
         shard = bisect.bisect_right(self._starts, pos) - 1
         j = pos - self._starts[shard]
         handle = self._shard(shard)
         a, b = self._offsets[shard][j].item(), self._offsets[shard][j + 1].item()
-        scale = handle.get_slice("scale")[a:b] if "scale" in handle.keys() else None
         return {
             "input_ids": handle.get_slice("input_ids")[a:b].long(),
             "loss_mask": handle.get_slice("loss_mask")[a:b].bool(),
-            "hidden": dequantize(handle.get_slice("hidden")[a:b], scale),
+            "hidden": handle.get_slice("hidden")[a:b],
+            "scale": handle.get_slice("scale")[a:b] if "scale" in handle.keys() else None,
             "index": torch.tensor(handle.get_slice("sample_index")[j : j + 1].item()),
         }
+
+    def sample(self, pos: int) -> dict[str, torch.Tensor]:
+        """One sample: `input_ids [T] int64`, `loss_mask [T] bool`, `hidden [T, L, H] float32`."""
+        s = self.stored(pos)
+        return {"input_ids": s["input_ids"], "loss_mask": s["loss_mask"], "hidden": dequantize(s["hidden"], s["scale"]),
+                "index": s["index"]}
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for pos in range(len(self)):

@@ -9,15 +9,19 @@ in, so a resumed run (or another process of a DDP run) sees exactly the same bat
 from __future__ import annotations
 
 import math
+import queue
 import random
+import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable
 
 import torch
 
 from eyas.capture.batching import token_budget_batches
 from eyas.errors import EyasError
 from eyas.models.identity import ModelIdentity
+from eyas.store.format import dequantize
 
 
 @dataclass
@@ -28,12 +32,80 @@ class Batch:
     sample_index: list[int]  # prepared-data index of each row (for error messages)
 
 
-def _pad(rows: list[torch.Tensor], T: int) -> torch.Tensor:
-    """rows of [T_i, ...] -> [B, T, ...], zero-padded on the right."""
-    out = rows[0].new_zeros(len(rows), T, *rows[0].shape[1:])
+@dataclass
+class HostBatch:
+    """A store batch on the host, padded in the store's own dtype (pinned when bound for a GPU):
+    2-4x fewer bytes to copy than float32; `to` dequantises on the device."""
+    input_ids: torch.Tensor  # [B, T] long
+    loss_mask: torch.Tensor  # [B, T] bool
+    hidden: torch.Tensor  # [B, T, L, H] bf16/fp16/fp32/fp8
+    scale: torch.Tensor | None  # [B, T, L] float32 (fp8 stores; 0 on padding), else None
+    sample_index: list[int]
+
+    def to(self, device: torch.device) -> Batch:
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)  # asynchronous from pinned memory
+
+        # The same arithmetic as Store.sample's (format.dequantize), so the same bits.
+        hidden = dequantize(move(self.hidden), None if self.scale is None else move(self.scale))
+        return Batch(move(self.input_ids), move(self.loss_mask), hidden, self.sample_index)
+
+
+def _pad(rows: list[torch.Tensor], T: int, pin: bool = False) -> torch.Tensor:
+    """rows of [T_i, ...] -> [B, T, ...], zero-padded on the right (in pinned memory if `pin`)."""
+    out = torch.empty(len(rows), T, *rows[0].shape[1:], dtype=rows[0].dtype, pin_memory=pin)
     for b, row in enumerate(rows):
         out[b, : len(row)] = row
+        out[b, len(row) :] = 0
     return out
+
+
+class Prefetch:
+    """Reads batches on the host in a background thread, `depth` ahead, in the order of `items`.
+
+    `take(positions)` hands over the next batch read if it is that one, else None (the caller
+    reads it itself): a batch depends only on its positions, so a hit is always the right data.
+    An error reading a batch is raised by the `take` that asks for that batch, not before.
+    """
+
+    def __init__(self, read: Callable[[list[int]], HostBatch], items: Iterable[list[int]], depth: int = 2):
+        self._queue: queue.Queue = queue.Queue(depth)
+        self._head: tuple | None = None  # the next batch read: (positions, HostBatch or the error reading it)
+        self._done = False  # the reader has finished
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(read, items), daemon=True, name="eyas-prefetch")
+        self._thread.start()
+
+    def _run(self, read, items) -> None:
+        for positions in items:
+            try:
+                item = (positions, read(positions))
+            except Exception as e:  # raised where that batch is used
+                item = (positions, e)
+            self._queue.put(item)
+            if self._stop.is_set() or isinstance(item[1], Exception):
+                return
+        self._queue.put(None)  # the items are done
+
+    def take(self, positions: list[int]) -> HostBatch | None:
+        if self._head is None and not self._done:
+            self._head = self._queue.get()
+            self._done = self._head is None
+        if self._head is None or self._head[0] != positions:
+            return None
+        (_, batch), self._head = self._head, None
+        if isinstance(batch, Exception):
+            self._done = True  # the reader stopped there: later batches are read by the caller
+            raise batch
+        return batch
+
+    def close(self) -> None:
+        self._stop.set()
+        while self._thread.is_alive():  # unblock a reader waiting on a full queue
+            try:
+                self._queue.get(timeout=0.05)
+            except queue.Empty:
+                pass
 
 
 class StoreSource:
@@ -55,6 +127,7 @@ class StoreSource:
         self._tokens = self._read_tokens()
         self.lengths = [min(len(ids), crop) for ids, _ in self._tokens]
         self.cropped = sum(len(ids) > crop for ids, _ in self._tokens)
+        self.ahead: Prefetch | None = None
 
     def _read_tokens(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(input_ids [T] long, loss_mask [T] bool) of every sample, from the shards' small tensors."""
@@ -70,16 +143,33 @@ class StoreSource:
         ids, mask = self._tokens[pos]
         return ids[: self.crop], mask[: self.crop]
 
-    def load(self, positions: list[int], device: torch.device) -> Batch:
-        samples = [self.store.sample(p) for p in positions]
+    def read(self, positions: list[int], pin: bool = False) -> HostBatch:
+        """The batch of `positions` on the host, as stored (thread-safe: the shards are read-only)."""
+        samples = [self.store.stored(p) for p in positions]
         T = max(self.lengths[p] for p in positions)
-        hidden = _pad([s["hidden"][: self.crop] for s in samples], T)  # [B, T, L, H]
-        return Batch(
-            input_ids=_pad([s["input_ids"][: self.crop] for s in samples], T).to(device),
-            loss_mask=_pad([s["loss_mask"][: self.crop] for s in samples], T).to(device),
-            hidden=hidden.to(device, non_blocking=True),
-            sample_index=[self.sample_index[p] for p in positions],
-        )
+
+        def pad(key: str) -> torch.Tensor:
+            return _pad([s[key][: self.crop] for s in samples], T, pin)
+
+        return HostBatch(pad("input_ids"), pad("loss_mask"), pad("hidden"),
+                         None if samples[0]["scale"] is None else pad("scale"),
+                         [self.sample_index[p] for p in positions])
+
+    def read_ahead(self, items: Iterable[list[int]], device: torch.device) -> None:
+        """Read the batches `items` (in that order) in the background, for `load` to take."""
+        self.close()
+        self.ahead = Prefetch(lambda positions: self.read(positions, pin=device.type == "cuda"), items)
+
+    def close(self) -> None:
+        if self.ahead is not None:
+            self.ahead.close()
+            self.ahead = None
+
+    def load(self, positions: list[int], device: torch.device) -> Batch:
+        host = self.ahead.take(positions) if self.ahead is not None else None
+        if host is None:
+            host = self.read(positions, pin=device.type == "cuda")
+        return host.to(device)
 
 
 class OnlineSource:
@@ -146,10 +236,12 @@ class BatchStream:
 
     def item(self, s: int) -> list[int]:
         epoch, i = divmod(s, len(self.batches))
-        if epoch not in self._orders:
-            self._orders = {epoch: list(range(len(self.batches)))}
-            random.Random(self.seed * 1_000_003 + epoch).shuffle(self._orders[epoch])
-        return self.batches[self._orders[epoch][i]]
+        orders = self._orders  # read once, and replaced whole: the prefetch thread calls this too
+        if epoch not in orders:
+            order = list(range(len(self.batches)))
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+            self._orders = orders = {epoch: order}
+        return self.batches[orders[epoch][i]]
 
     def for_step(self, step: int, group: int, rank: int, world: int) -> list[list[int]]:
         """The micro-batches process `rank` trains on at `step`."""

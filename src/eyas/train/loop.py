@@ -12,7 +12,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from tqdm import tqdm
@@ -201,11 +201,26 @@ def _autocast(device: torch.device):
     return contextlib.nullcontext()
 
 
+def _bad_inputs(samples: list[int]) -> EyasError:
+    return EyasError(f"Sample(s) {samples} hold NaN/inf hidden states; "
+                     f"run `eyas inspect --verify` on the store and capture them again.")
+
+
 def _check_inputs(batch: Batch) -> None:
     if first_nonfinite(batch.hidden) is not None:
-        rows = (~torch.isfinite(batch.hidden)).flatten(1).any(-1).nonzero().flatten().tolist()
-        raise EyasError(f"Sample(s) {[batch.sample_index[r] for r in rows]} hold NaN/inf hidden states; "
-                        f"run `eyas inspect --verify` on the store and capture them again.")
+        rows = _nonfinite_rows(batch.hidden).nonzero().flatten().tolist()
+        raise _bad_inputs([batch.sample_index[r] for r in rows])
+
+
+def _nonfinite_rows(hidden: torch.Tensor) -> torch.Tensor:
+    """hidden [B, T, L, H] -> [B] bool: the rows holding a NaN/inf (both reach a row's min or max)."""
+    lo, hi = torch.aminmax(hidden.flatten(1), dim=-1)
+    return ~(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor onto `device` without waiting for the GPU (a copy from pageable memory would)."""
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
 def forward(run: Run, batch: Batch, weights: torch.Tensor, wrapped: bool = True):
@@ -229,27 +244,35 @@ def _weights(run: Run, positions: list[list[int]]) -> torch.Tensor:
     for batch in positions:
         for p in batch:
             counts += step_counts(run.source.tokens(p)[1][None], K)
-    counts = distributed.all_reduce(counts.to(run.device), run.d)
-    decay = torch.tensor([run.draft.ttt_decay ** k for k in range(K)], device=run.device)
+    counts = distributed.all_reduce(_to_device(counts, run.device), run.d)
+    decay = _to_device(torch.tensor([run.draft.ttt_decay ** k for k in range(K)]), run.device)
     return torch.where(counts > 0, decay * run.d.world / counts.clamp_min(1), torch.zeros_like(decay))
 
 
-def accumulate(run: Run) -> tuple[torch.Tensor, list[int]]:
+def _upcoming(run: Run) -> Iterator[list[int]]:
+    """This process's micro-batches from the current step to the last, in the order `accumulate` loads them."""
+    for step in range(run.step, run.total_steps):
+        yield from run.train_stream.for_step(step, run.group, run.d.rank, run.d.world)
+
+
+def accumulate(run: Run) -> tuple[torch.Tensor, list[tuple[list[int], torch.Tensor, torch.Tensor]]]:
     """Forward and backward over this process's micro-batches of the current step, leaving
-    the step's gradient in `.grad`; returns the statistics [K, 4] and the prepared indices
-    of any sample whose loss is not finite."""
+    the step's gradient in `.grad`; returns the statistics [K, 4] and, per micro-batch, its
+    prepared indices with [B] device flags: NaN/inf hidden states, a loss that is not finite.
+    The flags are read on the host once per step (`train_step`), so nothing here waits for the GPU."""
+    if isinstance(run.source, StoreSource) and run.source.ahead is None:
+        run.source.read_ahead(_upcoming(run), run.device)  # the host side of the next batches, in a thread
     micro = run.train_stream.for_step(run.step, run.group, run.d.rank, run.d.world)
     weights = _weights(run, micro)
-    stats, bad = torch.zeros(run.draft.ttt_steps, 4, device=run.device), []
+    stats, checks = torch.zeros(run.draft.ttt_steps, 4, device=run.device), []
     for i, positions in enumerate(micro):
         batch = run.source.load(positions, run.device)
-        _check_inputs(batch)
         with distributed.no_sync(run.model, last=i == len(micro) - 1):
             loss, s, rows = forward(run, batch, weights)
             loss.backward()
         stats += s
-        bad += [batch.sample_index[r] for r in (~torch.isfinite(rows)).nonzero().flatten().tolist()]
-    return stats, bad
+        checks.append((batch.sample_index, _nonfinite_rows(batch.hidden), ~torch.isfinite(rows)))
+    return stats, checks
 
 
 def train_step(run: Run) -> torch.Tensor:
@@ -257,10 +280,17 @@ def train_step(run: Run) -> torch.Tensor:
     lr = lr_at(run.cfg, run.step, run.total_steps)
     for g in run.optimizer.param_groups:
         g["lr"] = lr
-    stats, bad = accumulate(run)
+    stats, checks = accumulate(run)
     norm = torch.nn.utils.clip_grad_norm_([p for p in run.model.parameters() if p.requires_grad], run.cfg.clip)
     norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-    if not torch.isfinite(norm):
+    # The step's one wait for the GPU: every micro-batch's flags and the norm, read together.
+    samples = [index for sample_index, _, _ in checks for index in sample_index]
+    flags = torch.cat([torch.cat([torch.stack([h, l]) for _, h, l in checks], dim=1),
+                       torch.isfinite(norm).expand(2, 1)], dim=1).tolist()  # [2, rows + 1]
+    if bad_inputs := [index for index, bad in zip(samples, flags[0]) if bad]:
+        raise _bad_inputs(bad_inputs)  # before any weight update, as a bad loss below
+    if not flags[1][-1]:
+        bad = [index for index, bad in zip(samples, flags[1]) if bad]
         where = f"sample(s) {bad}" if bad else "a sample on another process"
         latest = ckpt.latest_checkpoint(Path(run.cfg.out))
         kept = f"the newest checkpoint, {latest.name}, is untouched" if latest else "no checkpoint was written"
@@ -350,6 +380,8 @@ def fit(run: Run, stop_at: int | None = None) -> dict[str, Any]:
         raise
     finally:
         bar.close()
+        if isinstance(run.source, StoreSource):
+            run.source.close()  # the batches read ahead are not needed any more
     if (m := evaluate(run, run.eval_positions)) is not None:
         last["eval"] = m
         _write(log, run, "eval", m, None, None)
