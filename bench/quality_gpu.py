@@ -125,7 +125,8 @@ def train_stage(args) -> None:
     answers = _answer_tokens(work / "regen")
     report["regenerate"] = {"seconds": round(seconds, 1), "conversations": summary.get("kept"),
                             "tokens": summary.get("tokens"), "answer_tokens": answers,
-                            "answer_tokens_per_s": round(answers / seconds, 1)}
+                            "answer_tokens_per_s": round(answers / seconds, 1),
+                            "breakdown_s": summary.get("regenerate_seconds"), "static_decoding": summary.get("static_decoding")}
     print("regenerated:", json.dumps(report["regenerate"]), flush=True)
     _dump(out / "quality_train.json", report)
     left = deadline - time.monotonic() - 25  # the final held-out pass and save

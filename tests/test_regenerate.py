@@ -99,14 +99,26 @@ def assert_greedy_turns(folder: Path, source: Path, model) -> None:
 
 
 @pytest.fixture(scope="module")
-def hf_regenerated(tmp_path_factory, source) -> Path:
+def hf_regenerated(tmp_path_factory, source) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("regen-hf")
-    regenerate(SMOLLM2, source, out, backend="hf", max_new_tokens=NEW, group_size=2, progress=False)
-    return out
+    summary = regenerate(SMOLLM2, source, out, backend="hf", max_new_tokens=NEW, group_size=2, progress=False)
+    return out, summary
 
 
 def test_regenerate_hf_is_greedy(hf_regenerated, source, reference):
-    assert_greedy_turns(hf_regenerated, source, reference)
+    assert_greedy_turns(hf_regenerated[0], source, reference)
+
+
+def test_regenerate_says_where_its_time_went(hf_regenerated):
+    """The breakdown a slow regeneration is diagnosed from: its parts are measured, not
+    invented, so together they stay within the run, and the decode counts agree with the data."""
+    out, summary = hf_regenerated
+    seconds, decoding = summary["regenerate_seconds"], summary["static_decoding"]
+    assert set(seconds) == {"load", "render", "generate", "prepare"} and all(v >= 0 for v in seconds.values())
+    assert seconds["generate"] > 0 and seconds["generate"] >= decoding["prefill_s"] + decoding["decode_s"] - 0.2
+    answers = sum(len(m["content"]) > 0 for c in PreparedData(out).conversations() for m in c if m["role"] == "assistant")
+    assert 0 < decoding["kept_tokens"] <= decoding["row_steps"] and decoding["batches"] >= 1
+    assert 0 < decoding["kept_share"] <= 1 and answers >= 1
 
 
 @pytest.mark.vllm

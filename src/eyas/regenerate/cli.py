@@ -52,4 +52,11 @@ def run(args: argparse.Namespace) -> int:
                          max_new_tokens=args.max_new_tokens, group_size=args.group_size, seed=args.seed,
                          minutes=args.minutes, device=args.device, model_dtype=args.model_dtype, **vllm)
     print(format_summary(summary, args.out))
+    t = summary.get("regenerate_seconds")
+    if t:
+        print(f"time: loading the model {t['load']} s, prompts and answer text {t['render']} s, "
+              f"generating {t['generate']} s, preparing {t['prepare']} s")
+    if d := summary.get("static_decoding"):
+        print(f"generating: prefill {d['prefill_s']} s, decode {d['decode_s']} s over {d['batches']} batch(es); "
+              f"{100 * d['kept_share']:.0f}% of decoded row-steps made a kept token (stopped rows ride along)")
     return 0

@@ -59,6 +59,7 @@ def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf
     if temperature < 0 or max_new_tokens < 1 or group_size < 1 or (minutes is not None and minutes <= 0):
         raise EyasError("--temperature must be >= 0, --max-new-tokens and --group-size >= 1, --minutes > 0.")
     started = time.monotonic()
+    seconds = {"load": 0.0, "render": 0.0, "generate": 0.0, "prepare": 0.0}  # where this run's time went
     source = PreparedData(data)
     out = Path(out)
     if out.resolve() == source.path.resolve():
@@ -71,8 +72,11 @@ def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf
     with output_lock(out, "regenerate"):  # one run per folder: two would interleave the progress file
         done = read_progress(out / PROGRESS, fingerprint)
         todo = [i for i in range(len(conversations)) if i not in done]
+        generator = None
         if todo:
+            t0 = time.monotonic()
             generator = make_generator(backend, model, model_dtype, device, max_len, **vllm)
+            seconds["load"] = time.monotonic() - t0
             bar = tqdm(total=len(todo), unit=" conv", desc=f"regenerate ({backend})", disable=not progress)
             try:
                 with open(out / PROGRESS, "a", encoding="utf-8") as log:
@@ -81,7 +85,7 @@ def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf
                     for start in range(0, len(todo), group_size):
                         group = todo[start:start + group_size]
                         answers = regenerate_group(generator, tokenizer, [conversations[i] for i in group],
-                                                   max_len, max_new_tokens, temperature, seed + start)
+                                                   max_len, max_new_tokens, temperature, seed + start, seconds)
                         for i, messages in zip(group, answers):
                             _append(log, {"index": i, "messages": messages})
                             done[i] = messages
@@ -92,20 +96,32 @@ def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf
                             break
             finally:
                 bar.close()
+                decoding = getattr(getattr(generator, "greedy", None), "stats", None)
                 generator.close()
         with open(out / CONVERSATIONS, "w", encoding="utf-8") as f:
             for i in sorted(done):
                 f.write(json.dumps({"messages": done[i]}, ensure_ascii=False) + "\n")
-        return prepare(model, str(out / CONVERSATIONS), out, max_len=max_len, chat_template=source.chat_template,
-                       progress=progress)
+        t0 = time.monotonic()
+        summary = prepare(model, str(out / CONVERSATIONS), out, max_len=max_len, chat_template=source.chat_template,
+                          progress=progress)
+        seconds["prepare"] = time.monotonic() - t0
+        summary["regenerate_seconds"] = {k: round(v, 1) for k, v in seconds.items()}
+        if generator is not None and decoding and decoding["batches"]:
+            summary["static_decoding"] = {**{k: round(v, 1) if isinstance(v, float) else v for k, v in decoding.items()},
+                                          "kept_share": round(decoding["kept_tokens"] / max(decoding["row_steps"], 1), 3)}
+        return summary
 
 
 def regenerate_group(generator, tokenizer, conversations: list[list[dict[str, str]]], max_len: int,
-                     max_new_tokens: int, temperature: float, seed: int) -> list[list[dict[str, str]]]:
-    """Replace the assistant turns of each conversation, one round per turn."""
+                     max_new_tokens: int, temperature: float, seed: int,
+                     seconds: dict[str, float] | None = None) -> list[list[dict[str, str]]]:
+    """Replace the assistant turns of each conversation, one round per turn; adds the time
+    spent rendering prompts and generating to `seconds` ("render", "generate")."""
+    seconds = seconds if seconds is not None else {"render": 0.0, "generate": 0.0}
     convs = [_without_leading_answers([dict(m) for m in c]) for c in conversations]
     turn = [_next_assistant(c, 0) for c in convs]  # index of each conversation's next assistant message
     while True:
+        t0 = time.monotonic()
         pending, prompts, budgets = [], [], []
         for c, j in enumerate(turn):
             if j is None:
@@ -119,12 +135,18 @@ def regenerate_group(generator, tokenizer, conversations: list[list[dict[str, st
             pending.append(c)
             prompts.append(ids)
             budgets.append(min(max_new_tokens, max_len - len(ids)))
+        seconds["render"] += time.monotonic() - t0
         if not pending:
             return convs
-        for c, new in zip(pending, generator.generate(prompts, budgets, temperature, seed)):
+        t0 = time.monotonic()
+        generated = generator.generate(prompts, budgets, temperature, seed)
+        seconds["generate"] += time.monotonic() - t0
+        t0 = time.monotonic()
+        for c, new in zip(pending, generated):
             j = turn[c]
             convs[c][j]["content"] = tokenizer.decode(new, skip_special_tokens=True)
             turn[c] = _next_assistant(convs[c], j + 1)
+        seconds["render"] += time.monotonic() - t0
         seed += len(pending)
 
 

@@ -14,6 +14,7 @@ step's attention therefore folds the query heads that share a KV head into the q
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Iterator
 
 import torch
@@ -66,6 +67,10 @@ class StaticGreedy:
         self.model, self.pad, self.stops = model, pad_id, stops
         self.cache_tokens, self.max_rows = cache_tokens, max_rows
         self.device = next(model.parameters()).device
+        # Where the time goes, summed over batches: prefill and decode seconds, and decode's
+        # row-steps computed against those that produced a kept token (rows that stopped
+        # still ride along until their batch ends).
+        self.stats = {"batches": 0, "prefill_s": 0.0, "decode_s": 0.0, "row_steps": 0, "kept_tokens": 0}
 
     def generate(self, prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
         """Each prompt's continuation: at most its budget of tokens, cut before the first stop id."""
@@ -98,6 +103,7 @@ class StaticGreedy:
         from eyas.regenerate.generate import cut_at_stop
 
         dev = self.device
+        started = time.monotonic()
         B, T, N = len(prompts), max(map(len, prompts)), max(budgets)
         L = T + N
         ids = torch.full((B, T), self.pad, dtype=torch.long)  # [B, T], left-padded
@@ -119,6 +125,8 @@ class StaticGreedy:
             logits = self.model(input_ids=ids[:, q], attention_mask=mask[:, None],
                                 position_ids=(q[None] - (T - lengths)[:, None]).clamp_min(0), past_key_values=cache,
                                 cache_position=q, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+        _sync(dev)
+        prefilled = time.monotonic()
         stops = torch.tensor(self.stops, device=dev)
         budget = torch.tensor(budgets, device=dev)
         generated = torch.empty(B, N, dtype=torch.long, device=dev)
@@ -135,4 +143,16 @@ class StaticGreedy:
             mask = (real & (slots[None] <= slot))[:, None, None]  # [B, 1, 1, L]
             logits = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=(lengths + s)[:, None],
                                 past_key_values=cache, cache_position=slots[slot:slot + 1], use_cache=True).logits[:, -1]
-        return [cut_at_stop(g[:n], self.stops) for g, n in zip(generated.tolist(), budgets)]
+        out = [cut_at_stop(g[:n], self.stops) for g, n in zip(generated.tolist(), budgets)]
+        st = self.stats
+        st["batches"] += 1
+        st["prefill_s"] += prefilled - started
+        st["decode_s"] += time.monotonic() - prefilled
+        st["row_steps"] += B * generated.shape[1]
+        st["kept_tokens"] += sum(map(len, out))
+        return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
