@@ -20,7 +20,13 @@ Run on the CPU (a store captured in fp32 from `eyas prepare ... --max-len 256`):
         --work out/diag/runs --seeds 0 1 --output bench/results/diagnose_cpu.json
 
 `--regen-store` adds eyas's drafter trained and measured on a second store (e.g. from
-`eyas regenerate`); its held-out tokens are that store's own, not the first store's.
+`eyas regenerate`); its held-out tokens are that store's own, not the first store's (both
+drafters are also evaluated on the other's held-out split).
+
+`--pieces streams` trains each drafter on the other's batch stream (the reference on
+`eyas.train.data.BatchStream`'s batches, eyas on the reference's random packing) and the
+reference from eyas's own initial weights on eyas's stream; `--reuse-eyas DIR` reads eyas's
+first-seed drafter from an earlier run instead of training it again.
 """
 
 from __future__ import annotations
@@ -206,17 +212,71 @@ def ref_loss(model: RefDrafter, batch, K: int, decay: float) -> tuple[torch.Tens
     return loss, stats
 
 
-def train_reference(data: Data, d2t: torch.Tensor, a: argparse.Namespace, seed: int) -> dict[str, Any]:
+def ref_plan(data: Data, a: argparse.Namespace, seed: int) -> list[list[int]]:
+    """The reference's own batch stream: the samples of each of `a.steps` steps (a fresh
+    random packing of the training split every epoch)."""
+    lengths = [len(x) for x in data.ids]
+    rng, queue, plan = random.Random(seed), [], []
+    for _ in range(a.steps):
+        if not queue:
+            queue = batches(data.train, lengths, a.batch_tokens, rng)
+        plan.append(queue.pop())
+    return plan
+
+
+def eyas_plan(data: Data, a: argparse.Namespace, seed: int) -> list[list[int]]:
+    """eyas's batch stream for the same split, budget and seed (`eyas.train.data.BatchStream`,
+    one process, no accumulation: step s trains on item s). Positions are store positions,
+    which Data shares with eyas's StoreSource (checked in main)."""
+    from eyas.train.data import BatchStream
+
+    stream = BatchStream(data.train, [len(x) for x in data.ids], data.index, a.batch_tokens, seed)
+    return [stream.item(s) for s in range(a.steps)]
+
+
+def plan_stats(data: Data, plan: list[list[int]], a: argparse.Namespace) -> dict[str, float]:
+    """What a stream feeds: samples, real and padded tokens per step, passes over the split."""
+    real = [sum(len(data.ids[p]) for p in b) for b in plan]
+    padded = [len(b) * max(len(data.ids[p]) for p in b) for b in plan]
+    trained = [sum(int(data.trained(p).sum()) for p in b) for b in plan]
+    n = len(plan)
+    split_tokens = sum(len(data.ids[p]) for p in data.train)
+    return {"steps": n, "samples_per_step": round(sum(map(len, plan)) / n, 2),
+            "real_tokens_per_step": round(sum(real) / n, 1), "padded_tokens_per_step": round(sum(padded) / n, 1),
+            "trained_positions_per_step": round(sum(trained) / n, 1),
+            "epochs": round(sum(real) / split_tokens, 3), "distinct_samples": len({p for b in plan for p in b}),
+            "samples_per_step_min_max": [min(map(len, plan)), max(map(len, plan))]}
+
+
+REF_NAMES = {"fc": "fc", "w_in": "midlayer.input_layernorm", "w_hid": "midlayer.hidden_norm",
+             "w_post": "midlayer.post_attention_layernorm", "w_final": "norm", "q": "midlayer.self_attn.q_proj",
+             "k": "midlayer.self_attn.k_proj", "v": "midlayer.self_attn.v_proj", "o": "midlayer.self_attn.o_proj",
+             "gate": "midlayer.mlp.gate_proj", "up": "midlayer.mlp.up_proj", "down": "midlayer.mlp.down_proj",
+             "head": "lm_head"}
+
+
+def ref_state(w: dict[str, torch.Tensor], ref: RefDrafter, embed: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An eyas drafter's weights (vLLM names) as the reference's state dict."""
+    return {(f"{r}.weight" if not r.startswith("w_") else r): w[f"{e}.weight"].clone()
+            for r, e in REF_NAMES.items()} | {"embed": embed, "inv_freq": ref.inv_freq}
+
+
+def train_reference(data: Data, d2t: torch.Tensor, a: argparse.Namespace, seed: int,
+                    plan: list[list[int]] | None = None, init: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """The reference, on its own batch stream unless `plan` gives the samples of each step,
+    from its own initial draw unless `init` (eyas-named weights) gives one."""
     draft_ids = torch.arange(len(d2t)) + d2t  # [Vd] target ids
     to_draft = torch.full((data.embed.shape[0],), -1, dtype=torch.long)
     to_draft[draft_ids] = torch.arange(len(draft_ids))
     draft_w = data.embed[draft_ids]  # [Vd, H] the target's lm_head rows of the draft vocab
     torch.manual_seed(seed)
     model = RefDrafter(data.embed, data.config, len(draft_ids))
+    if init is not None:
+        model.load_state_dict(ref_state(init, model, data.embed))
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
     lengths = [len(x) for x in data.ids]
-    rng, queue = random.Random(seed), []
+    plan = plan if plan is not None else ref_plan(data, a, seed)
     started = time.monotonic()
     for step in range(a.steps):
         warm = a.warmup
@@ -224,9 +284,7 @@ def train_reference(data: Data, d2t: torch.Tensor, a: argparse.Namespace, seed: 
             a.lr * 0.5 * (1 + math.cos(math.pi * min((step - warm) / max(a.steps - warm, 1), 1.0)))
         for g in opt.param_groups:
             g["lr"] = lr
-        if not queue:
-            queue = batches(data.train, lengths, a.batch_tokens, rng)
-        loss, _ = ref_loss(model, ref_batch(data, queue.pop(), draft_w, to_draft, a.ttt_steps), a.ttt_steps, a.decay)
+        loss, _ = ref_loss(model, ref_batch(data, plan[step], draft_w, to_draft, a.ttt_steps), a.ttt_steps, a.decay)
         loss.backward()
         nn.utils.clip_grad_norm_(params, a.clip)
         opt.step()
@@ -240,24 +298,94 @@ def train_reference(data: Data, d2t: torch.Tensor, a: argparse.Namespace, seed: 
             "train_seconds": round(time.monotonic() - started, 1)}
 
 
+@torch.no_grad()
+def eval_drafter(data: Data, drafter_dir: Path, a: argparse.Namespace) -> dict[str, Any]:
+    """Held-out accuracy of a trained eyas drafter on `data`'s held-out split, through the
+    reference's forward pass (the transplant check shows it computes the same logits) with
+    the drafter's own draft vocabulary."""
+    w = load_file(str(drafter_dir / "model.safetensors"))
+    draft_ids = torch.arange(len(w["d2t"])) + w["d2t"]
+    to_draft = torch.full((data.embed.shape[0],), -1, dtype=torch.long)
+    to_draft[draft_ids] = torch.arange(len(draft_ids))
+    model = RefDrafter(data.embed, data.config, len(draft_ids))
+    model.load_state_dict(ref_state(w, model, data.embed))
+    lengths = [len(x) for x in data.ids]
+    stats = torch.zeros(a.ttt_steps, 2)
+    for ps in batches(data.eval, lengths, a.batch_tokens, random.Random(0)):
+        stats += ref_loss(model, ref_batch(data, ps, data.embed[draft_ids], to_draft, a.ttt_steps), a.ttt_steps, a.decay)[1]
+    return {"acc_per_step": [round(x, 4) for x in (stats[:, 0] / stats[:, 1]).tolist()], "positions": int(stats[0, 1])}
+
+
 # ---------------------------------------------------------------- eyas's drafter
 
 
-def train_eyas(store: Path, out: Path, a: argparse.Namespace, seed: int, fc_norm: bool) -> dict[str, Any]:
-    """eyas.train on the store; its held-out split is pinned to seed 0 so that every seed is
-    measured on the same held-out samples (the seed still sets the init and batch order)."""
-    from eyas.train import loop
+def eyas_config(store: Path, out: Path, a: argparse.Namespace, seed: int, fc_norm: bool):
     from eyas.train.config import TrainConfig
+
+    return TrainConfig(out=str(out), store=str(store), draft_vocab=a.draft_vocab, ttt_steps=a.ttt_steps,
+                       ttt_decay=a.decay, fc_norm=fc_norm, steps=a.steps, lr=a.lr, warmup=a.warmup, clip=a.clip,
+                       batch_tokens=a.batch_tokens, eval_fraction=a.eval_fraction, seed=seed, device="cpu",
+                       eval_every=10**9, save_every=10**9, log_every=max(a.steps // 5, 1), progress=False)
+
+
+def eyas_init(store: Path, out: Path, a: argparse.Namespace, seed: int) -> dict[str, torch.Tensor]:
+    """The weights eyas's drafter starts from for `seed` (eyas's own setup; no step taken)."""
+    from eyas import distributed
+    from eyas.train import loop
     from eyas.train.data import split
 
+    loop.split = lambda index, fraction, _seed: split(index, fraction, 0)  # as train_eyas: the vocab reads the split
+    d, device = distributed.init("cpu", False)
+    run = loop.setup(eyas_config(store, out, a, seed, False), d, device)
+    return {k: v.detach().clone() for k, v in run.drafter.state_dict().items() if not k.startswith("embed_tokens")}
+
+
+def eyas_result(out: Path) -> dict[str, Any]:
+    """The held-out result of an eyas run already trained into `out` (its last eval row)."""
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    m = [r for r in rows if r["split"] == "eval"][-1]
+    return {"seed": json.loads((out / "config.json").read_text()).get("seed") if (out / "config.json").exists() else None,
+            "fc_norm": False, "stream": "eyas", "acc_per_step": [round(x, 4) for x in m["acc_per_step"]],
+            "positions": m["positions"], "vocab_coverage": m["vocab_coverage"], "reused_from": str(out)}
+
+
+def train_eyas(store: Path, out: Path, a: argparse.Namespace, seed: int, fc_norm: bool,
+               plan: list[list[int]] | None = None) -> dict[str, Any]:
+    """eyas.train on the store; its held-out split is pinned to seed 0 so that every seed is
+    measured on the same held-out samples (the seed still sets the init and batch order).
+    With `plan`, step s trains on the samples plan[s] (store positions) instead of eyas's own
+    stream. The drafter's initial weights are kept in out/init.safetensors."""
+    from safetensors.torch import save_file
+
+    from eyas.train import loop
+    from eyas.train.data import BatchStream, split
+
     loop.split = lambda index, fraction, _seed: split(index, fraction, 0)
-    cfg = TrainConfig(out=str(out), store=str(store), draft_vocab=a.draft_vocab, ttt_steps=a.ttt_steps,
-                      ttt_decay=a.decay, fc_norm=fc_norm, steps=a.steps, lr=a.lr, warmup=a.warmup, clip=a.clip,
-                      batch_tokens=a.batch_tokens, eval_fraction=a.eval_fraction, seed=seed, device="cpu",
-                      eval_every=10**9, save_every=10**9, log_every=max(a.steps // 5, 1), progress=False)
+
+    class Planned(BatchStream):
+        def for_step(self, step: int, group: int, rank: int, world: int) -> list[list[int]]:
+            assert (group, rank, world) == (1, 0, 1), "a plan is for one process without accumulation"
+            return [plan[step]]
+
+    def setup(cfg, d, device):  # eyas's own setup, then the initial weights kept and the stream swapped
+        run = setup.eyas(cfg, d, device)
+        out.mkdir(parents=True, exist_ok=True)
+        save_file({k: v.detach().clone().contiguous() for k, v in run.drafter.state_dict().items()
+                   if not k.startswith("embed_tokens")},
+                  str(out / "init.safetensors"))
+        if plan is not None:
+            run.train_stream.__class__ = Planned
+        return run
+
+    setup.eyas = getattr(loop.setup, "eyas", loop.setup)
+    loop.setup = setup
+    cfg = eyas_config(store, out, a, seed, fc_norm)
     started = time.monotonic()
-    m = loop.train(cfg)["eval"]
-    return {"seed": seed, "fc_norm": fc_norm, "acc_per_step": [round(x, 4) for x in m["acc_per_step"]],
+    try:
+        m = loop.train(cfg)["eval"]
+    finally:
+        loop.setup = setup.eyas
+    return {"seed": seed, "fc_norm": fc_norm, "stream": "eyas" if plan is None else "reference", "acc_per_step": [round(x, 4) for x in m["acc_per_step"]],
             "positions": m["positions"], "vocab_coverage": m["vocab_coverage"],
             "train_seconds": round(time.monotonic() - started, 1)}
 
@@ -334,13 +462,7 @@ def transplant_check(data: Data, drafter_dir: Path, K: int) -> list[float]:
     eyas_model = load_drafter(drafter_dir, data.embed).eval()
     w = load_file(str(drafter_dir / "model.safetensors"))
     ref = RefDrafter(data.embed, data.config, w["lm_head.weight"].shape[0])
-    names = {"fc": "fc", "w_in": "midlayer.input_layernorm", "w_hid": "midlayer.hidden_norm",
-             "w_post": "midlayer.post_attention_layernorm", "w_final": "norm", "q": "midlayer.self_attn.q_proj",
-             "k": "midlayer.self_attn.k_proj", "v": "midlayer.self_attn.v_proj", "o": "midlayer.self_attn.o_proj",
-             "gate": "midlayer.mlp.gate_proj", "up": "midlayer.mlp.up_proj", "down": "midlayer.mlp.down_proj",
-             "head": "lm_head"}
-    ref.load_state_dict({(f"{r}.weight" if not r.startswith("w_") else r): w[f"{e}.weight"]
-                         for r, e in names.items()} | {"embed": data.embed, "inv_freq": ref.inv_freq})
+    ref.load_state_dict(ref_state(w, ref, data.embed))
     p = data.eval[0]
     ids, aux = data.ids[p][None], data.aux[p][None]  # [1, T], [1, T, 3, H]
     with torch.no_grad():
@@ -376,6 +498,12 @@ def main() -> None:
     ap.add_argument("--fc-norm-seeds", type=int, nargs="+", help="seeds of the fc_norm runs (default: the first seed)")
     ap.add_argument("--probe-epochs", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--pieces", nargs="+", default=["base", "fc_norm"], choices=["base", "fc_norm", "streams", "regen"],
+                    help="what to run besides eyas's first drafter: base (reference, bigram, probes, further seeds), "
+                         "fc_norm, streams (each drafter on the other's batch stream; the reference from eyas's "
+                         "initial weights), regen (implied by --regen-store)")
+    ap.add_argument("--reuse-eyas", type=Path, help="an eyas drafter already trained on --store with these settings "
+                                                     "and the first seed: read instead of trained again")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from eyas.models import resolve_model  # only to find the converted model folder
@@ -402,9 +530,10 @@ def main() -> None:
         print(name, run, flush=True)
         save()
 
-    first = a.work / f"eyas-seed{a.seeds[0]}"
+    pieces = set(a.pieces) | ({"regen"} if a.regen_store else set())
+    first = a.reuse_eyas or a.work / f"eyas-seed{a.seeds[0]}"
     eyas_runs: list[dict[str, Any]] = []
-    record("eyas", eyas_runs, train_eyas(a.store, first, a, a.seeds[0], False))
+    record("eyas", eyas_runs, eyas_result(first) if a.reuse_eyas else train_eyas(a.store, first, a, a.seeds[0], False))
     d2t = load_file(str(first / "model.safetensors"))["d2t"]
     draft_ids = torch.arange(len(d2t)) + d2t
     own = draft_vocab(data, a.draft_vocab)
@@ -416,26 +545,52 @@ def main() -> None:
     result["transplant_max_logit_diff_per_step"] = transplant_check(data, first, a.ttt_steps)
     print("transplant", result["transplant_max_logit_diff_per_step"], result["draft_vocab_check"], flush=True)
 
-    ref_runs: list[dict[str, Any]] = []
-    record("reference", ref_runs, train_reference(data, d2t, a, a.seeds[0]))
-    result["bigram"] = bigram(data, to_draft)
-    result["probe_late"] = probe(data, draft_w, to_draft, True, a)
-    result["probe_step0_information"] = probe(data, draft_w, to_draft, False, a)
-    print("bigram", result["bigram"], "probes", result["probe_step0_information"], result["probe_late"], flush=True)
-    save()
-    for s in a.seeds[1:]:
-        record("eyas", eyas_runs, train_eyas(a.store, a.work / f"eyas-seed{s}", a, s, False))
-        record("reference", ref_runs, train_reference(data, d2t, a, s))
-    fc_norm_runs: list[dict[str, Any]] = []
-    for s in a.fc_norm_seeds or a.seeds[:1]:
-        record("eyas_fc_norm", fc_norm_runs, train_eyas(a.store, a.work / f"eyas-fcnorm-seed{s}", a, s, True))
-    if a.regen_store:
+    if "base" in pieces:
+        ref_runs: list[dict[str, Any]] = []
+        record("reference", ref_runs, train_reference(data, d2t, a, a.seeds[0]))
+        result["bigram"] = bigram(data, to_draft)
+        result["probe_late"] = probe(data, draft_w, to_draft, True, a)
+        result["probe_step0_information"] = probe(data, draft_w, to_draft, False, a)
+        print("bigram", result["bigram"], "probes", result["probe_step0_information"], result["probe_late"], flush=True)
+        save()
+        for s in a.seeds[1:]:
+            record("eyas", eyas_runs, train_eyas(a.store, a.work / f"eyas-seed{s}", a, s, False))
+            record("reference", ref_runs, train_reference(data, d2t, a, s))
+    if "fc_norm" in pieces:
+        fc_norm_runs: list[dict[str, Any]] = []
+        for s in a.fc_norm_seeds or a.seeds[:1]:
+            record("eyas_fc_norm", fc_norm_runs, train_eyas(a.store, a.work / f"eyas-fcnorm-seed{s}", a, s, True))
+    if "streams" in pieces:
+        # The two drafters on each other's batch streams, and the reference from eyas's very
+        # initial weights on eyas's stream (everything then shared but the training code).
+        from eyas.train.data import StoreSource
+
+        assert StoreSource(a.store, a.batch_tokens).sample_index == data.index, "store positions differ"
+        on_eyas, matched, on_ref = [], [], []
+        result["streams"] = {}
+        for s in a.seeds:
+            eplan, rplan = eyas_plan(data, a, s), ref_plan(data, a, s)
+            result["streams"][f"seed{s}"] = {"eyas": plan_stats(data, eplan, a), "reference": plan_stats(data, rplan, a)}
+            print("streams", s, result["streams"][f"seed{s}"], flush=True)
+            record("reference_on_eyas_stream", on_eyas, train_reference(data, d2t, a, s, plan=eplan))
+            record("eyas_on_reference_stream", on_ref, train_eyas(a.store, a.work / f"eyas-refstream-seed{s}", a, s,
+                                                                   False, plan=rplan))
+            init = eyas_init(a.store, a.work / f"init-seed{s}", a, s)
+            record("reference_eyas_init_on_eyas_stream", matched, train_reference(data, d2t, a, s, plan=eplan, init=init))
+    if "regen" in pieces:
         regen = Data(a.regen_store, model_dir, a.eval_fraction)
-        run = train_eyas(a.regen_store, a.work / "eyas-regen", a, a.seeds[0], False)
+        regen_dir = a.work / "eyas-regen"
+        run = train_eyas(a.regen_store, regen_dir, a, a.seeds[0], False)
         result["eyas_regenerated"] = {
-            "note": "a different store: these are its own held-out tokens, not the ones above",
+            "note": "a different store: its own held-out tokens (regenerated answers), not the ones above",
             "samples": len(regen.ids), "tokens": sum(len(x) for x in regen.ids),
-            "bigram": bigram(regen, to_draft), "runs": [run]}
+            "train_samples": len(regen.train), "eval_samples": len(regen.eval),
+            "eval_trained_positions": int(sum(regen.trained(p).sum() for p in regen.eval)),
+            "same_heldout_sample_indices": sorted(regen.index[p] for p in regen.eval) == sorted(data.index[p] for p in data.eval),
+            "bigram": bigram(regen, to_draft), "runs": [run],
+            "cross": {"regen_drafter_on_original_heldout": eval_drafter(data, regen_dir, a),
+                      "original_drafter_on_regen_heldout": eval_drafter(regen, first, a),
+                      "original_drafter_on_original_heldout_same_eval_code": eval_drafter(data, first, a)}}
         print("regenerated", result["eyas_regenerated"], flush=True)
         save()
     print(json.dumps(result, indent=1))
