@@ -113,9 +113,15 @@ class Eagle3Drafter(nn.Module):
 
     def outputs(self, prenorm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """prenorm [..., H] (the layer's output) -> draft-vocab logits [..., Vd] and the hidden
-        state the next step reads [..., H]: the pre-norm output, or the normed one (norm_output)."""
+        state the next step reads [..., H]."""
+        normed, following = self.normed_outputs(prenorm)
+        return self.lm_head(normed), following
+
+    def normed_outputs(self, prenorm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """prenorm [..., H] -> the normed output (lm_head's input) and the hidden state the next
+        step reads: the pre-norm output, or the normed one (norm_output)."""
         normed = self.norm(prenorm)
-        return self.lm_head(normed), normed if self.config.norm_output else prenorm
+        return normed, normed if self.config.norm_output else prenorm
 
     def forward_ttt(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int | None = None):
         """Training-time test over whole sequences: a list of `steps` logits tensors [B, T, Vd]
@@ -150,10 +156,8 @@ class Eagle3Drafter(nn.Module):
             else:
                 extra.append((kk, vv))
             out = ttt_attention(q, k0, v0, extra)  # [B, nH, T, d]
-            prenorm = self.midlayer.post_attention(out.transpose(1, 2).flatten(2), residual)
-            normed = self.norm(prenorm)
+            normed, hidden = self.normed_outputs(self.midlayer.post_attention(out.transpose(1, 2).flatten(2), residual))
             states.append(normed)
-            hidden = normed if self.config.norm_output else prenorm
         return states
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eyas.device import synchronize
 from eyas.evaluate.accept import accept_greedy, accept_sampled, sample_or_argmax
 from eyas.evaluate.proposers import Proposer
 from eyas.evaluate.target import TargetSession
@@ -30,15 +31,10 @@ class Generation:
     seconds: float
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def generate(target: TargetSession, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int,
              eos_ids: set[int], temperature: float = 0.0, generator: torch.Generator | None = None) -> Generation:
-    _sync(target.device)
+    synchronize(target.device)
     t0 = time.perf_counter()
     target.capture_aux = proposer.needs_aux
     logits, aux = target.prefill(torch.tensor(prompt_ids))
@@ -62,5 +58,5 @@ def generate(target: TargetSession, proposer: Proposer, prompt_ids: list[int], m
         out += emitted
         if out[-1] not in eos_ids:
             proposer.update(emitted, None if aux is None else aux[rows])
-    _sync(target.device)
+    synchronize(target.device)
     return Generation(list(prompt_ids), out, counts, time.perf_counter() - t0)

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from eyas.device import synchronize
+
 ATTENTION = "eyas_grouped_sdpa"
 
 
@@ -125,7 +127,7 @@ class StaticGreedy:
             logits = self.model(input_ids=ids[:, q], attention_mask=mask[:, None],
                                 position_ids=(q[None] - (T - lengths)[:, None]).clamp_min(0), past_key_values=cache,
                                 cache_position=q, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
-        _sync(dev)
+        synchronize(dev)
         prefilled = time.monotonic()
         stops = torch.tensor(self.stops, device=dev)
         budget = torch.tensor(budgets, device=dev)
@@ -151,8 +153,3 @@ class StaticGreedy:
         st["row_steps"] += B * generated.shape[1]
         st["kept_tokens"] += sum(map(len, out))
         return out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
