@@ -183,18 +183,15 @@ def ship_drafter(folder: Path, out: Path, part: int = 15 << 20) -> None:
 
 
 def _tokenizer_parts(model: str) -> dict:
-    """Digests of what the tokenizer identity hashes, to tell which part differs between
+    """What the tokenizer identity hashes, part by part, to tell which part differs between
     machines with other library versions."""
     import transformers
 
     from eyas.models import load_tokenizer
-    from eyas.models.identity import _digest, tokenizer_hash
+    from eyas.models.identity import tokenizer_hash, tokenizer_parts
 
     tok = load_tokenizer(model)
-    return {"transformers": transformers.__version__, "hash": tokenizer_hash(tok),
-            "vocab": _digest(sorted(tok.get_vocab().items(), key=lambda kv: kv[1])),
-            "vocab_size": len(tok.get_vocab()), "chat_template": _digest(getattr(tok, "chat_template", None)),
-            "special": {k: str(v) for k, v in sorted(tok.special_tokens_map.items())}}
+    return {"transformers": transformers.__version__, "hash": tokenizer_hash(tok), **tokenizer_parts(tok)}
 
 
 def _answer_tokens(prepared: Path) -> int:

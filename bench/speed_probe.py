@@ -175,43 +175,14 @@ def probe_train(model_dir: Path, prepared: Path, work: Path, batch_tokens: int, 
 
 
 def phase_times(run, steps: int) -> dict:
-    """The parts of a training step, each timed to completion (synchronised): planning
-    the batch, the target's forward (online load), labels, drafter forward, backward, and
-    the optimizer. Their sum against an unsynchronised step shows how much overlaps."""
-    from eyas.train.loop import _autocast, _check_inputs, _draft_ids, _weights
-    from eyas.train.objective import make_labels
+    """The parts of a training step, each synchronised (speed_gpu.py's instrumented step):
+    their sum against an unsynchronised step shows how much overlaps."""
+    from speed_gpu import Timer, instrumented_step
 
-    totals: dict[str, float] = {}
-
-    def tick(name: str, t0: float) -> float:
-        _sync()
-        now = time.monotonic()
-        totals[name] = totals.get(name, 0.0) + now - t0
-        return now
-
+    timer = Timer(run.device)
     for _ in range(steps):
-        t = time.monotonic()
-        micro = run.train_stream.for_step(run.step, run.group, run.d.rank, run.d.world)
-        weights = _weights(run, micro)
-        t = tick("plan", t)
-        for positions in micro:
-            batch = run.source.load(positions, run.device)
-            t = tick("load_target_forward", t)
-            _check_inputs(batch)
-            t = tick("check_inputs", t)
-            with _autocast(run.device):
-                labels = make_labels(run.head, batch.hidden[:, :, -1], batch.loss_mask, _draft_ids(run))
-                t = tick("labels", t)
-                loss, _, _ = run.model(batch.input_ids, batch.hidden[:, :, :-1], labels, weights)
-            t = tick("drafter_forward", t)
-            loss.backward()
-            t = tick("backward", t)
-        torch.nn.utils.clip_grad_norm_([p for p in run.model.parameters() if p.requires_grad], run.cfg.clip)
-        run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
-        run.step += 1
-        tick("optimizer", t)
-    return {k: round(1e3 * v / steps, 1) for k, v in totals.items()}
+        instrumented_step(run, timer)
+    return {k: round(1e3 * v / steps, 1) for k, v in timer.seconds.items()}
 
 
 def run(args) -> None:
