@@ -187,6 +187,26 @@ def test_static_cache_path_equals_generate(smollm2_dir):
     assert all(0 < len(f) <= b for f, b in zip(fast, budgets)) and any(len(f) == b for f, b in zip(fast, budgets))
 
 
+def test_static_path_drops_stopped_rows_and_stays_greedy(smollm2_dir):
+    """When half a batch has stopped, the fast path compacts it (the cache keeps only live rows);
+    the survivors' tokens are still plain `model.generate`'s, exactly."""
+    from eyas.regenerate.generate import HFGenerator
+
+    gen = HFGenerator(SMOLLM2, dtype="float32", cache_tokens=1 << 14)
+    questions = ["Write a long story about a dragon.", "hi", "2+2?", "Name a colour.", "Say yes.",
+                 "Explain photosynthesis in detail."]
+    prompts = [gen.tokenizer(gen.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                               add_generation_prompt=True),
+                             add_special_tokens=False)["input_ids"] for q in questions]
+    budgets = [40, 3, 4, 8, 5, 40]
+    fast = gen.generate(prompts, budgets, temperature=0.0, seed=0)
+    assert gen.greedy.stats["batches"] == 1 and gen.greedy.stats["compactions"] >= 1
+    assert gen.greedy.stats["row_steps"] < len(prompts) * max(budgets)
+    gen.model.set_attn_implementation("sdpa")
+    assert fast == gen.sample(prompts, budgets, temperature=0.0, seed=0)
+    assert [len(f) for f in fast][0] == 40 or any(len(f) > 16 for f in fast)
+
+
 def test_an_answer_that_opens_a_conversation_is_dropped(smollm2_dir):
     """ShareGPT holds conversations that start with the assistant: that answer has no prompt to
     be regenerated from (the chat template refuses an empty conversation), so it is dropped."""

@@ -70,9 +70,10 @@ class StaticGreedy:
         self.cache_tokens, self.max_rows = cache_tokens, max_rows
         self.device = next(model.parameters()).device
         # Where the time goes, summed over batches: prefill and decode seconds, and decode's
-        # row-steps computed against those that produced a kept token (rows that stopped
-        # still ride along until their batch ends).
-        self.stats = {"batches": 0, "prefill_s": 0.0, "decode_s": 0.0, "row_steps": 0, "kept_tokens": 0}
+        # row-steps computed against those that produced a kept token (rows that stopped ride
+        # along until half the batch has stopped; then the batch is compacted).
+        self.stats = {"batches": 0, "prefill_s": 0.0, "decode_s": 0.0, "row_steps": 0, "kept_tokens": 0,
+                      "compactions": 0}
 
     def generate(self, prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
         """Each prompt's continuation: at most its budget of tokens, cut before the first stop id."""
@@ -131,18 +132,33 @@ class StaticGreedy:
         prefilled = time.monotonic()
         stops = torch.tensor(self.stops, device=dev)
         budget = torch.tensor(budgets, device=dev)
-        generated = torch.empty(B, N, dtype=torch.long, device=dev)
+        rows = torch.arange(B, device=dev)  # [b]: the batch row each live row came from
+        generated = torch.full((B, N), self.pad, dtype=torch.long, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
+        row_steps = 0
         for s in range(N):
-            token = logits.argmax(-1)  # [B]
-            generated[:, s] = token
+            token = logits.argmax(-1)  # [b]
+            generated[rows, s] = token
             done |= torch.isin(token, stops) | (budget <= s + 1)
-            # Checking on the host costs a sync: every 8 steps lets the host run ahead of the GPU.
-            if s + 1 == N or (s % 8 == 7 and bool(done.all())):
-                generated = generated[:, : s + 1]
+            row_steps += len(rows)
+            if s + 1 == N:
                 break
+            # Checking on the host costs a sync: every 8 steps lets the host run ahead of the GPU.
+            if s % 8 == 7:
+                live = int((~done).sum())
+                if live == 0:
+                    generated = generated[:, : s + 1]
+                    break
+                if live <= len(rows) // 2 and N - s > 16:
+                    # Half the rows have stopped: drop them, so the rest decode at their own
+                    # batch size instead of carrying finished rows to the batch's end.
+                    keep = (~done).nonzero().squeeze(1)  # [live]
+                    rows, real, lengths, budget, done, token = (t[keep] for t in (rows, real, lengths, budget, done,
+                                                                                  token))
+                    _keep_cache_rows(cache, keep)
+                    self.stats["compactions"] += 1
             slot = T + s
-            mask = (real & (slots[None] <= slot))[:, None, None]  # [B, 1, 1, L]
+            mask = (real & (slots[None] <= slot))[:, None, None]  # [b, 1, 1, L]
             logits = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=(lengths + s)[:, None],
                                 past_key_values=cache, cache_position=slots[slot:slot + 1], use_cache=True).logits[:, -1]
         out = [cut_at_stop(g[:n], self.stops) for g, n in zip(generated.tolist(), budgets)]
@@ -150,6 +166,14 @@ class StaticGreedy:
         st["batches"] += 1
         st["prefill_s"] += prefilled - started
         st["decode_s"] += time.monotonic() - prefilled
-        st["row_steps"] += B * generated.shape[1]
+        st["row_steps"] += row_steps
         st["kept_tokens"] += sum(map(len, out))
         return out
+
+
+def _keep_cache_rows(cache, keep: torch.Tensor) -> None:
+    """Shrink a `StaticCache` to the batch rows `keep` ([b']), in place of its layers' tensors."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[keep], layer.values[keep]  # [b', nKV, L, d]
+        if hasattr(layer, "batch_size"):
+            layer.batch_size = len(keep)
