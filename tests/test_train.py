@@ -22,6 +22,7 @@ from eyas.draft import load_drafter
 from eyas.errors import EyasError
 from eyas.store import Store, StoreWriter
 from eyas.train import TrainConfig, train
+from eyas.train.data import BatchStream
 
 # Small settings shared by the SmolLM2 runs: 2 TTT steps and an 8192-token draft vocab (which
 # holds the target's greedy token at ~96% of the tiny store's positions) keep a step near a
@@ -209,6 +210,55 @@ def test_learning_rate_warms_up_then_decays_to_zero():
     assert all(a >= b for a, b in zip(lrs[10:], lrs[11:])) and lrs[-1] < 0.001
 
 
+# 50 samples, 30 of them cut at the 64-token crop (ties), in a store order that is not the
+# prepared order; every fifth position is held out.
+TIED_LENGTHS = [64] * 30 + [12 + p for p in range(20)]
+TIED_INDEX = [(7 * p) % 50 for p in range(50)]
+TIED_TRAIN = [p for p in range(50) if p % 5]
+
+
+def _tied_stream(seed: int) -> BatchStream:
+    return BatchStream(TIED_TRAIN, TIED_LENGTHS, TIED_INDEX, 256, seed)
+
+
+def _epoch_items(stream: BatchStream, epoch: int) -> list[list[int]]:
+    return [stream.item(epoch * len(stream) + i) for i in range(len(stream))]
+
+
+def test_each_epoch_regroups_ties_into_batches_of_the_same_shapes():
+    """Samples tied at the crop length meet new neighbours every epoch, while the batch count,
+    sizes and longest lengths (steps, memory, compiled shapes) stay those of the fixed grouping."""
+    stream = _tied_stream(seed=3)
+
+    def shape(batch: list[int]) -> tuple[int, int]:
+        return len(batch), max(TIED_LENGTHS[p] for p in batch)
+
+    shapes = sorted(map(shape, stream.batches))
+    epochs = [_epoch_items(stream, e) for e in range(3)]
+    for items in epochs:
+        assert len(items) == len(stream) and sorted(map(shape, items)) == shapes
+    groups = [{frozenset(b) for b in items} for items in epochs]
+    assert groups[0] != groups[1] != groups[2]
+    # Held-out passes use the fixed grouping, whatever the seed.
+    assert _tied_stream(seed=4).batches == stream.batches
+
+
+def test_each_epoch_trains_on_every_position_once():
+    stream = _tied_stream(seed=0)
+    for e in range(4):
+        assert sorted(p for b in _epoch_items(stream, e) for p in b) == TIED_TRAIN
+
+
+def test_stream_items_depend_only_on_seed_and_index():
+    stream = _tied_stream(seed=5)
+    items = [stream.item(s) for s in range(4 * len(stream))]
+    # A resumed run asks a fresh stream from any step on; the prefetch thread may be an epoch ahead.
+    fresh = _tied_stream(seed=5)
+    order = [*range(len(items) - 1, 2 * len(stream) - 1, -1), *range(2 * len(stream))]
+    assert {s: fresh.item(s) for s in order} == dict(enumerate(items))
+    assert [_tied_stream(seed=6).item(s) for s in range(len(items))] != items
+
+
 def _first_step(argv: list[str]) -> None:
     """Script mode: one step's loss and gradients (after DDP's all-reduce) -> a file."""
     from eyas import distributed
@@ -318,7 +368,7 @@ def test_batches_are_the_same_read_ahead_or_not(smollm2_store, tmp_path, dtype):
     scale product is one float32 rounding on either side), in the same order, same samples."""
     import threading
 
-    from eyas.train.data import BatchStream, StoreSource
+    from eyas.train.data import StoreSource
 
     store = derive_store(smollm2_store, tmp_path / dtype, n=8, length=48, dtype=dtype)
     source = StoreSource(store, crop=40)  # some samples cropped, batches of several lengths
