@@ -265,3 +265,21 @@ def test_utf16_data_is_a_clear_error(tmp_path, tiny_llama_dir):
     data.write_bytes(json.dumps(GOOD_OPENAI).encode("utf-16"))
     with pytest.raises(EyasError, match="UTF-16 or UTF-32 text; eyas reads UTF-8"):
         _summary(tiny_llama_dir, data, tmp_path / "out")
+
+
+def test_worker_processes_prepare_exactly_what_one_process_does(tmp_path, tiny_llama_dir):
+    """Tokenizing in forked workers changes nothing: same samples in the same order, the same
+    drops by reason, the same fingerprint, and a cut tail still reported."""
+    rows = [GOOD_OPENAI, "{not json", GOOD_SHAREGPT, {"messages": [{"role": "user", "content": "q"}]}] * 40
+    text = "\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + '\n{"messages": [{"role": "us'
+    data = tmp_path / "d.jsonl"
+    data.write_text(text)
+    one = prepare(str(tiny_llama_dir), str(data), tmp_path / "one", workers=1, progress=False)
+    many = prepare(str(tiny_llama_dir), str(data), tmp_path / "many", workers=3, progress=False)
+    assert one == many and one["kept"] == 80 and one["dropped"]["invalid JSON (Expecting property name enclosed in double quotes)"] == 40
+    a, b = PreparedData(tmp_path / "one"), PreparedData(tmp_path / "many")
+    assert a.meta["fingerprint"] == b.meta["fingerprint"] and [s.source_index for s in a] == [s.source_index for s in b]
+    assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
+    assert a.conversations() == b.conversations()
+    limited = prepare(str(tiny_llama_dir), str(data), tmp_path / "limited", workers=3, limit=5, progress=False)
+    assert limited["kept"] == 5 and [s.source_index for s in PreparedData(tmp_path / "limited")] == [0, 2, 4, 6, 8]

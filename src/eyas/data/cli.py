@@ -27,6 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, help="keep at most this many samples")
     p.add_argument("--strict", action="store_true", help="stop at the first bad record instead of skipping it")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template to use instead of the tokenizer's")
+    p.add_argument("--workers", type=int, help="processes that tokenize (default: up to 8 of the machine's cores; "
+                   "1 tokenizes in this process); the result does not depend on it")
     p.add_argument("--show", type=int, metavar="N", help="print sample N of DIR with trained tokens highlighted")
     p.add_argument("dir", nargs="?", help="prepared folder to read (with --show)")
 
@@ -43,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
     missing = [f"--{k}" for k in ("model", "data", "out") if not getattr(args, k)]
     if missing:
         raise EyasError(f"missing {', '.join(missing)} (see eyas prepare --help)")
+    if args.workers is not None and args.workers < 1:
+        raise EyasError("--workers must be at least 1.")
     summary = prepare(args.model, args.data, args.out, max_len=args.max_len, limit=args.limit,
-                      strict=args.strict, chat_template=args.chat_template)
+                      strict=args.strict, chat_template=args.chat_template, workers=args.workers)
     print(format_summary(summary, args.out))
     return 0

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from eyas.data.sources import BadRecord
@@ -143,17 +144,24 @@ def assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, lis
     return full, spans
 
 
-def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_len: int):
-    """-> (input_ids [T] int64, loss_mask [T] bool, truncated). Raises BadRecord."""
+def encode_conversation(tokenizer, messages: list[dict[str, str]], max_len: int):
+    """-> (input_ids [T] int64, loss_mask [T] bool, truncated) as numpy arrays, so that
+    `prepare`'s worker processes never touch torch. Raises BadRecord."""
     text, spans = assistant_spans(tokenizer, messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    starts = torch.tensor([a for a, _ in enc["offset_mapping"]], dtype=torch.int64)
-    mask = torch.zeros(len(starts), dtype=torch.bool)
+    starts = np.array([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
+    mask = np.zeros(len(starts), dtype=bool)
     for a, b in spans:
         mask |= (starts >= a) & (starts < b)
-    ids = torch.tensor(enc["input_ids"], dtype=torch.int64)
+    ids = np.array(enc["input_ids"], dtype=np.int64)
     truncated = len(ids) > max_len
     ids, mask = ids[:max_len], mask[:max_len]
     if not mask.any():
         raise BadRecord("no assistant token within --max-len" if truncated else "no assistant token after templating")
     return ids, mask, truncated
+
+
+def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_len: int):
+    """-> (input_ids [T] int64, loss_mask [T] bool, truncated) as tensors. Raises BadRecord."""
+    ids, mask, truncated = encode_conversation(tokenizer, messages, max_len)
+    return torch.from_numpy(ids), torch.from_numpy(mask), truncated
