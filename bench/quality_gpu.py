@@ -6,7 +6,8 @@ prompt lookup, all in eyas's own lossless decoding loop.
 Stages (bench/README.md shows how the model reaches the GPU machine):
   pack   (here)  split the packaged GGUF in two; .carry/bench/a gets part 1 and the MT-bench
                  questions, .carry/bench/b part 2, the gguf wheel and every packaged
-                 conversation (ShareGPT + chitchat, first two user turns, gzipped)
+                 conversation (ShareGPT + chitchat in windows of two user turns,
+                 first windows first, gzipped)
   train  (GPU)   prepare -> regenerate (greedy, the target's own answers, time-boxed) ->
                  train --online (a short probe sizes the run to its time budget)
   eval   (GPU)   MT-bench, greedy, in parallel worker processes over disjoint questions:
@@ -66,30 +67,36 @@ def pack(args) -> None:
     (b / "gguf.part2").write_bytes(data[cut:])
     shutil.copy(WHEEL, b / WHEEL.name)
     shutil.copy(_mt_bench_file(), a / "mt_bench.jsonl")
-    seen, conversations = set(), []
+    seen, first, later = set(), [], []
     for source in ("packaged:sharegpt", "packaged:chitchat"):
         for record in iter_records(source):
             try:
                 messages = normalize(record)
             except BadRecord:
                 continue
-            users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-            # Up to two user turns, as in MT-bench. Every turn was tried once (2026-11-30): in
-            # the same regeneration budget it reached 6,144 conversations instead of 16,382, and
-            # the drafter trained on them was worse (held-out 0.66 against 0.75). The answers are
-            # placeholders: regeneration replaces every one, and a conversation it does not
-            # reach is never prepared.
-            turns = messages[users[0]:users[2] if len(users) > 2 else len(messages)] if users else []
-            key = tuple(m["content"] for m in turns if m["role"] == "user")
-            if not key or key in seen:
-                continue
-            seen.add(key)
-            conversations.append([m if m["role"] != "assistant" else {"role": "assistant", "content": "."}
-                                  for m in turns])
-    random.Random(0).shuffle(conversations)  # a time-boxed regeneration still samples both sources
+            users = [i for i, m in enumerate(messages) if m["role"] == "user"] + [len(messages)]
+            # Windows of two user turns, as in MT-bench: the first window of each conversation,
+            # then its later ones as conversations of their own (more prompts for the same
+            # regeneration minutes; a round of a window decodes all its rows at once). Every turn
+            # as one long conversation was tried once (2026-11-30): the same budget reached
+            # 6,144 conversations instead of 16,382, and the drafter was worse (held-out 0.66
+            # against 0.75). The answers are placeholders: regeneration replaces every one, and
+            # a conversation it does not reach is never prepared.
+            for w in range(0, len(users) - 1, 2):
+                turns = messages[users[w]:users[min(w + 2, len(users) - 1)]]
+                key = tuple(m["content"] for m in turns if m["role"] == "user")
+                if len(turns) < 2 or key in seen:
+                    continue
+                seen.add(key)
+                (later if w else first).append([m if m["role"] != "assistant" else {"role": "assistant", "content": "."}
+                                                for m in turns])
+    # Shuffled (a time-boxed regeneration still samples both sources), first windows first.
+    random.Random(0).shuffle(first)
+    random.Random(1).shuffle(later)
+    conversations = first + later
     with gzip.open(b / "conversations.jsonl.gz", "wt", encoding="utf-8") as f:
         f.writelines(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in conversations)
-    print(f"packed {len(conversations)} conversations; {a}: {_mib(a)} MiB, {b}: {_mib(b)} MiB")
+    print(f"packed {len(conversations)} conversations ({len(first)} first windows); {a}: {_mib(a)} MiB, {b}: {_mib(b)} MiB")
 
 
 def _mib(folder: Path) -> int:
@@ -100,23 +107,44 @@ def _mib(folder: Path) -> int:
 
 
 def train_stage(args) -> None:
-    from eyas.data.prepare import prepare
-    from eyas.regenerate.run import regenerate
-
+    """Regenerate, then train; `--parts` runs one of them, so each can have a device call of
+    its own (the regenerated data and the report stay in --work while the machine is warm)."""
     t_start = time.monotonic()
     deadline = t_start + 60 * args.minutes
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
+    parts = set(args.parts.split(","))
+    report: dict = _load(work / "quality_train.json") or {}
+    report.setdefault("commands", []).append(" ".join(sys.argv))
+    if "regen" in parts:
+        report["device"], report["tokenizer_parts"] = _device_name(args.device), _tokenizer_parts(args.model)
+        regen_stage(args, work, report)
+        _dump(out / "quality_train.json", report)
+        _dump(work / "quality_train.json", report)  # for the next call, whose $OUT starts empty
+    if "train" in parts:
+        left = deadline - time.monotonic() - 25  # the final held-out pass and save
+        report["train"] = train_for(args, work / "regen", work / "drafter", left, RECIPE)
+        _dump(out / "quality_train.json", report)
+        _dump(work / "quality_train.json", report)
+        shutil.copy(work / "drafter" / "metrics.jsonl", out / "metrics.jsonl")
+        ship_drafter(work / "drafter", out)
+        print(json.dumps(report["train"]["final"], default=str), flush=True)
+
+
+def regen_stage(args, work: Path, report: dict) -> None:
+    """Prepare the packed conversations, regenerate as many as --regen-minutes allow."""
+    from eyas.data.prepare import prepare
+    from eyas.regenerate.run import regenerate
+
     conversations = work / "conversations.jsonl"
     with gzip.open(args.conversations, "rt", encoding="utf-8") as f:
         conversations.write_text(f.read(), encoding="utf-8")
-    report: dict = {"command": " ".join(sys.argv), "device": _device_name(args.device),
-                    "tokenizer_parts": _tokenizer_parts(args.model)}
     t0 = time.monotonic()
     report["prepare"] = prepare(args.model, str(conversations), work / "prepared", max_len=args.max_len,
                                 progress=False)
     report["prepare"]["seconds"] = round(time.monotonic() - t0, 1)
+    print(f"prepared {report['prepare']['kept']} conversations in {report['prepare']['seconds']} s", flush=True)
     t0 = time.monotonic()
     summary = regenerate(args.model, work / "prepared", work / "regen", max_new_tokens=args.regen_tokens,
                          group_size=args.regen_group, device=args.device, progress=False,
@@ -128,14 +156,6 @@ def train_stage(args) -> None:
                             "answer_tokens_per_s": round(answers / seconds, 1),
                             "breakdown_s": summary.get("regenerate_seconds"), "static_decoding": summary.get("static_decoding")}
     print("regenerated:", json.dumps(report["regenerate"]), flush=True)
-    _dump(out / "quality_train.json", report)
-    left = deadline - time.monotonic() - 25  # the final held-out pass and save
-    report["train"] = train_for(args, work / "regen", work / "drafter", left, RECIPE)
-    _dump(out / "quality_train.json", report)
-    _dump(work / "quality_train.json", report)  # for the eval call, whose $OUT starts empty
-    shutil.copy(work / "drafter" / "metrics.jsonl", out / "metrics.jsonl")
-    ship_drafter(work / "drafter", out)
-    print(json.dumps(report["train"]["final"], default=str), flush=True)
 
 
 # The main run's drafter options; `recipe` runs in the eval call compare them.
@@ -385,11 +405,12 @@ def main() -> None:
         s.add_argument("--device", default="cuda")
         s.add_argument("--out", required=True)
     tr = sub.choices["train"]
-    tr.add_argument("--conversations", required=True, help="conversations.jsonl.gz written by pack")
+    tr.add_argument("--conversations", help="conversations.jsonl.gz written by pack (for --parts regen)")
     tr.add_argument("--minutes", type=float, default=9.0, help="the whole stage's budget")
+    tr.add_argument("--parts", default="regen,train", help="regen, train, or both (default)")
     tr.add_argument("--regen-minutes", type=float, default=3.0)
     tr.add_argument("--regen-tokens", type=int, default=256)
-    tr.add_argument("--regen-group", type=int, default=2048)
+    tr.add_argument("--regen-group", type=int, default=4096)
     tr.add_argument("--max-len", type=int, default=1024)
     tr.add_argument("--batch-tokens", type=int, default=65536)
     tr.add_argument("--lr", type=float, default=1e-3)
