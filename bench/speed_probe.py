@@ -100,33 +100,42 @@ def prepare_sample(model_dir: Path, conversations: Path, work: Path, n: int) -> 
     return prepare(str(model_dir), str(data), work / "prepared", max_len=1024, progress=False)
 
 
-def profile_decode(model_dir: Path, rows: int = 2048, prompt: int = 256, steps: int = 48) -> dict:
+def profile_decode(model_dir: Path, rows: int = 2048, prompt: int = 256, steps: int = 256) -> dict:
     """One batch of the static-cache loop: prefill time, ms per decode step, and a profile
-    of the prefill and a few steps."""
+    of the prefill and a few steps; and the same batch with every step reading the whole
+    cache (as before `kv_limit`), side by side."""
     from torch.profiler import ProfilerActivity, profile
+    from transformers import AttentionInterface
 
     from eyas.models import load_target
-    from eyas.regenerate.static import StaticGreedy
+    from eyas.regenerate.static import ATTENTION, StaticGreedy, grouped_sdpa
 
     model, _ = load_target(str(model_dir), dtype="bf16", device=DEVICE)
     prompts = [[1 + (i * 7 + j) % 4000 for j in range(prompt - i % 64)] for i in range(rows)]
     greedy = StaticGreedy(model, pad_id=0, stops=[], cache_tokens=1 << 21)
     greedy._batch(prompts[:64], [4] * len(prompts[:64]))  # warm-up
-    _sync()
-    t0 = time.monotonic()
-    greedy._batch(prompts, [steps] * rows)
-    _sync()
-    full = time.monotonic() - t0
-    t0 = time.monotonic()
-    greedy._batch(prompts, [1] * rows)  # prefill only
-    _sync()
-    prefill = time.monotonic() - t0
+
+    def timed(new_tokens: int) -> float:
+        _sync()
+        t0 = time.monotonic()
+        greedy._batch(prompts, [new_tokens] * rows)
+        _sync()
+        return time.monotonic() - t0
+
+    def step_ms() -> float:
+        return 1e3 * (timed(steps) - timed(1)) / (steps - 1)
+
+    prefill, limited = timed(1), step_ms()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         greedy._batch(prompts, [8] * rows)
         _sync()
-    step_ms = 1e3 * (full - prefill) / (steps - 1)
-    return {"rows": rows, "prompt": prompt, "prefill_s": round(prefill, 3), "decode_step_ms": round(step_ms, 2),
-            "decode_tokens_per_s": round(rows / step_ms * 1e3, 1), "profile_prefill_and_7_steps": _profile_table(prof)}
+    AttentionInterface.register(ATTENTION, lambda *a, kv_limit=None, **kw: grouped_sdpa(*a, **kw))
+    whole = step_ms()
+    AttentionInterface.register(ATTENTION, grouped_sdpa)
+    return {"rows": rows, "prompt": prompt, "steps": steps, "prefill_s": round(prefill, 3),
+            "decode_step_ms": round(limited, 2), "decode_tokens_per_s": round(rows / limited * 1e3, 1),
+            "decode_step_ms_reading_whole_cache": round(whole, 2), "whole_over_limited": round(whole / limited, 3),
+            "profile_prefill_and_7_steps": _profile_table(prof)}
 
 
 def probe_train(model_dir: Path, prepared: Path, work: Path, batch_tokens: int, steps: int, profile_steps: int,
@@ -208,9 +217,13 @@ def run(args) -> None:
         (out / "speed_probe.json").write_text(json.dumps(result, indent=1, default=str))
         print(f"{name}: {json.dumps(result[name], default=str)[:1500]}", flush=True)
 
+    parts = set(args.parts.split(","))
     part("random_model", lambda: random_model(carry, model_dir) or {"folder": str(model_dir)})
+    if "decode" in parts:
+        part("decode", lambda: profile_decode(model_dir) if DEVICE == "cuda" else profile_decode(model_dir, 8, 80, 6))
+    if "train" not in parts:
+        return
     part("prepare", lambda: prepare_sample(model_dir, carry / "conversations.jsonl.gz", work, args.conversations))
-    part("decode", lambda: profile_decode(model_dir) if DEVICE == "cuda" else profile_decode(model_dir, 8, 80, 4))
     prepared = work / "prepared"
     for bt in args.batch_tokens:
         part(f"train_{bt}", lambda bt=bt: probe_train(model_dir, prepared, work, bt, args.train_steps, 3,
@@ -231,6 +244,7 @@ def main() -> None:
     r.add_argument("--conversations", type=int, default=3000)
     r.add_argument("--train-steps", type=int, default=8)
     r.add_argument("--batch-tokens", type=int, nargs="+", default=[65536])
+    r.add_argument("--parts", default="decode,train", help="decode, train, or both (default)")
     args = p.parse_args()
     {"pack": pack, "run": run}[args.stage](args)
 

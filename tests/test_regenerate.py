@@ -187,10 +187,21 @@ def test_static_cache_path_equals_generate(smollm2_dir):
     assert all(0 < len(f) <= b for f, b in zip(fast, budgets)) and any(len(f) == b for f, b in zip(fast, budgets))
 
 
-def test_static_path_drops_stopped_rows_and_stays_greedy(smollm2_dir):
-    """When half a batch has stopped, the fast path compacts it (the cache keeps only live rows);
-    the survivors' tokens are still plain `model.generate`'s, exactly."""
+def test_static_path_drops_stopped_rows_and_stays_greedy(smollm2_dir, monkeypatch):
+    """When a quarter of a batch has stopped, the fast path compacts it (the cache keeps only
+    live rows), and each decode step reads only the cache slots written so far; the tokens are
+    still plain `model.generate`'s, exactly."""
+    import eyas.regenerate.static as static
     from eyas.regenerate.generate import HFGenerator
+
+    read: list[tuple[int, int]] = []  # (rows, cache slots) each attention call reads
+    sdpa = static.F.scaled_dot_product_attention
+
+    def spy(q, k, v, **kw):
+        read.append((k.shape[0], k.shape[2]))
+        return sdpa(q, k, v, **kw)
+
+    monkeypatch.setattr(static.F, "scaled_dot_product_attention", spy)
 
     gen = HFGenerator(SMOLLM2, dtype="float32", cache_tokens=1 << 14)
     questions = ["Write a long story about a dragon.", "hi", "2+2?", "Name a colour.", "Say yes.",
@@ -202,6 +213,13 @@ def test_static_path_drops_stopped_rows_and_stays_greedy(smollm2_dir):
     fast = gen.generate(prompts, budgets, temperature=0.0, seed=0)
     assert gen.greedy.stats["batches"] == 1 and gen.greedy.stats["compactions"] >= 1
     assert gen.greedy.stats["row_steps"] < len(prompts) * max(budgets)
+    layers = gen.model.config.num_hidden_layers
+    T = max(map(len, prompts))
+    assert read[0] == (len(prompts), T)  # the prefill (one chunk) reads the prompt's slots
+    per_step = read[layers::layers]
+    assert [n for _, n in per_step] == list(range(T + 1, T + len(per_step) + 1))  # written slots only
+    assert per_step[0][0] == len(prompts) and per_step[-1][0] < len(prompts)  # rows dropped
+    monkeypatch.undo()
     gen.model.set_attn_implementation("sdpa")
     assert fast == gen.sample(prompts, budgets, temperature=0.0, seed=0)
     assert [len(f) for f in fast][0] == 40 or any(len(f) > 16 for f in fast)

@@ -29,9 +29,17 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """transformers' attention-function contract: query [B, nH, q, d], key/value [B, nKV, S, d],
     mask [B, 1, q, S] -> output [B, q, nH, d]. One query position per row (decoding) with
-    grouped heads takes the folded path; anything else is transformers' own sdpa."""
+    grouped heads takes the folded path; anything else is transformers' own sdpa.
+
+    `kv_limit` (passed through the model's forward) is the number of cache slots written so
+    far: the slots after it are masked for every query, so they are not read at all. A static
+    cache is sized for the batch's last step, and decoding is bound by reading it."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    limit = kwargs.pop("kv_limit", None)
+    if limit is not None:
+        key, value = key[:, :, :limit], value[:, :, :limit]  # [B, nKV, limit, d]
+        attention_mask = attention_mask[..., :limit] if attention_mask is not None else None
     B, n_heads, q_len, d = query.shape
     n_kv = key.shape[1]
     if q_len != 1 or n_heads == n_kv:
@@ -71,7 +79,7 @@ class StaticGreedy:
         self.device = next(model.parameters()).device
         # Where the time goes, summed over batches: prefill and decode seconds, and decode's
         # row-steps computed against those that produced a kept token (rows that stopped ride
-        # along until half the batch has stopped; then the batch is compacted).
+        # along until a quarter of the batch has stopped; then the batch is compacted).
         self.stats = {"batches": 0, "prefill_s": 0.0, "decode_s": 0.0, "row_steps": 0, "kept_tokens": 0,
                       "compactions": 0}
 
@@ -127,7 +135,8 @@ class StaticGreedy:
             mask = (real[:, None] & causal[None]) | (slots[None, None] == q[None, :, None])  # [B, c, L]
             logits = self.model(input_ids=ids[:, q], attention_mask=mask[:, None],
                                 position_ids=(q[None] - (T - lengths)[:, None]).clamp_min(0), past_key_values=cache,
-                                cache_position=q, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+                                cache_position=q, use_cache=True, logits_to_keep=1,
+                                kv_limit=min(c0 + chunk, T)).logits[:, -1]  # [B, V]
         synchronize(dev)
         prefilled = time.monotonic()
         stops = torch.tensor(self.stops, device=dev)
@@ -149,9 +158,10 @@ class StaticGreedy:
                 if live == 0:
                     generated = generated[:, : s + 1]
                     break
-                if live <= len(rows) // 2 and N - s > 16:
-                    # Half the rows have stopped: drop them, so the rest decode at their own
-                    # batch size instead of carrying finished rows to the batch's end.
+                if live <= 3 * len(rows) // 4 and N - s > 16:
+                    # A quarter of the rows have stopped: drop them (a copy of the cache costs
+                    # about two steps), so the rest decode at their own batch size instead of
+                    # carrying finished rows to the batch's end.
                     keep = (~done).nonzero().squeeze(1)  # [live]
                     rows, real, lengths, budget, done, token = (t[keep] for t in (rows, real, lengths, budget, done,
                                                                                   token))
@@ -160,7 +170,8 @@ class StaticGreedy:
             slot = T + s
             mask = (real & (slots[None] <= slot))[:, None, None]  # [b, 1, 1, L]
             logits = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=(lengths + s)[:, None],
-                                past_key_values=cache, cache_position=slots[slot:slot + 1], use_cache=True).logits[:, -1]
+                                past_key_values=cache, cache_position=slots[slot:slot + 1], use_cache=True,
+                                kv_limit=slot + 1).logits[:, -1]
         out = [cut_at_stop(g[:n], self.stops) for g, n in zip(generated.tolist(), budgets)]
         st = self.stats
         st["batches"] += 1
