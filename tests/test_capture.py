@@ -25,7 +25,7 @@ from eyas.data.prepared import PreparedData, PreparedSample
 from eyas.errors import EyasError
 from eyas.models import decoder_parts
 from eyas.store import Store, StoreWriter
-from eyas.store.format import write_safetensors
+from eyas.store.format import quantize_fp8, write_safetensors
 from tiny import FAMILIES, build_model
 
 SMOLLM2 = "packaged:smollm2-135m"
@@ -194,6 +194,31 @@ def test_fp8_round_trip_and_half_the_bytes_of_bf16(tmp_path, smollm2_store):
         assert rel.max() < 0.05, rel.max()
     ratio = fp8.bytes_per_token() / bf16.bytes_per_token()
     assert 0.49 < ratio < 0.52, ratio
+
+
+def test_fp8_capture_quantizes_on_the_capture_device_to_the_same_bytes(tmp_path, smollm2_prepared, smollm2_store,
+                                                                       monkeypatch):
+    """`capture --dtype fp8` quantizes where the forward ran (HostStager) and the writer only
+    copies: every sample's bytes are quantize_fp8 of the same capture in float32."""
+    add, given = StoreWriter.add, []
+
+    def add_recording(self, index, input_ids, loss_mask, hidden, scale=None):
+        given.append((hidden.dtype, scale is not None))
+        add(self, index, input_ids, loss_mask, hidden, scale=scale)
+
+    monkeypatch.setattr(StoreWriter, "add", add_recording)
+    manifest = capture(SMOLLM2, smollm2_prepared, tmp_path / "fp8", dtype="fp8", batch_tokens=2048, progress=False)
+    assert manifest["complete"] and manifest["dtype"] == "fp8"
+    assert given == [(torch.float8_e4m3fn, True)] * 16  # quantized before the writer
+    fp8, fp32 = Store(tmp_path / "fp8"), Store(smollm2_store)
+    fp8.verify()
+    exact = {int(s["index"]): s for s in (fp32.stored(p) for p in range(len(fp32)))}
+    assert len(fp8) == len(exact)
+    for pos in range(len(fp8)):
+        got = fp8.stored(pos)
+        hidden, scale = quantize_fp8(exact[int(got["index"])]["hidden"])
+        assert torch.equal(got["hidden"].view(torch.uint8), hidden.view(torch.uint8))
+        assert torch.equal(got["scale"].view(torch.int32), scale.view(torch.int32))
 
 
 def test_mismatches_are_clear_errors(tmp_path, smollm2_prepared, smollm2_store, tiny_llama_dir):

@@ -82,12 +82,12 @@ def _capture(model: str, data: str | Path, out: str | Path, backend: str, layers
     bar = tqdm(total=sum(lengths[i] for i in todo), unit="tok", unit_scale=True, desc=desc,
                disable=not progress or not ranks.main)
     started = time.monotonic()
-    stager = HostStager(dev)
+    stager = HostStager(dev, fp8=writer.dtype == torch.float8_e4m3fn)  # fp8: quantized on the capture device
     pending = None  # the previous batch, its states still on their way to the host
 
     def write(batch: list[int], samples: list, collect) -> None:
-        for i, sample, hidden in zip(batch, samples, collect()):
-            writer.add(i, sample.input_ids, sample.loss_mask, hidden)
+        for i, sample, (hidden, scale) in zip(batch, samples, collect()):
+            writer.add(i, sample.input_ids, sample.loss_mask, hidden, scale=scale)
         bar.update(sum(lengths[i] for i in batch))
 
     try:

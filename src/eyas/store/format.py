@@ -84,9 +84,14 @@ def store_dtype(name: str) -> torch.dtype:
 
 
 def quantize_fp8(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-(token, layer) absmax scaling: keeps every row inside e4m3's range."""
+    """Per-(token, layer) absmax scaling: keeps every row inside e4m3's range. Gives the same
+    bits on the CPU and a GPU, so capture may quantize on its device: every step is exact or
+    one IEEE rounding. (CUDA divides by a Python number as a product with its rounded
+    reciprocal, which moves scales by an ulp: FP8_MAX is a tensor on the same device.)
+    A NaN or inf in a row makes its scale NaN or inf."""
     h = hidden.float()  # [T, L, H]
-    scale = (h.abs().amax(dim=-1) / FP8_MAX).clamp_min(1e-12)  # [T, L]
+    fp8_max = torch.full((), FP8_MAX, device=h.device)
+    scale = (h.abs().amax(dim=-1) / fp8_max).clamp_min(1e-12)  # [T, L]
     return (h / scale.unsqueeze(-1)).to(torch.float8_e4m3fn), scale
 
 

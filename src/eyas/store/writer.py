@@ -39,6 +39,7 @@ from eyas.store.format import (FORMAT, FORMAT_VERSION, MANIFEST, SHARD_PATTERN, 
 from eyas.store.reader import Store, check_files, read_manifest
 
 LOCK = ".lock"
+Buffers = tuple[torch.Tensor, torch.Tensor | None]  # a shard's hidden [rows, L, H], fp8 scales [rows, L] or None
 
 
 @contextmanager
@@ -103,9 +104,10 @@ class StoreWriter:
         self._row_shape = (len(self.layer_ids), int(header["hidden_size"]))
         self._capacity = max(1, shard_bytes // (math.prod(self._row_shape) * self.dtype.itemsize))  # tokens
         self._hidden: torch.Tensor | None = None  # the shard being filled, [rows, L, H]
+        self._scale: torch.Tensor | None = None  # its fp8 scales [rows, L] float32, if it came quantized
         self._used = 0  # its rows filled so far
         self._samples: list[tuple[int, torch.Tensor, torch.Tensor]] = []  # (index, input_ids, loss_mask)
-        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()  # buffers whose shard is written
+        self._free: queue.SimpleQueue[Buffers] = queue.SimpleQueue()  # buffers whose shard is written
         # One shard waiting besides those being written: at most 2 + threads shard buffers exist.
         self._queue: queue.Queue = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
@@ -133,43 +135,72 @@ class StoreWriter:
         atomic_write_json(self.path / MANIFEST, manifest)
         return manifest
 
-    def add(self, index: int, input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden: torch.Tensor) -> None:
+    def add(self, index: int, input_ids: torch.Tensor, loss_mask: torch.Tensor, hidden: torch.Tensor,
+            scale: torch.Tensor | None = None) -> None:
         """Queue one sample: `input_ids [T]`, `loss_mask [T]`, `hidden [T, L, H]` (any float dtype,
-        any device). It is copied: the caller may reuse its tensors at once."""
+        any device). It is copied: the caller may reuse its tensors at once.
+
+        An fp8 store also takes samples already quantized by `quantize_fp8` (on the capture
+        device, so the host copies 1 byte a value): `hidden` float8_e4m3fn with its `scale [T, L]`
+        float32. A NaN or inf in a row makes its scale non-finite, so checking the scale
+        refuses exactly the (token, layer) rows the unquantized states would have."""
         self._raise_pending()
-        if (bad := first_nonfinite(hidden)) is not None:
+        if scale is not None or hidden.dtype == torch.float8_e4m3fn:
+            self._check_quantized(hidden, scale)
+        if (bad := first_nonfinite(hidden if scale is None else scale)) is not None:
             raise EyasError(
                 f"Sample {index} has non-finite hidden states (token {bad[0]}, layer id {self.layer_ids[bad[1]]}); "
                 f"nothing of it was written. Capture in float32 or bf16 (fp16 can overflow)."
             )
         n = len(hidden)
-        if self._hidden is not None and self._used + n > len(self._hidden):
-            self._flush()
+        quantized = scale is not None
+        if self._hidden is not None and (self._used + n > len(self._hidden) or (self._scale is not None) != quantized):
+            self._flush()  # full, or quantized and unquantized samples would share a shard
         if self._hidden is None:
-            self._hidden = self._take_buffer(n, hidden.dtype)
+            self._hidden, self._scale = self._take_buffer(n, hidden.dtype, quantized)
         self._hidden[self._used : self._used + n].copy_(hidden.detach())
+        if scale is not None:
+            self._scale[self._used : self._used + n].copy_(scale)
         self._used += n
         self._samples.append((index, input_ids.to("cpu", torch.int32), loss_mask.to("cpu", torch.uint8)))
         if self._used >= self._capacity:
             self._flush()
 
-    def _take_buffer(self, rows: int, incoming: torch.dtype) -> torch.Tensor:
-        """A written buffer if one is free, else a new one; a sample longer than a shard gets
-        its own. fp8 is quantized when the shard is packed, from exactly what came in."""
+    def _check_quantized(self, hidden: torch.Tensor, scale: torch.Tensor | None) -> None:
+        """Refuse a `scale` that does not belong to fp8 `hidden` of this store's shape."""
+        if self.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"Quantized hidden states were given, but this store's dtype is {self.dtype}, not fp8.")
+        if scale is None:
+            raise ValueError("float8_e4m3fn hidden states need their scale [T, L] (scale=, from quantize_fp8).")
+        if hidden.dtype != torch.float8_e4m3fn or scale.dtype != torch.float32:
+            raise ValueError(f"Quantized samples are float8_e4m3fn hidden states with float32 scales, "
+                             f"not {hidden.dtype} with {scale.dtype}.")
+        L, H = self._row_shape
+        if hidden.dim() != 3 or tuple(hidden.shape[1:]) != (L, H) or scale.shape != hidden.shape[:2]:
+            raise ValueError(f"Quantized hidden states {tuple(hidden.shape)} with scales {tuple(scale.shape)}; "
+                             f"expected [T, {L}, {H}] with [T, {L}].")
+
+    def _take_buffer(self, rows: int, incoming: torch.dtype, quantized: bool) -> Buffers:
+        """Written buffers if free, else new ones; a sample longer than a shard gets its own.
+        An fp8 store's samples that come unquantized are quantized when the shard is packed,
+        from exactly what came in; quantized ones come with scales, kept beside them."""
         dtype = incoming if self.dtype == torch.float8_e4m3fn else self.dtype
         if rows <= self._capacity:
             try:
-                buffer = self._free.get_nowait()
-                if buffer.dtype == dtype:
-                    return buffer
+                hidden, scale = self._free.get_nowait()
+                if hidden.dtype == dtype and (scale is not None) == quantized:
+                    return hidden, scale
             except queue.Empty:
                 pass
-        return torch.empty(max(rows, self._capacity), *self._row_shape, dtype=dtype)
+        rows = max(rows, self._capacity)
+        hidden = torch.empty(rows, *self._row_shape, dtype=dtype)  # [rows, L, H]
+        scale = torch.empty(rows, self._row_shape[0], dtype=torch.float32) if quantized else None  # [rows, L]
+        return hidden, scale
 
     def _flush(self) -> None:
         if self._samples:
-            job = (self._samples, self._hidden, self._used)
-            self._samples, self._hidden, self._used = [], None, 0
+            job = (self._samples, (self._hidden, self._scale), self._used)
+            self._samples, self._hidden, self._scale, self._used = [], None, None, 0
             started = time.monotonic()
             self._queue.put(job)
             self.wait_seconds += time.monotonic() - started
@@ -177,17 +208,19 @@ class StoreWriter:
 
     def _drain(self) -> None:
         while (job := self._queue.get()) is not None:
-            samples, buffer, used = job
+            samples, (hidden, scale), used = job
             if self._error is None:
                 try:
-                    self._write_shard(self._pack(samples, buffer[:used]))
+                    self._write_shard(self._pack(samples, hidden[:used], None if scale is None else scale[:used]))
                 except BaseException as e:  # handed to the main thread by _raise_pending
                     self._error = e
-            if len(buffer) == self._capacity:
-                self._free.put(buffer)
+            if len(hidden) == self._capacity:
+                self._free.put((hidden, scale))
 
-    def _pack(self, samples: list[tuple[int, torch.Tensor, torch.Tensor]], hidden: torch.Tensor) -> dict[str, Any]:
-        """A shard's samples and their `hidden [T, L, H]` -> the shard's tensors (see store.format)."""
+    def _pack(self, samples: list[tuple[int, torch.Tensor, torch.Tensor]], hidden: torch.Tensor,
+              scale: torch.Tensor | None) -> dict[str, Any]:
+        """A shard's samples, their `hidden [T, L, H]` and fp8 `scale [T, L]` if already quantized
+        -> the shard's tensors (see store.format)."""
         lengths = torch.tensor([s[1].numel() for s in samples])
         tensors = {
             "input_ids": torch.cat([s[1] for s in samples]),
@@ -195,7 +228,9 @@ class StoreWriter:
             "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
             "sample_index": torch.tensor([s[0] for s in samples], dtype=torch.int64),
         }
-        if self.dtype == torch.float8_e4m3fn:
+        if scale is not None:
+            tensors["hidden"], tensors["scale"] = hidden, scale
+        elif self.dtype == torch.float8_e4m3fn:
             tensors["hidden"], tensors["scale"] = quantize_fp8(hidden)
         else:
             tensors["hidden"] = hidden
@@ -258,7 +293,7 @@ class StoreWriter:
 
     def abort(self) -> None:
         """Stop after the shards already queued; nothing half-written stays behind."""
-        self._samples, self._hidden, self._used = [], None, 0
+        self._samples, self._hidden, self._scale, self._used = [], None, None, 0
         self._stop_threads()
 
     def _stop_threads(self) -> None:
