@@ -58,5 +58,6 @@ def run(args: argparse.Namespace) -> int:
               f"generating {t['generate']} s, preparing {t['prepare']} s")
     if d := summary.get("static_decoding"):
         print(f"generating: prefill {d['prefill_s']} s, decode {d['decode_s']} s over {d['batches']} batch(es); "
-              f"{100 * d['kept_share']:.0f}% of decoded row-steps made a kept token (stopped rows ride along)")
+              f"{100 * d['kept_share']:.0f}% of decoded row-steps made a kept token (stopped rows ride along until "
+              f"a quarter of a batch has stopped; {d['compactions']} compaction(s))")
     return 0
