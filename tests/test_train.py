@@ -113,6 +113,21 @@ def test_checkpoint_reloads_to_identical_logits(tiny_store, tmp_path):
     assert reloaded.config.layer_ids == (2, 15, 27, 30) and reloaded.config.ttt_steps == 2
 
 
+def test_intermediate_size_sets_the_drafters_mlp_width(tiny_store, tmp_path):
+    """--intermediate-size widens (or narrows) the drafter's MLP, in its weights and the config
+    an export hands to vLLM/SGLang; a resume with another width is refused."""
+    out = tmp_path / "wide"
+    train(TrainConfig(out=str(out), store=str(tiny_store), steps=1, intermediate_size=96, **FAST))
+    weights = load_file(out / "model.safetensors")
+    ups = [v.shape for k, v in weights.items() if k.endswith("up_proj.weight")]
+    assert ups and all(shape[0] == 96 for shape in ups)
+    assert json.loads((out / "config.json").read_text())["intermediate_size"] == 96
+    with pytest.raises(EyasError, match="intermediate-size 128"):
+        train(TrainConfig(out=str(out), store=str(tiny_store), steps=2, resume=True, intermediate_size=128, **FAST))
+    with pytest.raises(EyasError, match="--intermediate-size must be at least 1"):
+        TrainConfig(out=str(out), store=str(tiny_store), intermediate_size=0)
+
+
 def test_interrupted_and_resumed_run_reaches_the_same_weights(two_batch_store, tmp_path):
     """Same seed, 6 steps straight vs. 3 steps, a stop, and --resume: identical weights
     (tolerance 1e-6: both runs do the same float32 operations in the same order). The

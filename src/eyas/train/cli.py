@@ -47,6 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     head.add_argument("--draft-vocab", type=int, help="draft vocabulary size (default min(32000, target vocab))")
     head.add_argument("--ttt-steps", type=int, default=7, help="unrolled training-time-test steps (default 7)")
     head.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight decay^k of step k (default 0.8)")
+    head.add_argument("--intermediate-size", type=int,
+                      help="the drafter's MLP width (default: the target's); vLLM and SGLang read it from the "
+                           "exported config")
     head.add_argument("--fc-norm", action=argparse.BooleanOptionalAction, default=False,
                       help="an RMSNorm on each aux state before fc (EAGLE 3.1; served by vLLM, not SGLang)")
     head.add_argument("--norm-output", action=argparse.BooleanOptionalAction, default=False,

@@ -20,6 +20,7 @@ class TrainConfig:
     draft_vocab: int | None = None  # default min(32000, target vocab)
     ttt_steps: int = 7
     ttt_decay: float = 0.8
+    intermediate_size: int | None = None  # the drafter's MLP width (default: the target's)
     fc_norm: bool = False
     norm_output: bool = False
     epochs: float | None = None  # default 1 unless steps is given
@@ -62,6 +63,7 @@ class TrainConfig:
         checks = [
             (self.ttt_steps >= 1, "--ttt-steps must be at least 1"),
             (0 < self.ttt_decay <= 1, "--ttt-decay must lie in (0, 1]"),
+            (self.intermediate_size is None or self.intermediate_size >= 1, "--intermediate-size must be at least 1"),
             (self.lr > 0, "--lr must be positive"),
             (self.batch_tokens >= 2, "--batch-tokens must be at least 2"),
             (self.grad_accum >= 1, "--grad-accum must be at least 1"),

@@ -177,9 +177,10 @@ def _new_draft_config(cfg: TrainConfig, source, folder: str, train_pos: list[int
     draft_ids = build_draft_vocab(counter, size)
     _log(d, f"draft vocabulary: {size} of {source.identity.vocab_size} tokens, covering "
             f"{100 * coverage(counter, draft_ids):.2f}% of the trained tokens in the data")
+    width = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
     draft = DraftConfig.for_target(AutoConfig.from_pretrained(folder), source.identity, source.layer_ids, size,
                                    ttt_steps=cfg.ttt_steps, ttt_decay=cfg.ttt_decay, fc_norm=cfg.fc_norm,
-                                   norm_output=cfg.norm_output, chat_template=source.chat_template)
+                                   norm_output=cfg.norm_output, chat_template=source.chat_template, **width)
     return draft, draft_ids
 
 
