@@ -93,7 +93,8 @@ class TTTObjective(nn.Module):
             target = labels.target_draft[:, 1 + k :]  # [B, T-1-k]
             scored[k, :, : T - 1 - k] = labels.trained[:, 1 + k :] & (target >= 0)
             trained[k] = labels.trained[:, 1 + k :].sum()
-        where = scored.nonzero().split(scored.flatten(1).sum(1).tolist())  # K x [N_k, 3]: (k, b, i)
+        counts = scored.flatten(1).sum(1)  # [K]: scored positions per step
+        where = scored.nonzero().split(counts.tolist())  # K x [N_k, 3]: (k, b, i)
         loss = aux_hidden.new_zeros((), dtype=torch.float32)
         row_loss = aux_hidden.new_zeros(B, dtype=torch.float32)
         stats = []
@@ -111,8 +112,7 @@ class TTTObjective(nn.Module):
             row_loss = row_loss + rows.detach()
             with torch.no_grad():
                 correct = (logits.argmax(-1) == labels.target_draft[b, i + 1 + k]).sum()
-                stats.append(torch.stack([ce.sum().detach(), correct.float(), trained[k],
-                                          torch.tensor(float(len(idx)), device=loss.device)]))
+                stats.append(torch.stack([ce.sum().detach(), correct.float(), trained[k], counts[k].float()]))
         return loss, torch.stack(stats), row_loss
 
 
