@@ -25,6 +25,7 @@ Stages (bench/README.md shows how the model reaches the GPU machine):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gzip
 import hashlib
 import importlib.util
@@ -123,13 +124,24 @@ def train_stage(args) -> None:
         _dump(out / "quality_train.json", report)
         _dump(work / "quality_train.json", report)  # for the next call, whose $OUT starts empty
     if "train" in parts:
-        left = deadline - time.monotonic() - 25  # the final held-out pass and save
-        report["train"] = train_for(args, work / "regen", work / "drafter", left, RECIPE)
-        _dump(out / "quality_train.json", report)
-        _dump(work / "quality_train.json", report)
-        shutil.copy(work / "drafter" / "metrics.jsonl", out / "metrics.jsonl")
-        ship_drafter(work / "drafter", out)
-        print(json.dumps(report["train"]["final"], default=str), flush=True)
+        arms = args.arms.split(",")
+        unknown = [a for a in arms if a not in ARMS]
+        if unknown:
+            sys.exit(f"--arms: unknown {unknown}; known: {sorted(ARMS)}")
+        report["arms"] = {}
+        for i, arm in enumerate(arms):
+            left = (deadline - time.monotonic() - 25 * (len(arms) - i)) / (len(arms) - i)  # held-out pass and save
+            folder = work / _arm_folder(arm)
+            result = train_for(args, work / "regen", folder, left, ARMS[arm], profile=i == 0 and args.profile)
+            report["arms"][arm] = result
+            report["train"] = report["arms"][_best_arm(report["arms"])]
+            _dump(out / "quality_train.json", report)
+            _dump(work / "quality_train.json", report)
+            shutil.copy(folder / "metrics.jsonl", out / ("metrics.jsonl" if arm == "main" else f"metrics.{arm}.jsonl"))
+            print(f"arm {arm}:", json.dumps(result["final"], default=str), flush=True)
+        best = _best_arm(report["arms"])
+        ship_drafter(work / _arm_folder(best), out)  # one: $OUT brings back at most 8 files, 64 MiB
+        print(f"best arm by held-out tau_sim: {best} (shipped as drafter.bf16.part*)", flush=True)
 
 
 def regen_stage(args, work: Path, report: dict) -> None:
@@ -160,11 +172,26 @@ def regen_stage(args, work: Path, report: dict) -> None:
 
 # The main run's drafter options; `recipe` runs in the eval call compare them.
 RECIPE = {"fc_norm": True, "norm_output": True}
+# `train --arms`: drafters trained one after another on the same regenerated data, each for
+# an equal share of the call. `wide` asks whether the drafter's capacity limits it: the third
+# run's drafter fit its own training batches at only 0.80.
+ARMS = {"main": RECIPE, "wide": {**RECIPE, "intermediate_size": 3 * 1536}}
 
 
-def train_for(args, data: Path, folder: Path, seconds: float, options: dict, evals: int = 8) -> dict:
+def _arm_folder(arm: str) -> str:
+    return "drafter" if arm == "main" else f"drafter-{arm}"
+
+
+def _best_arm(arms: dict) -> str:
+    """The arm whose final held-out pass has the highest tau_sim."""
+    return max(arms, key=lambda a: arms[a]["final"].get("eval", {}).get("tau_sim", 0.0))
+
+
+def train_for(args, data: Path, folder: Path, seconds: float, options: dict, evals: int = 8,
+              profile: bool = False) -> dict:
     """Train online for about `seconds`: a short probe measures steps per second with these
-    settings, then the whole cosine schedule is sized to fit."""
+    settings, then the whole cosine schedule is sized to fit. With `profile`, the probe runs
+    under torch.profiler (CUDA activity only) and its top kernels go into the result."""
     from eyas.train import TrainConfig, train
 
     common = dict(online=True, model=args.model, data=str(data), batch_tokens=args.batch_tokens, lr=args.lr,
@@ -172,8 +199,9 @@ def train_for(args, data: Path, folder: Path, seconds: float, options: dict, eva
     probe = folder.with_name(folder.name + "-probe")
     shutil.rmtree(probe, ignore_errors=True)
     t0 = time.monotonic()
-    train(TrainConfig(out=str(probe), steps=args.probe_steps, eval_fraction=0, log_every=args.probe_steps // 2,
-                      **common))
+    with _kernel_profile(profile) as kernels:
+        train(TrainConfig(out=str(probe), steps=args.probe_steps, eval_fraction=0, log_every=args.probe_steps // 2,
+                          **common))
     rows = [json.loads(line) for line in (probe / "metrics.jsonl").read_text().splitlines()]
     step_s = args.batch_tokens / [r for r in rows if r.get("split") == "train"][-1]["tokens_per_s"]
     overhead = time.monotonic() - t0 - args.probe_steps * step_s  # set-up (model loads, first batches)
@@ -185,7 +213,32 @@ def train_for(args, data: Path, folder: Path, seconds: float, options: dict, eva
                               minutes=max(seconds, 60) / 60 + 0.5, **common))
     return {"options": options, "steps": steps, "seconds": round(time.monotonic() - t0, 1),
             "probe_step_seconds": round(step_s, 4), "batch_tokens": args.batch_tokens, "lr": args.lr,
-            "final": final}
+            "final": final, **({"probe_profile": kernels} if kernels else {})}
+
+
+@contextlib.contextmanager
+def _kernel_profile(enabled: bool):
+    """Yield a dict that, once the block ends, holds the block's top CUDA kernels by device
+    time and the device-busy share of its wall time (what bounds a step: GEMMs, attention,
+    elementwise copies, or idle gaps between launches)."""
+    found: dict = {}
+    if not enabled or not torch.cuda.is_available():
+        yield found
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    t0 = time.monotonic()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        yield found
+        torch.cuda.synchronize()
+    wall = time.monotonic() - t0
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    busy = sum(e.self_device_time_total for e in events) / 1e6
+    found.update({"wall_s": round(wall, 2), "device_busy_s": round(busy, 2), "busy_share": round(busy / wall, 3),
+                  "note": "the whole probe: model load, compile and its steps",
+                  "top": [{"kernel": e.key[:110], "share": round(e.self_device_time_total / 1e6 / max(busy, 1e-9), 3),
+                           "calls": e.count} for e in events[:15]]})
 
 
 def ship_drafter(folder: Path, out: Path, part: int = 15 << 20) -> None:
@@ -234,13 +287,19 @@ def eval_stage(args) -> None:
     categories = {str(q["question_id"]): q.get("category", "?") for q in map(json.loads, open(args.mt_bench))}
     order = _stratified(categories)[: args.questions]
     (work / "eval").mkdir(exist_ok=True)
+    train_report = _load(out / "quality_train.json") or _load(work / "quality_train.json")
+    drafter = args.drafter
+    if drafter == "auto":
+        arms = (train_report or {}).get("arms")
+        drafter = _arm_folder(_best_arm(arms)) if arms else "drafter"
+    print(f"evaluating {work / drafter}", flush=True)
     workers = []
     for w in range(args.workers):
         mine = order[w :: args.workers]
         cmd = [sys.executable, __file__, "eval-worker", "--model", args.model, "--mt-bench", args.mt_bench,
                "--work", args.work, "--ids", ",".join(mine), "--out", str(work / "eval" / f"worker{w}.json"),
                "--seconds", str(60 * args.eval_minutes), "--max-new-tokens", str(args.max_new_tokens),
-               "--device", args.device]
+               "--device", args.device, "--drafter", str(work / drafter)]
         workers.append(subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "2"}))
     codes = [p.wait() for p in workers]
     records = []
@@ -258,9 +317,8 @@ def eval_stage(args) -> None:
     plain = {(r["prompt_id"], r["turn"]): r["generated_ids"] for r in records if r["method"] == "plain"}
     identical = {m: sum(plain.get((r["prompt_id"], r["turn"])) == r["generated_ids"] for r in records
                         if r["method"] == m) for m in summaries}
-    train_report = _load(out / "quality_train.json") or _load(work / "quality_train.json")
     results = {"command": " ".join(sys.argv), "tau_definition": TAU_DEFINITION, "device": _device_name(args.device),
-               "workers": args.workers, "worker_exit_codes": codes, "questions": len(used), "question_ids": used,
+               "drafter": drafter, "workers": args.workers, "worker_exit_codes": codes, "questions": len(used), "question_ids": used,
                "answers_per_method": len(plain), "max_new_tokens": args.max_new_tokens, "dtype": "float32",
                "identical_to_plain": identical, "summary": {k: s.to_dict() for k, s in summaries.items()},
                "tau_by_category": by_category, "train": train_report}
@@ -282,10 +340,9 @@ def eval_stage(args) -> None:
 
 
 def recipe_runs(args, work: Path, seconds: float) -> list[dict]:
-    """Equal-time runs of drafter options against each other on the regenerated data: the main
-    run's options against the same with a 3x wider MLP (the first run compared the two EAGLE 3.1
-    options; the third run's drafter fit its own training batches at only 0.80)."""
-    variants = [RECIPE, {**RECIPE, "intermediate_size": 3 * 1536}]
+    """Short equal-time runs of the ARMS against each other on the regenerated data (the first
+    run compared the two EAGLE 3.1 options this way)."""
+    variants = list(ARMS.values())
     args.batch_tokens, args.lr, args.max_len, args.probe_steps = 65536, 1e-3, 1024, 10
     return [train_for(args, work / "regen", work / f"recipe{i}", seconds / len(variants), v, evals=2)
             for i, v in enumerate(variants)]
@@ -302,7 +359,7 @@ def eval_worker(args) -> None:
 
     t0 = time.monotonic()
     model, tok = load_target(args.model, dtype="float32", device=args.device)
-    drafter = load_checked_drafter(str(Path(args.work) / "drafter"), model, model_identity(args.model, model.config, tok))
+    drafter = load_checked_drafter(args.drafter, model, model_identity(args.model, model.config, tok))
     target = TargetSession(model, drafter.config.aux_layer_ids)
     proposers = [Proposer(), PromptLookup(7), Eagle3(DrafterSession(drafter), 7),
                  Eagle3(DrafterSession(drafter), 7, tree=True, top_k=10, max_nodes=60)]
@@ -417,6 +474,9 @@ def main() -> None:
     tr.add_argument("--batch-tokens", type=int, default=65536)
     tr.add_argument("--lr", type=float, default=1e-3)
     tr.add_argument("--probe-steps", type=int, default=12)
+    tr.add_argument("--arms", default="main",
+                    help=f"drafters trained in turn on the same data, equal shares of the call: {', '.join(ARMS)}")
+    tr.add_argument("--profile", action="store_true", help="the first arm's probe under torch.profiler")
     ev = sub.choices["eval"]
     ev.add_argument("--mt-bench", required=True)
     ev.add_argument("--minutes", type=float, default=9.0, help="the whole stage's budget")
@@ -425,11 +485,14 @@ def main() -> None:
     ev.add_argument("--workers", type=int, default=5)
     ev.add_argument("--max-new-tokens", type=int, default=256)
     ev.add_argument("--recipe-runs", action=argparse.BooleanOptionalAction, default=True)
+    ev.add_argument("--drafter", default="auto",
+                    help="the drafter folder under --work; auto: the train call's best arm by held-out tau_sim")
     wk = sub.choices["eval-worker"]
     wk.add_argument("--mt-bench", required=True)
     wk.add_argument("--ids", required=True)
     wk.add_argument("--seconds", type=float, required=True)
     wk.add_argument("--max-new-tokens", type=int, default=256)
+    wk.add_argument("--drafter", required=True, help="the drafter's folder")
     args = p.parse_args()
     {"pack": pack, "curve": curve, "train": train_stage, "eval": eval_stage, "eval-worker": eval_worker}[args.stage](args)
 
