@@ -102,17 +102,18 @@ def prepare_sample(model_dir: Path, conversations: Path, work: Path, n: int) -> 
 
 def profile_decode(model_dir: Path, rows: int = 2048, prompt: int = 256, steps: int = 256) -> dict:
     """One batch of the static-cache loop: prefill time, ms per decode step, and a profile
-    of the prefill and a few steps; and the same batch with every step reading the whole
-    cache (as before `kv_limit`), side by side."""
+    of the prefill and a few steps; and the same batch read three ways side by side: the
+    written slots rounded up to KV_ALIGN (the default), the exact written slots, and the
+    whole cache (as before `kv_limit`)."""
     from torch.profiler import ProfilerActivity, profile
     from transformers import AttentionInterface
 
+    import eyas.regenerate.static as static
     from eyas.models import load_target
-    from eyas.regenerate.static import ATTENTION, StaticGreedy, grouped_sdpa
 
     model, _ = load_target(str(model_dir), dtype="bf16", device=DEVICE)
     prompts = [[1 + (i * 7 + j) % 4000 for j in range(prompt - i % 64)] for i in range(rows)]
-    greedy = StaticGreedy(model, pad_id=0, stops=[], cache_tokens=1 << 21)
+    greedy = static.StaticGreedy(model, pad_id=0, stops=[], cache_tokens=1 << 21)
     greedy._batch(prompts[:64], [4] * len(prompts[:64]))  # warm-up
 
     def timed(new_tokens: int) -> float:
@@ -125,16 +126,20 @@ def profile_decode(model_dir: Path, rows: int = 2048, prompt: int = 256, steps: 
     def step_ms() -> float:
         return 1e3 * (timed(steps) - timed(1)) / (steps - 1)
 
-    prefill, limited = timed(1), step_ms()
+    prefill, aligned = timed(1), step_ms()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         greedy._batch(prompts, [8] * rows)
         _sync()
-    AttentionInterface.register(ATTENTION, lambda *a, kv_limit=None, **kw: grouped_sdpa(*a, **kw))
+    align, static.KV_ALIGN = static.KV_ALIGN, 1
+    exact = step_ms()
+    static.KV_ALIGN = align
+    AttentionInterface.register(static.ATTENTION, lambda *a, kv_limit=None, **kw: static.grouped_sdpa(*a, **kw))
     whole = step_ms()
-    AttentionInterface.register(ATTENTION, grouped_sdpa)
-    return {"rows": rows, "prompt": prompt, "steps": steps, "prefill_s": round(prefill, 3),
-            "decode_step_ms": round(limited, 2), "decode_tokens_per_s": round(rows / limited * 1e3, 1),
-            "decode_step_ms_reading_whole_cache": round(whole, 2), "whole_over_limited": round(whole / limited, 3),
+    AttentionInterface.register(static.ATTENTION, static.grouped_sdpa)
+    return {"rows": rows, "prompt": prompt, "steps": steps, "prefill_s": round(prefill, 3), "kv_align": align,
+            "decode_step_ms": round(aligned, 2), "decode_tokens_per_s": round(rows / aligned * 1e3, 1),
+            "decode_step_ms_exact_slots": round(exact, 2), "decode_step_ms_reading_whole_cache": round(whole, 2),
+            "whole_over_aligned": round(whole / aligned, 3), "exact_over_aligned": round(exact / aligned, 3),
             "profile_prefill_and_7_steps": _profile_table(prof)}
 
 

@@ -189,8 +189,8 @@ def test_static_cache_path_equals_generate(smollm2_dir):
 
 def test_static_path_drops_stopped_rows_and_stays_greedy(smollm2_dir, monkeypatch):
     """When a quarter of a batch has stopped, the fast path compacts it (the cache keeps only
-    live rows), and each decode step reads only the cache slots written so far; the tokens are
-    still plain `model.generate`'s, exactly."""
+    live rows), and each decode step reads only the cache slots written so far (rounded up to
+    KV_ALIGN); the tokens are still plain `model.generate`'s, exactly."""
     import eyas.regenerate.static as static
     from eyas.regenerate.generate import HFGenerator
 
@@ -203,6 +203,7 @@ def test_static_path_drops_stopped_rows_and_stays_greedy(smollm2_dir, monkeypatc
 
     monkeypatch.setattr(static.F, "scaled_dot_product_attention", spy)
 
+    monkeypatch.setattr(static, "KV_ALIGN", 8)  # a few reads below the cache's whole length
     gen = HFGenerator(SMOLLM2, dtype="float32", cache_tokens=1 << 14)
     questions = ["Write a long story about a dragon.", "hi", "2+2?", "Name a colour.", "Say yes.",
                  "Explain photosynthesis in detail."]
@@ -215,9 +216,12 @@ def test_static_path_drops_stopped_rows_and_stays_greedy(smollm2_dir, monkeypatc
     assert gen.greedy.stats["row_steps"] < len(prompts) * max(budgets)
     layers = gen.model.config.num_hidden_layers
     T = max(map(len, prompts))
-    assert read[0] == (len(prompts), T)  # the prefill (one chunk) reads the prompt's slots
+    L = T + max(budgets)  # the cache's slots
+    aligned = lambda n: min(-(-n // 8) * 8, L)  # noqa: E731
+    assert read[0] == (len(prompts), aligned(T))  # the prefill (one chunk) reads the prompt's slots
     per_step = read[layers::layers]
-    assert [n for _, n in per_step] == list(range(T + 1, T + len(per_step) + 1))  # written slots only
+    assert [n for _, n in per_step] == [aligned(n) for n in range(T + 1, T + len(per_step) + 1)]  # written only
+    assert per_step[0][1] < L
     assert per_step[0][0] == len(prompts) and per_step[-1][0] < len(prompts)  # rows dropped
     monkeypatch.undo()
     gen.model.set_attn_implementation("sdpa")

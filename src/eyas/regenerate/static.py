@@ -23,6 +23,11 @@ import torch.nn.functional as F
 from eyas.device import synchronize
 
 ATTENTION = "eyas_grouped_sdpa"
+# `kv_limit` reads are rounded up to a multiple of this many slots (the extra slots are
+# masked). Cut at the exact written length, the cache slice and its mask lose the alignment
+# sdpa's kernels want, and on an H200 a decode step took 110 ms instead of the 46 ms of
+# reading the whole cache (bench/speed_probe.py --parts decode).
+KV_ALIGN = 64
 
 
 def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -32,12 +37,14 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     grouped heads takes the folded path; anything else is transformers' own sdpa.
 
     `kv_limit` (passed through the model's forward) is the number of cache slots written so
-    far: the slots after it are masked for every query, so they are not read at all. A static
-    cache is sized for the batch's last step, and decoding is bound by reading it."""
+    far: the slots after it are masked for every query, so they need not be read. A static
+    cache is sized for the batch's last step, and decoding is bound by reading it; the read
+    is rounded up to KV_ALIGN slots."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     limit = kwargs.pop("kv_limit", None)
-    if limit is not None:
+    if limit is not None and KV_ALIGN * -(-limit // KV_ALIGN) < key.shape[2]:
+        limit = KV_ALIGN * -(-limit // KV_ALIGN)
         key, value = key[:, :, :limit], value[:, :, :limit]  # [B, nKV, limit, d]
         attention_mask = attention_mask[..., :limit] if attention_mask is not None else None
     B, n_heads, q_len, d = query.shape
