@@ -190,8 +190,9 @@ def _best_arm(arms: dict) -> str:
 def train_for(args, data: Path, folder: Path, seconds: float, options: dict, evals: int = 8,
               profile: bool = False) -> dict:
     """Train online for about `seconds`: a short probe measures steps per second with these
-    settings, then the whole cosine schedule is sized to fit. With `profile`, the probe runs
-    under torch.profiler (CUDA activity only) and its top kernels go into the result."""
+    settings, then the whole cosine schedule is sized to fit. With `profile`, a second short
+    run after it goes under torch.profiler (CUDA activity only; the probe itself must not, as
+    the profiler's overhead would size the run too short) and its top kernels go into the result."""
     from eyas.train import TrainConfig, train
 
     common = dict(online=True, model=args.model, data=str(data), batch_tokens=args.batch_tokens, lr=args.lr,
@@ -199,12 +200,17 @@ def train_for(args, data: Path, folder: Path, seconds: float, options: dict, eva
     probe = folder.with_name(folder.name + "-probe")
     shutil.rmtree(probe, ignore_errors=True)
     t0 = time.monotonic()
-    with _kernel_profile(profile) as kernels:
-        train(TrainConfig(out=str(probe), steps=args.probe_steps, eval_fraction=0, log_every=args.probe_steps // 2,
-                          **common))
+    train(TrainConfig(out=str(probe), steps=args.probe_steps, eval_fraction=0, log_every=args.probe_steps // 2,
+                      **common))
     rows = [json.loads(line) for line in (probe / "metrics.jsonl").read_text().splitlines()]
     step_s = args.batch_tokens / [r for r in rows if r.get("split") == "train"][-1]["tokens_per_s"]
     overhead = time.monotonic() - t0 - args.probe_steps * step_s  # set-up (model loads, first batches)
+    kernels: dict = {}
+    if profile:
+        with _kernel_profile(True) as kernels:
+            shutil.rmtree(probe, ignore_errors=True)
+            train(TrainConfig(out=str(probe), steps=args.probe_steps, eval_fraction=0,
+                              log_every=args.probe_steps // 2, **common))
     budget = seconds - (time.monotonic() - t0) - overhead
     steps = max(20, int(0.92 * budget / (step_s * (1 + 0.03))))  # 3%: the held-out passes
     shutil.rmtree(folder, ignore_errors=True)
@@ -236,7 +242,7 @@ def _kernel_profile(enabled: bool):
     events.sort(key=lambda e: -e.self_device_time_total)
     busy = sum(e.self_device_time_total for e in events) / 1e6
     found.update({"wall_s": round(wall, 2), "device_busy_s": round(busy, 2), "busy_share": round(busy / wall, 3),
-                  "note": "the whole probe: model load, compile and its steps",
+                  "note": "a whole short run: model load, compile and its steps",
                   "top": [{"kernel": e.key[:110], "share": round(e.self_device_time_total / 1e6 / max(busy, 1e-9), 3),
                            "calls": e.count} for e in events[:15]]})
 
@@ -476,7 +482,8 @@ def main() -> None:
     tr.add_argument("--probe-steps", type=int, default=12)
     tr.add_argument("--arms", default="main",
                     help=f"drafters trained in turn on the same data, equal shares of the call: {', '.join(ARMS)}")
-    tr.add_argument("--profile", action="store_true", help="the first arm's probe under torch.profiler")
+    tr.add_argument("--profile", action="store_true",
+                    help="the first arm's top CUDA kernels, from a second probe-length run under torch.profiler")
     ev = sub.choices["eval"]
     ev.add_argument("--mt-bench", required=True)
     ev.add_argument("--minutes", type=float, default=9.0, help="the whole stage's budget")
