@@ -299,6 +299,11 @@ def eval_stage(args) -> None:
         arms = (train_report or {}).get("arms")
         drafter = _arm_folder(_best_arm(arms)) if arms else "drafter"
     print(f"evaluating {work / drafter}", flush=True)
+    check = heldout_check(args, work, work / drafter, args.heldout_samples) if args.heldout_samples else None
+    if check:
+        trained = ((train_report or {}).get("train") or {}).get("final", {}).get("eval", {}).get("acc_per_step")
+        print(f"held-out check on {check['samples']} conversations: {json.dumps(check['acc_per_step'])}; "
+              f"training's own held-out pass: {trained}", flush=True)
     workers = []
     for w in range(args.workers):
         mine = order[w :: args.workers]
@@ -326,7 +331,7 @@ def eval_stage(args) -> None:
     results = {"command": " ".join(sys.argv), "tau_definition": TAU_DEFINITION, "device": _device_name(args.device),
                "drafter": drafter, "workers": args.workers, "worker_exit_codes": codes, "questions": len(used), "question_ids": used,
                "answers_per_method": len(plain), "max_new_tokens": args.max_new_tokens, "dtype": "float32",
-               "identical_to_plain": identical, "summary": {k: s.to_dict() for k, s in summaries.items()},
+               "identical_to_plain": identical, "heldout_check": check, "summary": {k: s.to_dict() for k, s in summaries.items()},
                "tau_by_category": by_category, "train": train_report}
     _dump(out / "quality_gpu.json", results)
     plot_acceptance(summaries, out / "quality_gpu.png", f"SmolLM2-135M drafter, MT-bench ({len(used)} questions, T=0)")
@@ -343,6 +348,66 @@ def eval_stage(args) -> None:
             ev = r["final"].get("eval", {})
             print(f"recipe {r['options']}: steps {r['steps']}, held-out acc {ev.get('acc_per_step')}, "
                   f"tau_sim {ev.get('tau_sim')}")
+
+
+def heldout_check(args, work: Path, drafter_dir: Path, samples: int) -> dict:
+    """Training's held-out accuracy, recomputed outside the trainer on the first `samples`
+    held-out conversations (the same seeded split): the target's aux states in float32 and in
+    bf16, the drafter's TTT forward with eyas's dense attention and with the attention training
+    uses on this device (flex on CUDA). The CPU reproduces only ~0.60 of training's ~0.76 on
+    ShareGPT-like text (bench/README.md, mtbench_gap.py); these variants, beside training's own
+    figure, tell whether the gap lies in the GPU's training path or in the text."""
+    import copy
+
+    import eyas.draft.model as dm
+    from eyas.data.prepared import PreparedData
+    from eyas.evaluate.run import load_checked_drafter
+    from eyas.evaluate.target import TargetSession
+    from eyas.models import load_target, model_identity
+    from eyas.train.data import split
+
+    data = PreparedData(work / "regen")
+    _, held = split(list(range(len(data))), 0.05, 0)
+    model, tok = load_target(args.model, dtype="float32", device=args.device)
+    drafter = load_checked_drafter(str(drafter_dir), model, model_identity(args.model, model.config, tok))
+    K = drafter.config.ttt_steps
+    sessions = {"float32": TargetSession(model, drafter.config.aux_layer_ids),
+                "bfloat16": TargetSession(copy.deepcopy(model).to(torch.bfloat16), drafter.config.aux_layer_ids)}
+    variants = {"fp32_dense": ("float32", dm.ttt_attention_dense), "fp32_train_attention": ("float32", dm.ttt_attention),
+                "bf16_target_train_attention": ("bfloat16", dm.ttt_attention)}
+    counts = {name: torch.zeros(K, 2) for name in variants}  # [K, (hits, scored)]
+    agree = torch.zeros(2)  # the text's next token against the float32 target's argmax
+    saved = dm.ttt_attention
+    try:
+        for p in held[:samples]:
+            lo, hi = int(data.offsets[p]), int(data.offsets[p + 1])
+            ids = data.input_ids[lo:hi].long().to(args.device)  # [L]
+            answer = data.loss_mask[lo:hi].bool().to(args.device)  # [L]
+            L = len(ids)
+            with torch.inference_mode():
+                label = model(input_ids=ids[None]).logits[0].float().argmax(-1)  # [L]: position j's greedy next token
+            j = answer[1:].nonzero().squeeze(1)  # token j + 1 is an answer token
+            agree += torch.tensor([float((label[j] == ids[j + 1]).sum()), float(len(j))])
+            for name, (dtype, attention) in variants.items():
+                target = sessions[dtype]
+                target.capture_aux = True
+                with torch.inference_mode():
+                    _, aux = target.prefill(ids)  # aux [L, A, H]
+                    dm.ttt_attention = attention
+                    ttt = drafter.forward_ttt(ids[None], aux.float()[None], K)  # K x [1, L, Vd]
+                    dm.ttt_attention = saved
+                for k, lg in enumerate(ttt):
+                    i = torch.arange(max(L - 2 - k, 0), device=ids.device)  # entry i predicts token i + 2 + k
+                    scored = answer[i + 2 + k]
+                    hit = drafter.draft_to_target(lg[0, i].argmax(-1)) == label[i + 1 + k]
+                    counts[name][k] += torch.tensor([float((hit & scored).sum()), float(scored.sum())])
+    finally:
+        dm.ttt_attention = saved
+    return {"samples": min(samples, len(held)), "positions_step0": int(counts["fp32_dense"][0, 1]),
+            "acc_per_step": {name: [round(h / max(n, 1), 4) for h, n in c.tolist()] for name, c in counts.items()},
+            "text_is_fp32_greedy": round(float(agree[0] / max(agree[1], 1)), 4),
+            "note": "labels: the float32 target's argmax; entry i at step k scored iff token i+2+k is an answer token; "
+                    "the drafter runs in float32 (training: bf16 autocast on CUDA)"}
 
 
 def recipe_runs(args, work: Path, seconds: float) -> list[dict]:
@@ -492,6 +557,8 @@ def main() -> None:
     ev.add_argument("--workers", type=int, default=5)
     ev.add_argument("--max-new-tokens", type=int, default=256)
     ev.add_argument("--recipe-runs", action=argparse.BooleanOptionalAction, default=True)
+    ev.add_argument("--heldout-samples", type=int, default=24,
+                    help="held-out conversations for the held-out check before MT-bench (0: skip it)")
     ev.add_argument("--drafter", default="auto",
                     help="the drafter folder under --work; auto: the train call's best arm by held-out tau_sim")
     wk = sub.choices["eval-worker"]
