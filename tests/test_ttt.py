@@ -245,6 +245,19 @@ def test_flex_ttt_attention_with_padded_positions_equals_dense(monkeypatch):
         torch.testing.assert_close(flex, dm.ttt_attention_dense(q, k0, v0, extra), atol=1e-5, rtol=1e-5)
 
 
+def test_labels_are_the_targets_softmax_over_the_draft_vocab_and_its_argmax(setup):
+    """Labels by their definition, from the full logits: the softmax of the target's logits
+    restricted to the draft vocabulary, and the target's argmax mapped into it (or -1)."""
+    _, head, draft_ids, _, hidden, loss_mask = setup
+    labels = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids)
+    full = head.logits(hidden[:, :, -1]).float()  # [B, T, V]
+    torch.testing.assert_close(labels.probs, full[..., draft_ids].softmax(-1), atol=1e-6, rtol=1e-5)
+    to_draft = {int(t): d for d, t in enumerate(draft_ids)}
+    expected = torch.tensor([[to_draft.get(int(t), -1) for t in row] for row in full.argmax(-1)])
+    assert torch.equal(labels.target_draft, expected)
+    assert (expected >= 0).any() and (expected < 0).any()  # both kinds occur
+
+
 def test_labels_do_not_depend_on_how_rows_are_chunked(setup, monkeypatch):
     import eyas.train.objective as objective
 

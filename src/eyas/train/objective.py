@@ -53,12 +53,17 @@ def make_labels(head: TargetHead, last_hidden: torch.Tensor, loss_mask: torch.Te
     B, T, _ = last_hidden.shape
     target_to_draft = torch.full((head.lm_head_weight.shape[0],), -1, dtype=torch.long, device=last_hidden.device)
     target_to_draft[draft_ids] = torch.arange(len(draft_ids), device=last_hidden.device)
+    # The draft vocabulary's logits come from its own rows of lm_head, contiguous, instead of a
+    # column gather out of a float32 copy of the full [rows, T, V] logits: for a small target
+    # those copies and gathers move more bytes than its matrix products. The full logits serve
+    # only the argmax, in the dtype they are computed in (a float32 copy changes no value).
+    draft_weight = head.lm_head_weight[draft_ids]  # [Vd, H]
     rows = max(1, LABEL_CHUNK // (T * head.lm_head_weight.shape[0]))  # bounds the [rows, T, V] logits
     probs, target_draft = [], []
     for b in range(0, B, rows):
-        logits = head.logits(last_hidden[b : b + rows]).float()  # [rows, T, V]
-        target_draft.append(target_to_draft[logits.argmax(-1)])
-        probs.append(logits[..., draft_ids].softmax(-1))
+        normed = head.norm(last_hidden[b : b + rows])  # [rows, T, H]
+        target_draft.append(target_to_draft[(normed @ head.lm_head_weight.T).argmax(-1)])  # [rows, T]
+        probs.append(torch.softmax(normed @ draft_weight.T, -1, dtype=torch.float32))  # [rows, T, Vd]
     return Labels(torch.cat(probs), torch.cat(target_draft), trained_positions(loss_mask))
 
 
