@@ -207,7 +207,7 @@ def train_for(args, data: Path, folder: Path, seconds: float, options: dict, eva
     overhead = time.monotonic() - t0 - args.probe_steps * step_s  # set-up (model loads, first batches)
     kernels: dict = {}
     if profile:
-        with _kernel_profile(True) as kernels:
+        with _kernel_profile() as kernels:
             shutil.rmtree(probe, ignore_errors=True)
             train(TrainConfig(out=str(probe), steps=args.probe_steps, eval_fraction=0,
                               log_every=args.probe_steps // 2, **common))
@@ -223,14 +223,15 @@ def train_for(args, data: Path, folder: Path, seconds: float, options: dict, eva
 
 
 @contextlib.contextmanager
-def _kernel_profile(enabled: bool):
+def _kernel_profile():
     """Yield a dict that, once the block ends, holds the block's top CUDA kernels by device
-    time and the device-busy share of its wall time (what bounds a step: GEMMs, attention,
-    elementwise copies, or idle gaps between launches)."""
+    time (speed_probe's table) and the device-busy share of its wall time (what bounds a
+    step: GEMMs, attention, elementwise copies, or idle gaps between launches)."""
     found: dict = {}
-    if not enabled or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         yield found
         return
+    from speed_probe import profile_table
     from torch.profiler import ProfilerActivity, profile
 
     t0 = time.monotonic()
@@ -238,13 +239,9 @@ def _kernel_profile(enabled: bool):
         yield found
         torch.cuda.synchronize()
     wall = time.monotonic() - t0
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    events.sort(key=lambda e: -e.self_device_time_total)
-    busy = sum(e.self_device_time_total for e in events) / 1e6
-    found.update({"wall_s": round(wall, 2), "device_busy_s": round(busy, 2), "busy_share": round(busy / wall, 3),
-                  "note": "a whole short run: model load, compile and its steps",
-                  "top": [{"kernel": e.key[:110], "share": round(e.self_device_time_total / 1e6 / max(busy, 1e-9), 3),
-                           "calls": e.count} for e in events[:15]]})
+    table = profile_table(prof, limit=15)
+    found.update({"wall_s": round(wall, 2), "busy_share": round(table["device_ms"] / 1e3 / wall, 3),
+                  "note": "a whole short run: model load, compile and its steps", **table})
 
 
 def ship_drafter(folder: Path, out: Path, part: int = 15 << 20) -> None:

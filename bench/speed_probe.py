@@ -75,7 +75,7 @@ def random_model(carry: Path, folder: Path) -> None:
     model.save_pretrained(folder)
 
 
-def _profile_table(prof, limit: int = 18) -> dict:
+def profile_table(prof, limit: int = 18) -> dict:
     """Top CUDA kernels by device time, and host vs device totals of the profiled region."""
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     events.sort(key=lambda e: -e.self_device_time_total)
@@ -140,7 +140,7 @@ def profile_decode(model_dir: Path, rows: int = 2048, prompt: int = 256, steps: 
             "decode_step_ms": round(aligned, 2), "decode_tokens_per_s": round(rows / aligned * 1e3, 1),
             "decode_step_ms_exact_slots": round(exact, 2), "decode_step_ms_reading_whole_cache": round(whole, 2),
             "whole_over_aligned": round(whole / aligned, 3), "exact_over_aligned": round(exact / aligned, 3),
-            "profile_prefill_and_7_steps": _profile_table(prof)}
+            "profile_prefill_and_7_steps": profile_table(prof)}
 
 
 def probe_train(model_dir: Path, prepared: Path, work: Path, batch_tokens: int, steps: int, profile_steps: int,
@@ -185,7 +185,7 @@ def probe_train(model_dir: Path, prepared: Path, work: Path, batch_tokens: int, 
     return {"phases_ms_per_step": phases, "batch_tokens": batch_tokens, "options": options, "steps": steps, "seconds": round(seconds, 2),
             "tokens_per_s": round(tokens / seconds, 1), "target_forward_tokens_per_s": round(fwd_tokens / load_s, 1),
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if DEVICE == "cuda" else None,
-            f"profile_{profile_steps}_steps": _profile_table(prof)}
+            f"profile_{profile_steps}_steps": profile_table(prof)}
 
 
 def phase_times(run, steps: int) -> dict:
