@@ -43,8 +43,7 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     limit = kwargs.pop("kv_limit", None)
-    if limit is not None and KV_ALIGN * -(-limit // KV_ALIGN) < key.shape[2]:
-        limit = KV_ALIGN * -(-limit // KV_ALIGN)
+    if limit is not None and (limit := KV_ALIGN * -(-limit // KV_ALIGN)) < key.shape[2]:
         key, value = key[:, :, :limit], value[:, :, :limit]  # [B, nKV, limit, d]
         attention_mask = attention_mask[..., :limit] if attention_mask is not None else None
     B, n_heads, q_len, d = query.shape
