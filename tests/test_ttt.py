@@ -284,3 +284,25 @@ def test_a_batch_with_nothing_to_score_still_trains_every_weight(setup):
     for name, p in drafter.named_parameters():
         if p.requires_grad:
             assert p.grad is not None and (p.grad == 0).all(), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled flex path runs only on CUDA")
+def test_compiled_flex_on_cuda_equals_dense_across_lengths():
+    """Training on CUDA runs flex attention compiled with dynamic shapes, its block mask cached
+    per padded length; batches of many lengths follow one another in one process. Values and
+    gradients must stay the dense path's for every length in turn (float32; 1e-4)."""
+    import eyas.draft.model as dm
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for T, steps in ((300, 7), (1000, 7), (130, 3), (700, 7), (300, 2), (64, 7)):
+        leaves = [torch.randn(2, 3, T, 64, device="cuda", generator=g, requires_grad=True) for _ in range(2 * steps + 1)]
+        q, k0, v0, rest = leaves[0], leaves[1], leaves[2], leaves[3:]
+        extra = list(zip(rest[0::2], rest[1::2]))
+        out = {}
+        for name, fn in (("flex", dm.ttt_attention_flex), ("dense", dm.ttt_attention_dense)):
+            y = fn(q, k0, v0, extra)
+            grads = torch.autograd.grad((y * torch.linspace(-1, 1, T, device="cuda")[:, None]).sum(), leaves)
+            out[name] = (y.detach(), grads)
+        torch.testing.assert_close(out["flex"][0], out["dense"][0], atol=1e-4, rtol=1e-4)
+        for a, b in zip(out["flex"][1], out["dense"][1]):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
