@@ -7,7 +7,8 @@ Stages (bench/README.md shows how the model reaches the GPU machine):
   pack   (here)  split the packaged GGUF in two; .carry/bench/a gets part 1 and the MT-bench
                  questions, .carry/bench/b part 2, the gguf wheel and every packaged
                  conversation (ShareGPT + chitchat in windows of two user turns,
-                 first windows first, gzipped)
+                 first windows first, alternating with synthetic instruction
+                 conversations from synthetic_prompts.py; gzipped)
   train  (GPU)   prepare -> regenerate (greedy, the target's own answers, time-boxed) ->
                  train --online (a short probe sizes the run to its time budget)
   eval   (GPU)   MT-bench, greedy, in parallel worker processes over disjoint questions:
@@ -68,7 +69,7 @@ def pack(args) -> None:
     (b / "gguf.part2").write_bytes(data[cut:])
     shutil.copy(WHEEL, b / WHEEL.name)
     shutil.copy(_mt_bench_file(), a / "mt_bench.jsonl")
-    seen, first, later = set(), [], []
+    seen, first, later, passages = set(), [], [], []
     for source in ("packaged:sharegpt", "packaged:chitchat"):
         for record in iter_records(source):
             try:
@@ -76,6 +77,8 @@ def pack(args) -> None:
             except BadRecord:
                 continue
             users = [i for i, m in enumerate(messages) if m["role"] == "user"] + [len(messages)]
+            if source.endswith("sharegpt"):
+                passages += [m["content"] for m in messages if m["role"] == "assistant" and _prose(m["content"])]
             # Windows of two user turns, as in MT-bench: the first window of each conversation,
             # then its later ones as conversations of their own (more prompts for the same
             # regeneration minutes; a round of a window decodes all its rows at once). Every turn
@@ -94,10 +97,35 @@ def pack(args) -> None:
     # Shuffled (a time-boxed regeneration still samples both sources), first windows first.
     random.Random(0).shuffle(first)
     random.Random(1).shuffle(later)
-    conversations = first + later
+    synthetic = _synthetic(args.synthetic, passages) if args.synthetic else []
+    # Synthetic and packaged first windows alternate, so that a time-boxed regeneration takes
+    # both kinds in equal numbers.
+    mixed = [c for pair in zip(synthetic, first) for c in pair] + synthetic[len(first):] + first[len(synthetic):]
+    conversations = mixed + later
     with gzip.open(b / "conversations.jsonl.gz", "wt", encoding="utf-8") as f:
         f.writelines(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in conversations)
-    print(f"packed {len(conversations)} conversations ({len(first)} first windows); {a}: {_mib(a)} MiB, {b}: {_mib(b)} MiB")
+    print(f"packed {len(conversations)} conversations ({len(synthetic)} synthetic, {len(first)} first windows); "
+          f"{a}: {_mib(a)} MiB, {b}: {_mib(b)} MiB")
+
+
+def _prose(text: str) -> bool:
+    """An answer fit to serve as an extraction passage: plain English prose, no code."""
+    return len(text.split()) >= 60 and "```" not in text and text.isascii()
+
+
+def _synthetic(n: int, passages: list[str]) -> list[list[dict[str, str]]]:
+    """n synthetic two-turn instruction conversations (bench/synthetic_prompts.py): the
+    packaged sources hold only ShareGPT and chitchat, and the drafter is worse on MT-bench's
+    kinds of answers at equal target confidence (mtbench_gap.py). Any whose user turns share
+    eight words in a row with an MT-bench question is dropped, so the benchmark stays unseen."""
+    from eyas.evaluate.prompts import _mt_bench_file
+    from synthetic_prompts import contaminated, synthetic_conversations
+
+    references = [t for q in map(json.loads, open(_mt_bench_file())) for t in q["turns"]]
+    made = synthetic_conversations(n, 0, passages)
+    kept = [c for c in made if not any(contaminated(m["content"], references) for m in c if m["role"] == "user")]
+    print(f"synthetic: {len(kept)} of {len(made)} kept ({len(made) - len(kept)} overlapped MT-bench)")
+    return kept
 
 
 def _mib(folder: Path) -> int:
@@ -349,11 +377,14 @@ def eval_stage(args) -> None:
 
 def heldout_check(args, work: Path, drafter_dir: Path, samples: int) -> dict:
     """Training's held-out accuracy, recomputed outside the trainer on the first `samples`
-    held-out conversations (the same seeded split): the target's aux states in float32 and in
-    bf16, the drafter's TTT forward with eyas's dense attention and with the attention training
-    uses on this device (flex on CUDA). The CPU reproduces only ~0.60 of training's ~0.76 on
-    ShareGPT-like text (bench/README.md, mtbench_gap.py); these variants, beside training's own
-    figure, tell whether the gap lies in the GPU's training path or in the text."""
+    held-out conversations (the same seeded split). The CPU reproduces only ~0.60 of training's
+    ~0.76 on ShareGPT-like text (bench/README.md, mtbench_gap.py); these variants, beside
+    training's own figure, tell whether the gap lies in the GPU's training path or in the text:
+    - on the regenerated records: the target's aux states in float32 and in bf16, the drafter
+      in float32 with eyas's dense attention and with the attention training uses on this
+      device (flex on CUDA), and in bf16 autocast with both in bf16, as training runs it;
+    - on the first answer only: the regenerated text against the float32 target's own greedy
+      answer to the same prompt (the kind of text MT-bench evaluation decodes)."""
     import copy
 
     import eyas.draft.model as dm
@@ -361,50 +392,93 @@ def heldout_check(args, work: Path, drafter_dir: Path, samples: int) -> dict:
     from eyas.evaluate.run import load_checked_drafter
     from eyas.evaluate.target import TargetSession
     from eyas.models import load_target, model_identity
+    from eyas.regenerate.generate import HFGenerator
     from eyas.train.data import split
 
     data = PreparedData(work / "regen")
     _, held = split(list(range(len(data))), 0.05, 0)
+    held = held[:samples]
     model, tok = load_target(args.model, dtype="float32", device=args.device)
     drafter = load_checked_drafter(str(drafter_dir), model, model_identity(args.model, model.config, tok))
     K = drafter.config.ttt_steps
     sessions = {"float32": TargetSession(model, drafter.config.aux_layer_ids),
                 "bfloat16": TargetSession(copy.deepcopy(model).to(torch.bfloat16), drafter.config.aux_layer_ids)}
-    variants = {"fp32_dense": ("float32", dm.ttt_attention_dense), "fp32_train_attention": ("float32", dm.ttt_attention),
-                "bf16_target_train_attention": ("bfloat16", dm.ttt_attention)}
-    counts = {name: torch.zeros(K, 2) for name in variants}  # [K, (hits, scored)]
-    agree = torch.zeros(2)  # the text's next token against the float32 target's argmax
-    saved = dm.ttt_attention
-    try:
-        for p in held[:samples]:
-            lo, hi = int(data.offsets[p]), int(data.offsets[p + 1])
-            ids = data.input_ids[lo:hi].long().to(args.device)  # [L]
-            answer = data.loss_mask[lo:hi].bool().to(args.device)  # [L]
-            L = len(ids)
-            with torch.inference_mode():
-                label = model(input_ids=ids[None]).logits[0].float().argmax(-1)  # [L]: position j's greedy next token
-            j = answer[1:].nonzero().squeeze(1)  # token j + 1 is an answer token
-            agree += torch.tensor([float((label[j] == ids[j + 1]).sum()), float(len(j))])
-            for name, (dtype, attention) in variants.items():
-                target = sessions[dtype]
-                target.capture_aux = True
-                with torch.inference_mode():
-                    _, aux = target.prefill(ids)  # aux [L, A, H]
-                    dm.ttt_attention = attention
-                    ttt = drafter.forward_ttt(ids[None], aux.float()[None], K)  # K x [1, L, Vd]
-                    dm.ttt_attention = saved
-                for k, lg in enumerate(ttt):
-                    i = torch.arange(max(L - 2 - k, 0), device=ids.device)  # entry i predicts token i + 2 + k
-                    scored = answer[i + 2 + k]
-                    hit = drafter.draft_to_target(lg[0, i].argmax(-1)) == label[i + 1 + k]
-                    counts[name][k] += torch.tensor([float((hit & scored).sum()), float(scored.sum())])
-    finally:
-        dm.ttt_attention = saved
-    return {"samples": min(samples, len(held)), "positions_step0": int(counts["fp32_dense"][0, 1]),
-            "acc_per_step": {name: [round(h / max(n, 1), 4) for h, n in c.tolist()] for name, c in counts.items()},
-            "text_is_fp32_greedy": round(float(agree[0] / max(agree[1], 1)), 4),
+    # name: (target dtype, attention, drafter under bf16 autocast)
+    variants = {"fp32_dense": ("float32", dm.ttt_attention_dense, False),
+                "fp32_train_attention": ("float32", dm.ttt_attention, False),
+                "bf16_target_train_attention": ("bfloat16", dm.ttt_attention, False),
+                "bf16_as_trained": ("bfloat16", dm.ttt_attention, True)}
+    counts = {name: torch.zeros(K, 2) for name in (*variants, "first_answer_regen_text", "first_answer_fp32_text")}
+    agree = {"regen_text": torch.zeros(2), "fp32_text": torch.zeros(2)}  # the text's next token against the float32 argmax
+    records = [(int(data.offsets[p]), int(data.offsets[p + 1])) for p in held]
+    firsts = []
+    for lo, hi in records:
+        ids = data.input_ids[lo:hi].long().to(args.device)  # [L]
+        answer = data.loss_mask[lo:hi].bool().to(args.device)  # [L]
+        label = _greedy_next(model, ids)  # [L]
+        for name, (dtype, attention, autocast) in variants.items():
+            counts[name] += _teacher_forced(drafter, sessions[dtype], ids, answer, label, K, attention, autocast,
+                                            agree["regen_text"] if name == "fp32_dense" else None)
+        start = int(answer.nonzero()[0])
+        end = start + int(answer[start:].long().cumprod(0).sum())  # the first answer's end
+        first = answer.clone()
+        first[end:] = False
+        counts["first_answer_regen_text"] += _teacher_forced(drafter, sessions["float32"], ids[:end], first[:end],
+                                                             label[:end], K, dm.ttt_attention_dense, False)
+        firsts.append((ids[:start].tolist(), end - start))
+    del sessions["bfloat16"]
+    generator = HFGenerator(args.model, dtype="float32", device=args.device)
+    answers = generator.generate([p for p, _ in firsts], [max(n, 1) for _, n in firsts], 0.0, 0)
+    generator.close()
+    for (prompt, _), answer_ids in zip(firsts, answers):
+        ids = torch.tensor(prompt + answer_ids, device=args.device)
+        mask = torch.zeros(len(ids), dtype=torch.bool, device=args.device)
+        mask[len(prompt):] = True
+        counts["first_answer_fp32_text"] += _teacher_forced(drafter, sessions["float32"], ids, mask,
+                                                            _greedy_next(model, ids), K, dm.ttt_attention_dense,
+                                                            False, agree["fp32_text"])
+    acc = {name: [round(h / max(n, 1), 4) for h, n in c.tolist()] for name, c in counts.items()}
+    return {"samples": len(held), "positions_step0": {name: int(c[0, 1]) for name, c in counts.items()},
+            "acc_per_step": acc,
+            "text_is_fp32_greedy": {name: round(float(a[0] / max(a[1], 1)), 4) for name, a in agree.items()},
             "note": "labels: the float32 target's argmax; entry i at step k scored iff token i+2+k is an answer token; "
-                    "the drafter runs in float32 (training: bf16 autocast on CUDA)"}
+                    "the first-answer pair scores equal-length answers (the fp32 answer is cut at the regenerated "
+                    "one's length) to the same prompts, float32 target, dense attention"}
+
+
+@torch.inference_mode()
+def _greedy_next(model, ids: torch.Tensor) -> torch.Tensor:
+    """ids [L] -> [L]: the model's greedy next token after each position."""
+    return model(input_ids=ids[None]).logits[0].float().argmax(-1)
+
+
+def _teacher_forced(drafter, target, ids: torch.Tensor, answer: torch.Tensor, label: torch.Tensor, K: int,
+                    attention, autocast: bool, agree: torch.Tensor | None = None) -> torch.Tensor:
+    """[K, (hits, scored)] of the drafter's TTT steps on one sequence (ids, answer, label [L])
+    against `label`, the float32 target's greedy tokens; `target` supplies the aux states."""
+    import eyas.draft.model as dm
+
+    L = len(ids)
+    saved = dm.ttt_attention
+    with torch.inference_mode():
+        target.capture_aux = True
+        _, aux = target.prefill(ids)  # aux [L, A, H]
+        dm.ttt_attention = attention
+        try:
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast and ids.is_cuda):
+                ttt = drafter.forward_ttt(ids[None], (aux if autocast else aux.float())[None], K)  # K x [1, L, Vd]
+        finally:
+            dm.ttt_attention = saved
+    if agree is not None:
+        j = answer[1:].nonzero().squeeze(1)  # token j + 1 is an answer token
+        agree += torch.tensor([float((label[j] == ids[j + 1]).sum()), float(len(j))])
+    counts = torch.zeros(K, 2)
+    for k, lg in enumerate(ttt):
+        i = torch.arange(max(L - 2 - k, 0), device=ids.device)  # entry i predicts token i + 2 + k
+        scored = answer[i + 2 + k]
+        hit = drafter.draft_to_target(lg[0, i].argmax(-1)) == label[i + 1 + k]
+        counts[k] += torch.tensor([float((hit & scored).sum()), float(scored.sum())])
+    return counts
 
 
 def recipe_runs(args, work: Path, seconds: float) -> list[dict]:
@@ -520,6 +594,8 @@ def main() -> None:
     sub = p.add_subparsers(dest="stage", required=True)
     pk = sub.add_parser("pack")
     pk.add_argument("--carry", default=".carry/bench")
+    pk.add_argument("--synthetic", type=int, default=30000,
+                    help="synthetic instruction conversations to mix in (bench/synthetic_prompts.py; 0: none)")
     cv = sub.add_parser("curve")
     cv.add_argument("--metrics", required=True, help="the main run's metrics.jsonl")
     cv.add_argument("--tokens-per-step", type=float, required=True)
