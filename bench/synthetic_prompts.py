@@ -716,3 +716,52 @@ def contaminated(prompt: str, references: list[str] | frozenset[tuple[str, ...]]
         grams = hit[2]
     w = _words(prompt)
     return any(tuple(w[i:i + n]) in grams for i in range(len(w) - n + 1))
+
+
+# ========================================================================================= command line
+def passage_ok(text: str) -> bool:
+    """An answer fit to serve as an extraction passage: plain English prose of 60+ words, no code."""
+    return len(text.split()) >= 60 and "```" not in text and text.isascii()
+
+
+def clean_conversations(n: int, seed: int, passages: list[str], references: list[str]) -> list[list[dict[str, str]]]:
+    """`synthetic_conversations` without any whose user turns share eight words in a row with a
+    reference text (the benchmark's questions), so that the benchmark stays unseen."""
+    grams = ngram_set(references)
+    made = synthetic_conversations(n, seed, passages)
+    kept = [c for c in made if not any(contaminated(m["content"], grams) for m in c if m["role"] == "user")]
+    print(f"synthetic: {len(kept)} of {len(made)} kept ({len(made) - len(kept)} overlapped a reference)")
+    return kept
+
+
+def main() -> None:
+    import argparse
+    import json
+
+    from eyas.data.sources import BadRecord, iter_records, normalize
+    from eyas.evaluate.prompts import _mt_bench_file
+
+    p = argparse.ArgumentParser(description="Write synthetic two-turn instruction conversations as JSONL for "
+                                "`eyas prepare` and `eyas regenerate` (the answers are placeholders to regenerate).")
+    p.add_argument("--n", type=int, default=30000, help="conversations to write")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--passages", help="a conversations source (e.g. packaged:sharegpt) whose assistant answers "
+                   "serve as extraction passages; without it the extraction family is left out")
+    p.add_argument("--out", required=True, help="the JSONL file to write")
+    args = p.parse_args()
+    passages = []
+    if args.passages:
+        for record in iter_records(args.passages):
+            try:
+                passages += [m["content"] for m in normalize(record) if m["role"] == "assistant" and passage_ok(m["content"])]
+            except BadRecord:
+                continue
+    references = [t for q in map(json.loads, open(_mt_bench_file())) for t in q["turns"]]
+    conversations = clean_conversations(args.n, args.seed, passages, references)
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.writelines(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in conversations)
+    print(f"wrote {len(conversations)} conversations to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-sp = pytest.importorskip("synthetic_prompts")
+import synthetic_prompts as sp  # noqa: E402
 
 PASSAGES = [
     "The harbour town of Eldmoor was founded in 1642 by fishing families from the north. By 1800 it had "
@@ -78,3 +78,27 @@ def test_no_mtbench_contamination():
     bad = [t for c in sp.synthetic_conversations(20000, 0, PASSAGES) for t in (c[0]["content"], c[2]["content"])
            if sp.contaminated(t, grams)]
     assert not bad, bad[:5]
+
+
+def test_clean_conversations_drops_those_overlapping_a_reference():
+    """A conversation whose user turn shares eight words in a row with a reference is dropped;
+    the rest come through in order."""
+    made = sp.synthetic_conversations(50, 3, PASSAGES)
+    leaked = made[7][2]["content"]  # a follow-up turn, quoted inside a reference text
+    words = leaked.split()
+    if len(words) < 8:
+        leaked = made[7][0]["content"]
+        words = leaked.split()
+    reference = "An unrelated opening. " + " ".join(words[:8]) + " and more."
+    kept = sp.clean_conversations(50, 3, PASSAGES, [reference])
+    assert made[7] not in kept
+    assert all(c in made for c in kept) and len(kept) < 50
+    assert [c for c in made if c in kept] == kept
+
+
+def test_passages_are_prose_without_code():
+    prose = " ".join(["word"] * 60)
+    assert sp.passage_ok(prose)
+    assert not sp.passage_ok(" ".join(["word"] * 59))
+    assert not sp.passage_ok(prose + " ```python")
+    assert not sp.passage_ok(prose + " caf\u00e9")
