@@ -342,6 +342,10 @@ def eval_stage(args) -> None:
         rs = [r for r in records if categories[r["prompt_id"]] == cat]
         if rs:
             by_category[cat] = {m: round(s.tau, 3) for m, s in summarize(rs, METHODS).items()}
+    # MT-bench's second turns often rework the first answer (rewrite, shorten, reformat): by turn,
+    # since the headline tau averages both.
+    by_turn = {str(t): {m: round(s.tau, 3) for m, s in summarize([r for r in records if r["turn"] == t], METHODS).items()}
+               for t in sorted({r["turn"] for r in records})}
     plain = {(r["prompt_id"], r["turn"]): r["generated_ids"] for r in records if r["method"] == "plain"}
     identical = {m: sum(plain.get((r["prompt_id"], r["turn"])) == r["generated_ids"] for r in records
                         if r["method"] == m) for m in summaries}
@@ -349,7 +353,7 @@ def eval_stage(args) -> None:
                "drafter": drafter, "workers": args.workers, "worker_exit_codes": codes, "questions": len(used), "question_ids": used,
                "answers_per_method": len(plain), "max_new_tokens": args.max_new_tokens, "dtype": "float32",
                "identical_to_plain": identical, "heldout_check": check, "summary": {k: s.to_dict() for k, s in summaries.items()},
-               "tau_by_category": by_category, "train": train_report}
+               "tau_by_category": by_category, "tau_by_turn": by_turn, "train": train_report}
     _dump(out / "quality_gpu.json", results)
     plot_acceptance(summaries, out / "quality_gpu.png", f"SmolLM2-135M drafter, MT-bench ({len(used)} questions, T=0)")
     print(format_table(summaries))
@@ -357,8 +361,8 @@ def eval_stage(args) -> None:
     if args.workers > 1:
         print(f"speed-ups: {args.workers} processes shared the machine's cores and GPU; --workers 1 measures wall-clock "
               "speed-ups without that contention (the fifth run: chain 0.80x with six workers, 2.03x with one)")
-    for cat, taus in by_category.items():
-        print(f"  {cat:<12}" + "  ".join(f"{m} {t:.2f}" for m, t in taus.items()))
+    for name, taus in [*by_category.items(), *((f"turn {t}", v) for t, v in by_turn.items())]:
+        print(f"  {name:<12}" + "  ".join(f"{m} {t:.2f}" for m, t in taus.items()))
     _dump(work / "records.json", records)
     left = 60 * args.minutes - (time.monotonic() - t_start)
     if args.recipe_runs and left > 120:
