@@ -113,11 +113,9 @@ def _synthetic(n: int, passages: list[str]) -> list[list[dict[str, str]]]:
     """n synthetic two-turn instruction conversations (bench/synthetic_prompts.py) less any that
     overlap an MT-bench question: the packaged sources hold only ShareGPT and chitchat, and the
     drafter is worse on MT-bench's kinds of answers at equal target confidence (mtbench_gap.py)."""
-    from eyas.evaluate.prompts import _mt_bench_file
-    from synthetic_prompts import clean_conversations
+    from synthetic_prompts import clean_conversations, mt_bench_turns
 
-    references = [t for q in map(json.loads, open(_mt_bench_file())) for t in q["turns"]]
-    return clean_conversations(n, 0, passages, references)
+    return clean_conversations(n, 0, passages, mt_bench_turns())
 
 
 def _mib(folder: Path) -> int:

@@ -12,8 +12,9 @@ questions, so that training never sees benchmark text.
 
 from __future__ import annotations
 
-import re
+import json
 import random
+import re
 from typing import Callable
 
 FAMILIES: tuple[str, ...] = ("writing", "roleplay", "stem", "humanities", "reasoning", "math",
@@ -696,24 +697,11 @@ def ngram_set(texts: list[str], n: int = 8) -> frozenset[tuple[str, ...]]:
     return frozenset(tuple(w[i:i + n]) for t in texts for w in [_words(t)] for i in range(len(w) - n + 1))
 
 
-_CACHE: dict[tuple[int, int], tuple[list[str], int, frozenset[tuple[str, ...]]]] = {}
-
-
 def contaminated(prompt: str, references: list[str] | frozenset[tuple[str, ...]], n: int = 8) -> bool:
     """True if prompt shares any n-word sequence (lowercased, punctuation stripped) with a reference.
 
-    `references` is either the reference texts or a prebuilt `ngram_set(texts, n)`. For a list, its
-    n-gram set is cached by object identity (the cache keeps the list alive and rebuilds if its length
-    changed), so calling this for many prompts with the same list costs one build."""
-    if isinstance(references, frozenset):
-        grams = references
-    else:
-        key = (id(references), n)
-        hit = _CACHE.get(key)
-        if hit is None or hit[0] is not references or hit[1] != len(references):
-            hit = (references, len(references), ngram_set(references, n))
-            _CACHE[key] = hit
-        grams = hit[2]
+    `references` is either the reference texts or, for many prompts, `ngram_set(texts, n)` built once."""
+    grams = references if isinstance(references, frozenset) else ngram_set(references, n)
     w = _words(prompt)
     return any(tuple(w[i:i + n]) in grams for i in range(len(w) - n + 1))
 
@@ -734,12 +722,17 @@ def clean_conversations(n: int, seed: int, passages: list[str], references: list
     return kept
 
 
+def mt_bench_turns() -> list[str]:
+    """Both user turns of every MT-bench question (the installed evaluator package's copy)."""
+    from eyas.evaluate.prompts import _mt_bench_file
+
+    return [t for q in map(json.loads, open(_mt_bench_file())) for t in q["turns"]]
+
+
 def main() -> None:
     import argparse
-    import json
 
     from eyas.data.sources import BadRecord, iter_records, normalize
-    from eyas.evaluate.prompts import _mt_bench_file
 
     p = argparse.ArgumentParser(description="Write synthetic two-turn instruction conversations as JSONL for "
                                 "`eyas prepare` and `eyas regenerate` (the answers are placeholders to regenerate).")
@@ -756,8 +749,7 @@ def main() -> None:
                 passages += [m["content"] for m in normalize(record) if m["role"] == "assistant" and passage_ok(m["content"])]
             except BadRecord:
                 continue
-    references = [t for q in map(json.loads, open(_mt_bench_file())) for t in q["turns"]]
-    conversations = clean_conversations(args.n, args.seed, passages, references)
+    conversations = clean_conversations(args.n, args.seed, passages, mt_bench_turns())
     with open(args.out, "w", encoding="utf-8") as f:
         f.writelines(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in conversations)
     print(f"wrote {len(conversations)} conversations to {args.out}")
