@@ -1,8 +1,10 @@
 """The `eyas` command: one subcommand per pipeline stage.
 
 Each stage's CLI module exposes `HELP` (one line), `add_arguments(parser)` and
-`run(args) -> int`, and imports its heavy dependencies inside `run`, so `eyas --help`
-stays fast. A stage that can continue after Ctrl-C says how in `ON_INTERRUPT`.
+`run(args) -> int`, and imports its heavy dependencies inside `run`; the packages re-export
+lazily (`eyas.lazy`), so building this parser imports neither torch nor transformers and
+`eyas --help` returns at once (tests/test_cli.py). A stage that can continue after Ctrl-C
+says how in `ON_INTERRUPT`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """The EAGLE-3 drafter: its config, the module, and checkpoints."""
 
-from eyas.draft.checkpoint import load_drafter, save_drafter
-from eyas.draft.config import DraftConfig
-from eyas.draft.model import Eagle3Drafter, ttt_attention
+from eyas.lazy import lazy_exports
 
 __all__ = ["DraftConfig", "Eagle3Drafter", "load_drafter", "save_drafter", "ttt_attention"]
+__getattr__ = lazy_exports(__name__, {
+    "eyas.draft.checkpoint": ("load_drafter", "save_drafter"),
+    "eyas.draft.config": ("DraftConfig",),
+    "eyas.draft.model": ("Eagle3Drafter", "ttt_attention"),
+})

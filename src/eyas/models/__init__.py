@@ -1,10 +1,7 @@
 """Target models: where they come from (`resolve`), how they load (`load`), what identifies
 them across stages (`identity`) and where their decoder layers are (`layers`)."""
 
-from eyas.models.identity import ModelIdentity, model_identity
-from eyas.models.layers import DecoderParts, decoder_parts, resolve_layer_ids
-from eyas.models.load import load_target, load_tokenizer
-from eyas.models.resolve import resolve_model
+from eyas.lazy import lazy_exports
 
 __all__ = [
     "DecoderParts",
@@ -16,3 +13,9 @@ __all__ = [
     "resolve_layer_ids",
     "resolve_model",
 ]
+__getattr__ = lazy_exports(__name__, {
+    "eyas.models.identity": ("ModelIdentity", "model_identity"),
+    "eyas.models.layers": ("DecoderParts", "decoder_parts", "resolve_layer_ids"),
+    "eyas.models.load": ("load_target", "load_tokenizer"),
+    "eyas.models.resolve": ("resolve_model",),
+})

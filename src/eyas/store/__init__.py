@@ -2,7 +2,7 @@
 `manifest.json`. `StoreWriter` appends (in a background thread, atomically, resumably);
 `Store` reads and verifies."""
 
-from eyas.store.reader import Store
-from eyas.store.writer import StoreWriter
+from eyas.lazy import lazy_exports
 
 __all__ = ["Store", "StoreWriter"]
+__getattr__ = lazy_exports(__name__, {"eyas.store.reader": ("Store",), "eyas.store.writer": ("StoreWriter",)})
