@@ -321,6 +321,8 @@ def test_torchrun_fsdp_cli_trains_like_one_process(two_batch_store, tmp_path):
     result = subprocess.run(torchrun + args + ["--out", str(tmp_path / "fsdp"), "--fsdp"], env=env,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.startswith("eyas: 2 torchrun processes on the CPU (no CUDA device is visible)"), \
+        result.stderr[:500]
     assert "2 process(es) on cpu, FSDP" in result.stdout and result.stdout.count("draft vocabulary:") == 1
     assert "eval acc" in result.stdout and "tau_sim" in result.stdout
     one = subprocess.run([sys.executable, "-m", "eyas"] + args + ["--out", str(tmp_path / "one"), "--grad-accum", "2"],

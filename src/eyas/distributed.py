@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from eyas.device import AUTO, resolve_device
 from eyas.errors import EyasError
 
 
@@ -32,17 +34,15 @@ class Dist:
 
 
 def init(device: str | None, fsdp: bool) -> tuple[Dist, torch.device]:
-    """Join torchrun's process group when WORLD_SIZE > 1; pick this process's device."""
+    """Join torchrun's process group when WORLD_SIZE > 1; pick this process's device
+    (`eyas.device.resolve_device`: under torchrun, the local rank's GPU)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise EyasError(f"--device {device}: no CUDA device is visible.")
-        dev = torch.device("cuda", local_rank if world > 1 else (dev.index or 0))
-        torch.cuda.set_device(dev)
+    dev = resolve_device(device)
+    if world > 1 and dev.type == "cpu" and rank == 0:
+        why = "no CUDA device is visible" if device in (None, AUTO) else f"--device {device}"
+        print(f"eyas: {world} torchrun processes on the CPU ({why}): gloo, every process sharing this "
+              f"machine's cores", file=sys.stderr, flush=True)
     if world > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo", device_id=dev if dev.type == "cuda" else None)
     return Dist(rank=rank, world=world, local_rank=local_rank, fsdp=fsdp), dev

@@ -7,7 +7,7 @@ command after a crash or Ctrl-C completes only what is missing.
 
 examples:
   eyas capture --model packaged:smollm2-135m --data prepared --out store
-  eyas capture --model ./llama --data prepared --out store --device cuda --layers 2,16,29 --dtype fp8
+  eyas capture --model ./llama --data prepared --out store --layers 2,16,29 --dtype fp8
   eyas capture --backend vllm --model ./big-moe --data prepared --out store --tensor-parallel-size 8
   eyas capture --backend vllm --model ./big-moe --spool /shared/spool --print-serve-command
   eyas capture --backend vllm --model ./big-moe --data prepared --out store --endpoint http://gpu-node:8000 --spool /shared/spool
@@ -18,18 +18,23 @@ from __future__ import annotations
 import argparse
 import os
 
+from eyas.device import TORCHRUN_NOTE, add_device_argument
+
 HELP = "run the target and store its hidden states (transformers or vLLM)"
 ON_INTERRUPT = "interrupted; run the same command again to resume."
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    # --data and --out are required except by --print-serve-command, which captures nothing.
+    p.usage = ("%(prog)s --model MODEL --data PREPARED --out STORE [options]\n"
+               "       %(prog)s --backend vllm --model MODEL --print-serve-command [options]")
     p.add_argument("--model", required=True, help="target model: folder, .gguf, packaged:smollm2-135m or hub id")
-    p.add_argument("--data", help="prepared folder (from eyas prepare); required")
-    p.add_argument("--out", help="store folder (created, or resumed if it exists); required")
+    p.add_argument("--data", help="prepared folder (from eyas prepare); required unless --print-serve-command")
+    p.add_argument("--out", help="store folder (created, or resumed if it exists); required unless --print-serve-command")
     p.add_argument("--backend", default="hf", help="hf (transformers, default) or vllm")
     p.add_argument("--layers", default="auto", help="aux layer ids, e.g. 2,15,27; auto = (2, N//2, N-3). Id N is always added")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8"], help="store dtype (default bf16; fp8 halves it)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (hf backend)")
+    add_device_argument(p, f"{TORCHRUN_NOTE}; hf backend only (vLLM places the model itself)")
     p.add_argument("--model-dtype", default=None, help="dtype the target runs in (default float32 on cpu, bf16 on cuda)")
     p.add_argument("--batch-tokens", type=int, default=8192, help="padded tokens per forward (default 8192)")
     p.add_argument("--chat-template", metavar="FILE",

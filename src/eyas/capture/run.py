@@ -14,6 +14,7 @@ from eyas.capture.staging import HostStager
 from eyas.capture.vllm import make_vllm_backend  # light: vLLM itself is imported only when used
 from eyas.data.prepared import PreparedData
 from eyas.data.template import check_same_template
+from eyas.device import default_model_dtype
 from eyas.errors import EyasError
 from eyas.lock import output_lock
 from eyas.store import StoreWriter
@@ -29,12 +30,8 @@ def make_hf_backend(model: str, layers: str, model_dtype: str, device: str, **_:
 BACKENDS: dict[str, Callable[..., Any]] = {"hf": make_hf_backend, "vllm": make_vllm_backend}
 
 
-def default_model_dtype(device: str) -> str:
-    return "float32" if device == "cpu" else "bf16"
-
-
 def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", layers: str = "auto",
-            dtype: str = "bf16", device: str = "cpu", model_dtype: str | None = None, batch_tokens: int = 8192,
+            dtype: str = "bf16", device: str = "auto", model_dtype: str | None = None, batch_tokens: int = 8192,
             shard_mb: float = 1024, progress: bool = True, chat_template: str | Path | None = None,
             **backend_options: Any) -> dict[str, Any]:
     """Capture every prepared sample of `data` not yet in the store at `out`; return the manifest.
@@ -63,10 +60,10 @@ def _capture(model: str, data: str | Path, out: str | Path, backend: str, layers
     prepared = PreparedData(data)
     if prepared.chat_template is not None:
         check_same_template(prepared.chat_template, chat_template, f"The prepared data in {data}")
-    ranks, dev = init(device, fsdp=False)
+    ranks, dev = init(device if backend == "hf" else "cpu", fsdp=False)  # vLLM places the model itself
     if ranks.enabled and backend != "hf":
         raise EyasError(f"--backend {backend} parallelises inside the engine; run it without torchrun.")
-    engine = BACKENDS[backend](model=model, layers=layers, model_dtype=model_dtype or default_model_dtype(device),
+    engine = BACKENDS[backend](model=model, layers=layers, model_dtype=model_dtype or default_model_dtype(dev.type),
                                device=str(dev), **backend_options)
     engine.identity.check_same(prepared.identity, f"The prepared data in {data}")
     header = {

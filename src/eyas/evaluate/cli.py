@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import argparse
 
+from eyas.device import add_device_argument
+
 HELP = "lossless speculative decoding: acceptance length tau, speed-up, per-position acceptance"
 
 
@@ -45,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated baselines besides plain decoding: prompt-lookup, or none "
                         "(default: %(default)s)")
     p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: %(default)s)")
-    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1 ... (default: %(default)s)")
+    add_device_argument(p)
     p.add_argument("--seed", type=int, default=0, help="sampling seed for T > 0 (default: %(default)s)")
     p.add_argument("--output", default="results.json", help="results file (default: %(default)s)")
     p.add_argument("--plot", help="PNG of per-position acceptance (default: the output path with .png)")

@@ -11,6 +11,7 @@ from tqdm import tqdm
 
 from eyas import __version__
 from eyas.data.template import ChatTemplate
+from eyas.device import resolve_device
 from eyas.draft import Eagle3Drafter, load_drafter
 from eyas.errors import EyasError
 from eyas.evaluate.drafter import DrafterSession
@@ -40,7 +41,7 @@ class EvalConfig:
     temperature: float = 0.0
     baselines: tuple[str, ...] = ("prompt-lookup",)
     dtype: str = "float32"
-    device: str = "cpu"
+    device: str = "auto"  # eyas.device.resolve_device
     seed: int = 0
     output: str = "results.json"
     plot: str | None = None  # default: the output path with .png
@@ -130,7 +131,8 @@ def run_methods(target: TargetSession, tokenizer, proposers: list[Proposer], pro
 def evaluate(cfg: EvalConfig) -> dict:
     torch.manual_seed(cfg.seed)
     prompts = load_prompts(cfg.prompts, cfg.limit)
-    model, tokenizer = load_target(cfg.model, dtype=cfg.dtype, device=cfg.device)
+    device = str(resolve_device(cfg.device))
+    model, tokenizer = load_target(cfg.model, dtype=cfg.dtype, device=device)
     identity = model_identity(cfg.model, model.config, tokenizer)
     proposers: list[Proposer] = [Proposer()]
     if "prompt-lookup" in cfg.baselines:
@@ -141,7 +143,7 @@ def evaluate(cfg: EvalConfig) -> dict:
         if drafter.config.chat_template:  # prompts as the drafter's training data was rendered
             ChatTemplate.from_dict(drafter.config.chat_template).apply(tokenizer)
         aux_ids = drafter.config.aux_layer_ids
-        gen = torch.Generator(device=cfg.device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
+        gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
         proposers.append(Eagle3(DrafterSession(drafter), cfg.steps, tree=cfg.tree, top_k=cfg.top_k,
                                 max_nodes=cfg.draft_tokens, temperature=cfg.temperature, generator=gen))
     target = TargetSession(model, aux_ids)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 
+from eyas.device import add_device_argument
+
 HELP = "replace assistant turns with the target's own answers (hf or vLLM)"
 ON_INTERRUPT = "interrupted; run the same command again to resume."
 
@@ -31,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="stop after the group that ends past this many minutes; the output holds what is done, "
                         "and the same command continues")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (with --temperature > 0)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:i] (hf backend)")
+    add_device_argument(p, "hf backend only (vLLM places the model itself)")
     p.add_argument("--model-dtype", default=None,
                    help="dtype the target runs in (hf: float32 on cpu, bf16 on cuda; vllm: the checkpoint's)")
     from eyas.capture.vllm.options import add_engine_arguments

@@ -36,9 +36,11 @@ CONVERSATIONS = "regenerated-conversations.jsonl"  # the input handed to `prepar
 
 def make_generator(backend: str, model: str, model_dtype: str | None, device: str, max_len: int, **vllm: Any):
     if backend == "hf":
+        from eyas.device import default_model_dtype, resolve_device
         from eyas.regenerate.generate import HFGenerator
 
-        return HFGenerator(model, dtype=model_dtype or ("float32" if device == "cpu" else "bf16"), device=device)
+        dev = resolve_device(device)
+        return HFGenerator(model, dtype=model_dtype or default_model_dtype(dev.type), device=str(dev))
     if backend == "vllm":
         from eyas.regenerate.generate import VLLMGenerator
 
@@ -47,7 +49,7 @@ def make_generator(backend: str, model: str, model_dtype: str | None, device: st
 
 
 def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf", temperature: float = 0.0,
-               max_new_tokens: int = 1024, group_size: int = 64, seed: int = 0, device: str = "cpu",
+               max_new_tokens: int = 1024, group_size: int = 64, seed: int = 0, device: str = "auto",
                model_dtype: str | None = None, progress: bool = True, minutes: float | None = None,
                **vllm: Any) -> dict[str, Any]:
     """Regenerate every conversation of `data` not yet in `out` (or as many as `minutes`

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import argparse
 
+from eyas.device import TORCHRUN_NOTE, add_device_argument
+
 HELP = "train an EAGLE-3 drafter (training-time test) from a store or online"
 ON_INTERRUPT = "interrupted; add --resume to the same command to continue from its last checkpoint."
 
@@ -69,7 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     run = p.add_argument_group("run")
     run.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    run.add_argument("--device", help="cpu or cuda (default: cuda if available); torchrun picks the local GPU")
+    add_device_argument(run, TORCHRUN_NOTE)
     run.add_argument("--fsdp", action="store_true", help="under torchrun: shard the drafter across GPUs (FSDP2)")
     run.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps (default 500) and at the end")
     run.add_argument("--eval-every", type=int, default=500, help="held-out metrics every N steps (default 500) and at the end")

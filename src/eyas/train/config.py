@@ -34,7 +34,7 @@ class TrainConfig:
     max_len: int | None = None  # crop longer samples (default: batch_tokens)
     eval_fraction: float = 0.05
     seed: int = 0
-    device: str | None = None  # default cuda (the local rank's) when available, else cpu
+    device: str | None = "auto"  # eyas.device.resolve_device: CUDA (the local rank's) when visible, else cpu
     fsdp: bool = False
     # How a run is watched and stopped; these may change on --resume.
     resume: bool = False

@@ -177,7 +177,7 @@ class OnlineSource:
 
     def __init__(self, model: str, data: str | Path, layers: str, crop: int, device: torch.device):
         from eyas.capture.hf import HFCapturer
-        from eyas.capture.run import default_model_dtype
+        from eyas.device import default_model_dtype
         from eyas.data.prepared import PreparedData
 
         self.prepared = PreparedData(data)
