@@ -5,6 +5,7 @@ or score faithfully is refused with the field that says why."""
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eyas.capture.vllm.serve import serve_launcher
 from eyas.draft import DraftConfig, Eagle3Drafter, load_drafter, save_drafter
 from eyas.errors import EyasError
 from eyas.export import LAYOUTS, export_drafter, import_drafter
@@ -383,7 +385,7 @@ def test_cli_export_prints_the_serve_command(drafter, tiny_llama_dir, tmp_path, 
                    "--num-speculative-tokens", "5") == 0
     line = capsys.readouterr().out.strip()
     assert not (tmp_path / "later").exists()
-    assert line.startswith(f"vllm serve {tiny_llama_dir} --speculative-config ")
+    assert line.startswith(shlex.join(serve_launcher(str(tiny_llama_dir))) + " --speculative-config ")
     spec = json.loads(line.split("--speculative-config ", 1)[1].strip("'"))
     assert spec == {"method": "eagle3", "model": str(tmp_path / "later"), "num_speculative_tokens": 5}
 

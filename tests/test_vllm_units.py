@@ -239,6 +239,7 @@ def test_connector_reads_a_prompts_rows_from_its_blocks(device):
 def test_print_serve_command(tmp_path, tiny_llama_dir, capsys):
     import shlex
 
+    from eyas.capture.vllm.serve import serve_launcher
     from eyas.cli import main
 
     with pytest.raises(SystemExit) as done:
@@ -246,8 +247,9 @@ def test_print_serve_command(tmp_path, tiny_llama_dir, capsys):
               "--tensor-parallel-size", "2", "--engine-arg", "max_model_len=512", "--print-serve-command"])
     assert done.value.code == 0
     argv = shlex.split(capsys.readouterr().out)
-    assert argv[:3] == ["vllm", "serve", str(tiny_llama_dir)]
-    flags, rest = {}, argv[3:]
+    launcher = serve_launcher(str(tiny_llama_dir))
+    assert argv[:len(launcher)] == launcher
+    flags, rest = {}, argv[len(launcher):]
     while rest:
         flag, rest = rest[0], rest[1:]
         takes_value = rest and not rest[0].startswith("--")

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from eyas.capture.vllm.serve import serve_launcher
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
 from eyas.export.layouts import Layout, get_layout
@@ -127,7 +128,7 @@ def serve_command(engine: str, target: str, drafter: str | Path, num_speculative
     k = num_speculative_tokens
     if engine == "vllm":
         spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k})
-        return shlex.join(["vllm", "serve", target, "--speculative-config", spec])
+        return shlex.join([*serve_launcher(target), "--speculative-config", spec])
     return shlex.join([
         "python", "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm", "EAGLE3",
         "--speculative-draft-model-path", str(drafter), "--speculative-num-steps", str(k),
