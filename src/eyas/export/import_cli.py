@@ -3,9 +3,10 @@
 Understood: official EAGLE-3 (SafeAILab), SpecForge / SGLang, vLLM and speculators
 (Eagle3Speculator) folders, and eyas's own exports. Layer ids are converted to eyas's
 convention (id k = input of target layer k): SGLang's `eagle_config` ids get +1; a folder
-without ids gets the engines' default (2, N/2, N-3). Anything eyas's drafter does not
-implement (EAGLE 3.1 norms, biases, several layers, a non-Llama layer, its own embeddings)
-is refused with the field that says so.
+without ids gets the engines' default (2, N/2, N-3). The EAGLE 3.1 options fc_norm and
+norm_output are kept; anything eyas's drafter does not implement (norm_before_fc, biases,
+tied lm_head, several layers, a non-Llama layer, embeddings unlike the target's) is refused with the
+field that says so.
 
 examples:
   eyas import downloads/EAGLE3-LLaMA3.1-Instruct-8B --target meta-llama/Llama-3.1-8B-Instruct --out runs/eagle3
