@@ -22,8 +22,8 @@ from eyas.evaluate.generate import generate
 from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
 from eyas.evaluate.target import TargetSession, attention_windows
 from eyas.evaluate.tree import DraftTree
-from eyas.models import ModelIdentity, load_target, model_identity
-from test_eval_sampling import PROMPT, SAMPLES, T, V, chi2_pvalue, exact_joint
+from eyas.models import load_target, model_identity
+from test_eval_sampling import V, assert_sampling_keeps_the_distribution, toy_drafter
 from test_eval_units import ATOL, path_to, random_tree
 from tiny import build_model
 
@@ -81,7 +81,8 @@ def test_tree_verification_past_the_window_equals_decoding_each_path(name):
             ref = target(torch.tensor([sequence + [root]])).logits[0, -1]
             assert torch.allclose(logits[0], ref, atol=ATOL), f"step {step}, root"
             for i in range(len(tree)):
-                ref = target(torch.tensor([sequence + [root] + [tree.tokens[n] for n in path_to(tree, i)]])).logits[0, -1]
+                ids = sequence + [root] + [tree.tokens[n] for n in path_to(tree, i)]
+                ref = target(torch.tensor([ids])).logits[0, -1]
                 assert torch.allclose(logits[i + 1], ref, atol=ATOL), f"step {step}, node {i}"
         path = path_to(tree, max(range(len(tree)), key=lambda i: len(path_to(tree, i))))
         assert path != list(range(len(path)))
@@ -172,22 +173,4 @@ def test_speculative_sampling_on_a_sliding_target_preserves_its_distribution():
     target = build_toy("qwen2", vocab=V, layers=3, hidden_size=16, intermediate_size=32, num_attention_heads=2,
                        num_key_value_heads=1, sliding_window=2, max_window_layers=1)
     assert attention_windows(target.config) == {"full_attention": None, "sliding_attention": 2}
-    cfg = DraftConfig.for_target(target.config, ModelIdentity("toy", "c", "t", 3, 16, V), (0, 1, 2, 3), V - 1)
-    drafter = Eagle3Drafter(cfg, target.get_input_embeddings().weight.detach()).eval()
-    with torch.no_grad():
-        for p in drafter.parameters():
-            if p.dim() > 1 and p.requires_grad:
-                p.normal_(0, 0.1)
-    drafter.set_vocab(torch.tensor([0, 1, 2, 3, 5]))
-    session = TargetSession(target, cfg.aux_layer_ids)
-    g = torch.Generator().manual_seed(3)
-    proposer = Eagle3(DrafterSession(drafter), steps=2, tree=True, top_k=2, max_nodes=4, temperature=T, generator=g)
-    counts = torch.zeros(V, V, V)
-    accepted = []
-    for _ in range(SAMPLES):
-        out = generate(session, proposer, PROMPT, 4, eos_ids=set(), temperature=T, generator=g)
-        counts[tuple(out.generated_ids[1:4])] += 1
-        accepted += out.accept_counts
-    assert 0.1 < sum(a >= 1 for a in accepted) / len(accepted) < 0.9
-    assert sum(a == 2 for a in accepted) >= 10
-    assert chi2_pvalue(counts, exact_joint(target)) > 1e-3
+    assert_sampling_keeps_the_distribution(target, toy_drafter(target, 0.1), tree=True, seed=3)

@@ -76,7 +76,8 @@ def models(tmp_path_factory, tiny_tokenizer_dir) -> dict[str, Path]:
         "kimi_k25_no_processor": _without_processor(_model(tmp_path_factory, tiny_tokenizer_dir, "kimi_k25")),
         "qwen2_5_vl": _model(tmp_path_factory, tiny_tokenizer_dir, "qwen2_5_vl"),
         "qwen3_moe_head_16": _model(tmp_path_factory, tiny_tokenizer_dir, "qwen3_moe"),
-        "kimi_k25_saved_by_transformers": _saved_by_transformers(_model(tmp_path_factory, tiny_tokenizer_dir, "kimi_k25")),
+        "kimi_k25_saved_by_transformers": _saved_by_transformers(
+            _model(tmp_path_factory, tiny_tokenizer_dir, "kimi_k25")),
     }
 
 
@@ -123,8 +124,9 @@ CASES = {
     "kimi_k25_saved_by_transformers": ("1,4,5", (
         r"vLLM \S+'s KimiK25ForConditionalGeneration cannot load .* as its tensors are named \(its text decoder's "
         r"layers are stored as language_model\.model\.blocks\.N\.\* where vLLM reads \.\.\.layers\.N\.\*; it has no "
-        r"module 'model' for the tensors model\.\* .*\), .* with its tensors renamed \(language_model\.model\.blocks\.\* "
-        r"-> language_model\.model\.layers\.\*, model\.mm_projector\.\* -> mm_projector\.\*: .*, or use --backend hf\.$")),
+        r"module 'model' for the tensors model\.\* .*\), .* with its tensors renamed "
+        r"\(language_model\.model\.blocks\.\* -> language_model\.model\.layers\.\*, "
+        r"model\.mm_projector\.\* -> mm_projector\.\*: .*, or use --backend hf\.$")),
     "kimi_k25": ("0,1,2", r"KimiK25ForConditionalGeneration collects aux hidden states with its own code, .* layer id "
                           r"0 .*; use aux layer ids of 1 or more, or use --backend hf\.$"),
 }
@@ -155,7 +157,8 @@ def test_a_printed_command_notes_a_head_size_only_this_platform_lacks(models, tm
               "--print-serve-command"])
     out, err = capsys.readouterr()
     assert e.value.code == 0 and out.startswith("vllm serve")
-    assert "eyas: note: vLLM's CPU_ATTN attention on cpu takes attention head sizes" in err and "is 16 (head_dim)" in err
+    assert "eyas: note: vLLM's CPU_ATTN attention on cpu takes attention head sizes" in err
+    assert "is 16 (head_dim)" in err
 
 
 def test_kimi_layout_passes_with_aux_ids_from_1(models, no_engine):

@@ -74,6 +74,10 @@ class TargetSession:
         self.cache = DynamicCache(config=self.model.config)
         for layer in self.cache.layers:
             if layer.is_sliding:
+                if not hasattr(layer, "activate_past_recording"):
+                    raise EyasError("eyas eval of a sliding-window target needs a transformers whose sliding cache can "
+                                    "keep a verification pass (DynamicSlidingWindowLayer.activate_past_recording, "
+                                    "as in 5.19); upgrade transformers.")
                 layer.activate_past_recording()  # a sliding layer keeps every row until `commit`
         T = len(prompt_ids)
         logits, aux = self._forward(prompt_ids, torch.arange(T), None)  # the model's own masks
@@ -115,7 +119,8 @@ class TargetSession:
         for layer in self.cache.layers:
             cached = layer.keys.shape[-2] - self._pending  # entries from before the verification pass
             if chain:  # a prefix of the rows: drop the tail
-                layer.keys, layer.values = layer.keys[..., : cached + len(rows), :], layer.values[..., : cached + len(rows), :]
+                end = cached + len(rows)
+                layer.keys, layer.values = layer.keys[..., :end, :], layer.values[..., :end, :]
             else:
                 keep = torch.cat([torch.arange(cached), cached + torch.tensor(rows, dtype=torch.long)]).to(self.device)
                 layer.keys = layer.keys.index_select(-2, keep)  # [1, n_kv, cached + len(rows), d]
