@@ -37,14 +37,19 @@ def build_toy(target_std: float, draft_std: float):
         for p in target.parameters():
             if p.dim() > 1:
                 p.normal_(0, target_std)
-    cfg = DraftConfig.for_target(config, ModelIdentity("toy", "c", "t", 3, 16, V), (0, 1, 2, 3), V - 1)
+    return target, toy_drafter(target, draft_std)
+
+
+def toy_drafter(target, draft_std: float) -> Eagle3Drafter:
+    """A random drafter for a 3-layer toy target of width 16 and vocabulary V."""
+    cfg = DraftConfig.for_target(target.config, ModelIdentity("toy", "c", "t", 3, 16, V), (0, 1, 2, 3), V - 1)
     drafter = Eagle3Drafter(cfg, target.get_input_embeddings().weight.detach()).eval()
     with torch.no_grad():
         for p in drafter.parameters():
             if p.dim() > 1 and p.requires_grad:
                 p.normal_(0, draft_std)
     drafter.set_vocab(torch.tensor([0, 1, 2, 3, 5]))  # token 4 can never be drafted
-    return target, drafter
+    return drafter
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +84,13 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_speculative_sampling_preserves_the_target_distribution(toy, tree):
-    target, drafter = toy
+    assert_sampling_keeps_the_distribution(*toy, tree, seed=1 + tree)
+
+
+def assert_sampling_keeps_the_distribution(target, drafter: Eagle3Drafter, tree: bool, seed: int) -> None:
+    """SAMPLES generations of 4 tokens through the real decoding loop, against the exact joint."""
     session = TargetSession(target, drafter.config.aux_layer_ids)
-    g = torch.Generator().manual_seed(1 + tree)
+    g = torch.Generator().manual_seed(seed)
     proposer = Eagle3(DrafterSession(drafter), steps=2, tree=tree, top_k=2, max_nodes=4, temperature=T, generator=g)
     counts = torch.zeros(V, V, V)
     accepted = []

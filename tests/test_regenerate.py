@@ -245,3 +245,24 @@ def test_an_answer_that_opens_a_conversation_is_dropped(smollm2_dir):
     (out,) = regenerate_group(Echo(), tokenizer, [conv], 160, NEW, 0.0, 0)
     assert [m["role"] for m in out] == ["user", "assistant"]
     assert out[1]["content"] == tokenizer.decode([42], skip_special_tokens=True)
+
+
+def test_regenerate_runs_on_a_shallow_target(tmp_path, tiny_tokenizer_dir):
+    """A 4-layer target: too shallow for the default aux-layer ids, which regenerate does not
+    need (it reads no hidden states), so the command runs and its answers are the target's."""
+    from tiny import build_model
+
+    from eyas.cli import main
+    from eyas.data.prepare import prepare
+
+    model = str(build_model(tmp_path / "model", "llama", layers=4, tokenizer_dir=tiny_tokenizer_dir))
+    prepare(model, "packaged:chitchat", tmp_path / "prepared", max_len=64, limit=2, progress=False)
+    with pytest.raises(SystemExit) as e:
+        main(["regenerate", "--model", model, "--data", str(tmp_path / "prepared"), "--out", str(tmp_path / "out"),
+              "--max-new-tokens", "4", "--group-size", "2"])
+    assert e.value.code == 0
+    data, before = PreparedData(tmp_path / "out"), PreparedData(tmp_path / "prepared")
+    assert data.identity == before.identity and data.identity.num_layers == 4 and len(data) == 2
+    answers = [m["content"] for c in data.conversations() for m in c if m["role"] == "assistant"]
+    originals = [m["content"] for c in before.conversations() for m in c if m["role"] == "assistant"]
+    assert answers and answers != originals[: len(answers)]

@@ -132,8 +132,7 @@ def test_inspect_repair_rebuilds_the_manifest_from_the_shards_that_verify(tmp_pa
     data[-3] ^= 0xFF  # inside the hidden states: only the sha256 can tell
     damaged.write_bytes(bytes(data))
     code, err = cli(capsys, "inspect", str(store), "--repair", "--verify")
-    out = capsys.readouterr().out if code == 0 else ""
-    assert code == 0, err
+    assert code == 3 and "holds only" in err and "eyas capture" in err, err  # sound now, but two shards short
     result = Store(store)
     names = [s["file"] for s in result.manifest["shards"]]
     assert "shard-00000.safetensors" in names and "shard-00002.safetensors" not in names  # re-listed / dropped
@@ -142,7 +141,32 @@ def test_inspect_repair_rebuilds_the_manifest_from_the_shards_that_verify(tmp_pa
     result = Store(store)
     result.verify()
     assert result.manifest["complete"] and sorted(result.sample_indices().tolist()) == list(range(N_SAMPLES))
-    del out
+    assert cli(capsys, "inspect", str(store), "--verify")[0] == 0
+
+
+def test_verify_fails_on_an_empty_and_on_an_incomplete_store_and_says_what_to_run(tmp_path, tiny_store,
+                                                                                 tiny_llama_dir, capsys):
+    """Exit 3 (sound but unfinished) for a store a capture left before its first shard and for
+    one it left part-way; exit 2 stays for damage; exit 0 only for a whole, complete store."""
+    empty = tmp_path / "empty"
+    header = {k: v for k, v in Store(tiny_store).manifest.items()
+              if k in ("target", "layer_ids", "dtype", "hidden_size", "prepared", "chat_template")}
+    StoreWriter(empty, header).close()  # what a capture that failed before its first shard leaves
+    partial = tmp_path / "partial"
+    shutil.copytree(tiny_store, partial)
+    edit_manifest(partial, lambda m: drop_entry(m, len(m["shards"]) - 1))
+    (partial / Store(tiny_store).manifest["shards"][-1]["file"]).unlink()
+    aux = ",".join(str(k) for k in Store(tiny_store).layer_ids[:-1])
+    for store, held in ((empty, "holds no sample"), (partial, "holds only")):
+        code, err = cli(capsys, "inspect", str(store), "--verify")
+        assert code == 3, err
+        assert err.startswith(f"eyas inspect: error: the store {held}") and len(err.strip().splitlines()) == 1
+        assert f"eyas capture --model {tiny_llama_dir} --data PREPARED --out {store} --layers {aux} --dtype bf16" in err
+        assert cli(capsys, "inspect", str(store))[0] == 0  # a summary alone still succeeds
+    shard = partial / Store(partial).manifest["shards"][0]["file"]
+    shard.write_bytes(shard.read_bytes()[:-1])
+    assert cli(capsys, "inspect", str(partial), "--verify")[0] == 2  # damage before incompleteness
+    assert cli(capsys, "inspect", str(tiny_store), "--verify")[0] == 0
 
 
 def test_a_shard_a_killed_writer_was_recording_is_settled(tmp_path, tiny_store):
@@ -284,7 +308,7 @@ def test_randomly_damaged_stores_fail_in_one_line_never_a_traceback(tmp_path, ti
         for argv in (["inspect", str(store), "--verify"], train_args(store, run)):
             code, err = cli(capsys, *argv)  # any exception but SystemExit fails the test with its traceback
             lines = err.strip().splitlines()
-            assert code in (0, 2), (kind, code, err)
+            assert code in ((0, 2, 3) if argv[0] == "inspect" else (0, 2)), (kind, code, err)
             assert "Traceback" not in err, (kind, err)
             if code:
                 assert lines[-1].startswith(f"eyas {argv[0]}: error: "), (kind, err)

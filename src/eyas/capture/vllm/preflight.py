@@ -12,6 +12,7 @@ an engine to learn the same costs minutes and ends in a worker crash.
 
 from __future__ import annotations
 
+import json
 import sys
 from typing import Any
 
@@ -19,10 +20,11 @@ from eyas.errors import EyasError
 
 
 def preflight(config: Any, model: str, layer_ids: tuple[int, ...] | None, dtype: str, instead: str,
-              engine_args: dict[str, Any] | None = None, folder: str | None = None) -> None:
+              engine_args: dict[str, Any] | None = None, folder: str | None = None, here: bool = True) -> None:
     """Raise `EyasError` (one sentence ending in `instead`, what to do) when vLLM cannot run
     `model` (transformers `config`, read from `folder`, by default `model` itself) with
-    EAGLE-3 aux states at `layer_ids` (aux ids then N)."""
+    EAGLE-3 aux states at `layer_ids` (aux ids then N). `here`: the engine runs on this
+    machine's platform (not a command printed to run on another)."""
     from eyas.capture.vllm.engine import installed_vllm_version, vllm_environment
 
     if (engine_args or {}).get("model_impl", "auto") not in ("auto", "vllm"):
@@ -38,7 +40,8 @@ def preflight(config: Any, model: str, layer_ids: tuple[int, ...] | None, dtype:
     if layer_ids and 0 in layer_ids[:-1]:
         check_layer_id_0(cls, f"vLLM {version}'s {arch}", instead)
     check_router(config, model)
-    check_head_size(config, model, dtype, instead)
+    check_head_size(config, model, dtype, instead, here)
+    check_weight_names(folder or model, model, config, cls, f"vLLM {version}'s {arch}", instead)
     check_model_config(folder or model, model, f"vLLM {version}'s {arch}", dtype, instead, engine_args)
 
 
@@ -53,7 +56,7 @@ def preflight_where_installed(config: Any, model: str, layer_ids: tuple[int, ...
     except EyasError as e:
         print(f"eyas: note: the command was not checked against vLLM here ({e})", file=sys.stderr)
         return
-    preflight(config, model, layer_ids, dtype, instead, engine_args, folder)
+    preflight(config, model, layer_ids, dtype, instead, engine_args, folder, here=False)
 
 
 def model_class(config: Any, model: str, version: str, instead: str) -> tuple[str, type]:
@@ -104,10 +107,13 @@ def check_router(config: Any, model: str) -> None:
         )
 
 
-def check_head_size(config: Any, model: str, dtype: str, instead: str) -> None:
-    """vLLM validates MLA head sizes against the chosen backend (the CPU MLA kernel is built
-    for 576 = kv_lora_rank 512 + rope 64 only); for other attention the platform's selector
-    raises itself when no backend fits (its CPU kernel runs sizes beyond its advertised list)."""
+def check_head_size(config: Any, model: str, dtype: str, instead: str, here: bool = True) -> None:
+    """The head size against the attention backend the platform picks. On a GPU the selector
+    raises itself when no backend fits; on the CPU it returns its one backend without asking,
+    and the engine dies at the first request (`Unsupported CPU attention configuration:
+    head_dim=16`), so the backend's own list decides (the CPU MLA kernel: 576 only). For a
+    command run elsewhere (not `here`) a plain head size only this platform's backend lacks is
+    a note: a GPU's backends take sizes the CPU kernel is not built for."""
     import torch
     import vllm.config  # noqa: F401  (first: vLLM's arch-config convertor cannot be imported before it)
     import vllm.envs as envs
@@ -134,12 +140,13 @@ def check_head_size(config: Any, model: str, dtype: str, instead: str) -> None:
     except (ValueError, NotImplementedError) as e:
         raise EyasError(f"vLLM has no attention backend on {current_platform.device_name} for {model}'s {kind} "
                         f"{head_size} ({e}); {instead}.") from None
-    if mla and not backend.supports_head_size(head_size):
-        raise EyasError(
-            f"vLLM's {backend.get_name()} attention on {current_platform.device_name} takes MLA head sizes "
-            f"{backend.get_supported_head_sizes()} only, and {model}'s is {head_size} (kv_lora_rank + "
-            f"qk_rope_head_dim); {instead}."
-        )
+    if not backend.supports_head_size(head_size):
+        what = " (kv_lora_rank + qk_rope_head_dim)" if mla else " (head_dim)"
+        refusal = (f"vLLM's {backend.get_name()} attention on {current_platform.device_name} takes {kind}s "
+                   f"{backend.get_supported_head_sizes()} only, and {model}'s is {head_size}{what}")
+        if here or mla:
+            raise EyasError(f"{refusal}; {instead}.")
+        print(f"eyas: note: {refusal}: a server on such a machine would stop at its first request.", file=sys.stderr)
 
 
 def check_model_config(folder: str, model: str, name: str, dtype: str, instead: str,
@@ -162,3 +169,99 @@ def check_model_config(folder: str, model: str, name: str, dtype: str, instead: 
         cause = text.split(". ")[0].split("\n")[0]
         raise EyasError(f"{name} cannot set up {model} here ({type(e).__name__}: {cause}), so its engine would "
                         f"fail the same way after starting; {instead}.") from None
+
+
+def checkpoint_names(folder: str) -> list[str]:
+    """Tensor names of a safetensors checkpoint, from its index or the files' headers (no
+    tensor is read); [] for another format or a folder that is not here."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    path = Path(folder)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text())["weight_map"])
+    names = []
+    for file in sorted(path.glob("*.safetensors")) if path.is_dir() else []:
+        with safe_open(str(file), "pt") as f:
+            names += list(f.keys())
+    return names
+
+
+def check_weight_names(folder: str, model: str, config: Any, cls: type, name: str, instead: str) -> None:
+    """The checkpoint's tensor names as vLLM's loader will see them: renamed by the class's own
+    `hf_to_vllm_mapper`, the text decoder's layers must sit in a `...layers.N.` container
+    (vLLM's decoders build theirs so), and, for a class that loads through
+    `AutoWeightsLoader` without skip lists, each name must start with a module the class
+    sets up. transformers' `save_pretrained` can write a wrapper in a layout transformers
+    reads back but vLLM does not (Kimi-K2.5: `language_model.model.blocks.N`); the engine
+    would load for minutes and stop on the first such name."""
+    names = checkpoint_names(folder)
+    if not names:
+        return
+    mapper = getattr(cls, "hf_to_vllm_mapper", None)
+    mapped = {n: mapper.map_name(n) if mapper is not None else n for n in names}
+    kept = [m for m in mapped.values() if m is not None]
+    problems, renames = [], []
+    containers = layer_containers(kept, config.get_text_config().num_hidden_layers)
+    if containers and not any(c.endswith("layers.") for c in containers):
+        found = containers[0]
+        wanted = found[: found.rstrip(".").rfind(".") + 1] + "layers."  # the same place, named as vLLM names it
+        problems.append(f"its text decoder's layers are stored as {found}N.* where vLLM reads ...layers.N.*")
+        renames.append(f"{found}* -> {wanted}*")
+    children = auto_loader_children(cls)
+    for stray in sorted({m.split(".")[0] for m in kept} - children) if children else []:
+        example = next(n for n, m in mapped.items() if m is not None and m.split(".")[0] == stray)
+        problems.append(f"it has no module {stray!r} for the tensors {stray}.* (e.g. {example})")
+        inner = example.split(".")[1] if example.count(".") > 1 else None
+        renames.append(f"{stray}.{inner}.* -> {inner}.*" if inner in children else
+                       f"{stray}.* -> a name under one of {sorted(c for c in children if not c.startswith('_'))}")
+    if problems:
+        raise EyasError(
+            f"{name} cannot load {model} as its tensors are named ({'; '.join(problems)}), and its engine would stop "
+            f"on the first such name after starting; transformers' save_pretrained writes some wrappers so, and reads "
+            f"back the layout vLLM reads as well: write a copy of the checkpoint with its tensors renamed "
+            f"({', '.join(renames)}: safetensors load_file, rename the keys, save_file; the other files as they are) "
+            f"and pass that folder, "
+            f"or {instead}."
+        )
+
+
+def layer_containers(names: list[str], layers: int) -> list[str]:
+    """Prefixes `P` such that `P{i}.` starts some name for every i < `layers`: where the
+    checkpoint keeps a stack of `layers` layers (the text decoder's, or a deep vision tower's)."""
+    import re
+
+    seen: dict[str, set[int]] = {}
+    for n in names:
+        for m in re.finditer(r"\.(\d+)\.", n):
+            seen.setdefault(n[: m.start() + 1], set()).add(int(m.group(1)))
+    return sorted(p for p, ids in seen.items() if set(range(layers)) <= ids)
+
+
+def auto_loader_children(cls: type) -> set[str]:
+    """The attribute names vLLM's class sets in its `__init__`s (its modules among them), when
+    its `load_weights` walks them with `AutoWeightsLoader` and no skip or ignore lists (which
+    then refuses any other first name); empty when that cannot be read off its source."""
+    import ast
+    import inspect
+    import textwrap
+
+    try:
+        if "AutoWeightsLoader(self)" not in inspect.getsource(cls.load_weights):
+            return set()
+        out = set()
+        for klass in cls.__mro__:
+            init = klass.__dict__.get("__init__")
+            if init is None or not klass.__module__.startswith("vllm."):
+                continue
+            for node in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(init)))):
+                if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                    for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                        if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name) \
+                                and target.value.id == "self":
+                            out.add(target.attr)
+        return out
+    except (OSError, TypeError, SyntaxError):
+        return set()

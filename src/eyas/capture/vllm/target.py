@@ -19,8 +19,10 @@ class Target:
     layer_ids: tuple[int, ...]  # aux ids, then N
 
 
-def describe_target(model: str, layers: str = "auto") -> Target:
-    """Raise `EyasError` for a model that cannot be read or a layer id out of range."""
+def read_target(model: str) -> tuple[str, object, ModelIdentity]:
+    """(folder, config, identity) of `model`, with no layer ids: what a stage that reads no
+    hidden states (regenerate) checks its data against. Raises `EyasError` for a model that
+    cannot be read."""
     from transformers import AutoConfig
 
     folder = resolve_model(model)
@@ -28,5 +30,10 @@ def describe_target(model: str, layers: str = "auto") -> Target:
         config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError) as e:
         raise EyasError(f"Could not read the config of model {model!r}: {e}") from e
-    identity = model_identity(model, config, load_tokenizer(model))
+    return folder, config, model_identity(model, config, load_tokenizer(model))
+
+
+def describe_target(model: str, layers: str = "auto") -> Target:
+    """Raise `EyasError` for a model that cannot be read or a layer id out of range."""
+    folder, config, identity = read_target(model)
     return Target(folder, config, identity, resolve_layer_ids(layers, identity.num_layers))
