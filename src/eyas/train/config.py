@@ -21,6 +21,7 @@ class TrainConfig:
     ttt_steps: int = 7
     ttt_decay: float = 0.8
     intermediate_size: int | None = None  # the drafter's MLP width (default: the target's)
+    draft_attention: str = "auto"  # gqa, mla, or auto (the target's kind: draft/mla.py)
     fc_norm: bool = False
     norm_output: bool = False
     epochs: float | None = None  # default 1 unless steps is given
