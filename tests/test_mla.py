@@ -227,7 +227,7 @@ def test_mla_drafter_decodes_losslessly_chain_and_tree(tmp_path, tiny_tokenizer_
     from eyas.evaluate.target import TargetSession
     from eyas.models import load_target, model_identity
 
-    folder = str(build_model(tmp_path / "deepseek", "deepseek_v3", layers=4, tokenizer_dir=tiny_tokenizer_dir))
+    folder = str(build_model(tmp_path / "deepseek", "deepseek_v3", tokenizer_dir=tiny_tokenizer_dir))
     model, tokenizer = load_target(folder, dtype="float32")
     ids = render(tokenizer, [{"role": "user", "content": "hello there, how are you?"}])
     with torch.inference_mode():
