@@ -15,6 +15,7 @@ gradients, as the Llama drafter does.
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -243,3 +244,33 @@ def test_mla_drafter_decodes_losslessly_chain_and_tree(tmp_path, tiny_tokenizer_
         assert g.generated_ids == expected, tree
         assert sum(g.accept_counts) >= 6, g.accept_counts
         assert session.keys.shape[1] == 1  # the latent cache: [1, 1, S, kv_lora_rank + qk_rope_head_dim]
+
+
+@pytest.mark.parametrize("to", ["vllm", "sglang"])
+def test_mla_export_names_what_the_engines_load_and_imports_back(tmp_path, to):
+    """vLLM's Eagle3DeepseekV3ForCausalLM / SGLang's Eagle3DeepseekV2ForCausalLM fields and
+    DeepSeek weight names; `eyas import` gives back the same config and tensors; speculators refuses."""
+    from safetensors.torch import load_file
+
+    from eyas.draft import save_drafter
+    from eyas.export import export_drafter
+    from eyas.export.importer import import_drafter
+
+    m = mla_drafter(fc_norm=True, norm_output=True)
+    m.set_vocab(torch.randperm(V)[:VD].sort().values)
+    save_drafter(m, tmp_path / "ckpt")
+    export_drafter(tmp_path / "ckpt", to, tmp_path / to)
+    config = json.loads((tmp_path / to / "config.json").read_text())
+    assert config["architectures"] == [{"vllm": "Eagle3DeepseekV3ForCausalLM", "sglang": "Eagle3DeepseekV2ForCausalLM"}[to]]
+    assert config["model_type"] == "deepseek_v3" and config["fc_norm"] and config["norm_output"]
+    assert {k: config[k] for k in SIZES} == SIZES and config["num_hidden_layers"] == 1
+    weights = load_file(tmp_path / to / "model.safetensors")
+    for name in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"):
+        assert f"midlayer.self_attn.{name}.weight" in weights, name
+    import_drafter(tmp_path / to, tmp_path / "back")
+    back = load_file(tmp_path / "back" / "model.safetensors")
+    original = load_file(tmp_path / "ckpt" / "model.safetensors")
+    assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in back)
+    assert DraftConfig.load(tmp_path / "back") == m.config
+    with pytest.raises(EyasError, match="speculators"):
+        export_drafter(tmp_path / "ckpt", "speculators", tmp_path / "spec")
