@@ -26,8 +26,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from eyas.draft import DraftConfig, Eagle3Drafter
 from eyas.draft.model import _llama_config
 from eyas.errors import EyasError
-from eyas.train.objective import TTTObjective, make_labels, step_counts
-from test_ttt import K, H, V, VD, make_setup, reference_ttt, tiny_config
+from test_ttt import H, V, VD, assert_objective_matches_reference, make_setup, tiny_config
 
 SIZES = {"q_lora_rank": 12, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6}
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 8,
@@ -140,21 +139,7 @@ def test_ttt_with_the_mla_drafter_equals_the_step_by_step_reference(variant):
     _, head, draft_ids, input_ids, hidden, loss_mask = make_setup()
     drafter = mla_drafter(**VARIANTS[variant])
     drafter.set_vocab(draft_ids)
-    labels = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids)
-    weights = torch.tensor([0.8 ** k for k in range(K)]) / step_counts(loss_mask, K)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    loss, _, _ = TTTObjective(drafter)(input_ids, hidden[:, :, :3], labels, weights)
-    grads = torch.autograd.grad(loss, params)
-    fast_logits = drafter.forward_ttt(input_ids, hidden[:, :, :3], K)
-    ref_logits, ref_loss = reference_ttt(drafter, input_ids, hidden, labels, 0.8, heads=paper_heads)
-    ref_grads = torch.autograd.grad(ref_loss, params)
-    T = input_ids.shape[1]
-    for k in range(K):
-        torch.testing.assert_close(fast_logits[k][:, : T - 1 - k], ref_logits[k][:, : T - 1 - k], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-4)
-    assert all(g.abs().sum() > 0 for g in grads)
+    assert_objective_matches_reference(drafter, head, draft_ids, input_ids, hidden, loss_mask, heads=paper_heads)
 
 
 def test_flex_ttt_attention_takes_mla_shapes(monkeypatch):
