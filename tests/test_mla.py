@@ -259,3 +259,12 @@ def test_mla_export_names_what_the_engines_load_and_imports_back(tmp_path, to):
     assert DraftConfig.load(tmp_path / "back") == m.config
     with pytest.raises(EyasError, match="speculators"):
         export_drafter(tmp_path / "ckpt", "speculators", tmp_path / "spec")
+
+
+def test_sglang_export_refuses_an_mla_drafter_without_query_lora(tmp_path):
+    from eyas.draft import save_drafter
+    from eyas.export import export_drafter
+
+    save_drafter(mla_drafter(**VARIANTS["no_q_lora"]), tmp_path / "ckpt")
+    with pytest.raises(EyasError, match="q_lora_rank"):
+        export_drafter(tmp_path / "ckpt", "sglang", tmp_path / "sglang")

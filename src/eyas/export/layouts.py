@@ -85,6 +85,9 @@ def _sglang_check(cfg: DraftConfig) -> None:
         if getattr(cfg, option) and cfg.attention != "mla":  # its MLA head (kimi_k25_eagle3) reads both
             raise EyasError(f"This drafter was trained with {option}=true ({what}), which SGLang's EAGLE-3 head does "
                             "not implement; export it --to vllm.")
+    if cfg.attention == "mla" and not cfg.mla["q_lora_rank"]:
+        raise EyasError("SGLang's MLA EAGLE-3 head (kimi_k25_eagle3) needs a q_lora_rank; this drafter has none. "
+                        "Export it --to vllm.")
     if min(cfg.aux_layer_ids) < 1:
         raise EyasError("Aux layer id 0 (the embeddings) has no output-of-layer id in SGLang's convention.")
 
