@@ -247,7 +247,7 @@ def test_mla_export_names_what_the_engines_load_and_imports_back(tmp_path, to):
     export_drafter(tmp_path / "ckpt", to, tmp_path / to)
     config = json.loads((tmp_path / to / "config.json").read_text())
     assert config["architectures"] == [{"vllm": "Eagle3DeepseekV3ForCausalLM", "sglang": "Eagle3DeepseekV2ForCausalLM"}[to]]
-    assert config["model_type"] == "deepseek_v3" and config["fc_norm"] and config["norm_output"]
+    assert config["model_type"] == "deepseek_v2" and config["fc_norm"] and config["norm_output"]
     assert {k: config[k] for k in SIZES} == SIZES and config["num_hidden_layers"] == 1
     weights = load_file(tmp_path / to / "model.safetensors")
     for name in ("q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"):

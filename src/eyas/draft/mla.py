@@ -194,10 +194,12 @@ def kv_cache_bytes_per_token(cfg, dtype_bytes: int = 2) -> int:
 
 
 def hf_fields(cfg) -> dict[str, Any]:
-    """config.json fields of an MLA drafter (DeepseekV3Config names), over the Llama ones."""
+    """config.json fields of an MLA drafter (DeepseekV2Config names), over the Llama ones."""
     return {
         "architectures": [VLLM_ARCHITECTURE],
-        "model_type": "deepseek_v3",
+        # deepseek_v2, not v3: vLLM 0.32 turns a deepseek_v3 draft config into its MTP model
+        # (SpeculativeConfig.hf_config_override); DeepseekV2Config carries the same MLA fields.
+        "model_type": "deepseek_v2",
         **{k: cfg.mla[k] for k in MLA_FIELDS},
         "num_key_value_heads": cfg.num_attention_heads,
         "head_dim": cfg.mla["qk_rope_head_dim"],

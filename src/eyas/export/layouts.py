@@ -29,7 +29,7 @@ sglang       SGLang `srt/models/llama_eagle3.py` + `llama.py` + `model_executor/
 
 An MLA drafter (draft/mla.py) is the same folder with a DeepSeek layer: vLLM 0.32
 `model_executor/models/deepseek_eagle3.py` loads `Eagle3DeepseekV3ForCausalLM` (model_type
-deepseek_v3; `q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`,
+deepseek_v2, since vLLM reads a deepseek_v3 draft config as its MTP model; `q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`,
 `v_head_dim`, `fc_norm`, `norm_output`; weights `midlayer.self_attn.{q_a_proj, q_a_layernorm,
 q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}` beside the Llama ones);
 SGLang `srt/models/kimi_k25_eagle3.py` loads the same weights (`midlayer.*` or `layers.0.*`)
