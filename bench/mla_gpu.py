@@ -14,7 +14,7 @@ Printed and written side by side: tokens/s, peak memory above what was resident,
 largest length that fits, parameters, and the KV cache bytes per token each drafter costs a
 serving engine. Top-level `mla_over_gqa_tok_s`, `peak_gib_mla`, `peak_gib_gqa`.
 
-  PYTHONPATH=src python3 -u bench/mla_gpu.py --out $OUT                 # H200, ~3.5 min
+  PYTHONPATH=src python3 -u bench/mla_gpu.py --out $OUT --commit SHA    # H200, ~3.5 min
   PYTHONPATH=src python3 -u bench/mla_gpu.py --smoke --out /tmp/mla     # CPU, tiny shapes
 """
 
@@ -160,6 +160,7 @@ def main() -> None:
     p.add_argument("--probe-reserve", type=float, default=25.0, help="seconds a probe needs at least")
     p.add_argument("--minutes", type=float, default=3.6, help="budget: probes stop when it runs out")
     p.add_argument("--out", default=".", help="folder for mla_gpu.json")
+    p.add_argument("--commit", default=None, help="recorded if git is not available where this runs")
     args = p.parse_args()
     shape = "smoke" if args.smoke else "seed"
     device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
@@ -173,7 +174,7 @@ def main() -> None:
     budget = args.minutes * 60
     machine = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     record: dict[str, Any] = {
-        "command": "python3 " + " ".join(sys.argv), "commit": _git("rev-parse", "HEAD"),
+        "command": "python3 " + " ".join(sys.argv), "commit": _git("rev-parse", "HEAD") or args.commit,
         "dirty": bool(_git("status", "--porcelain")), "machine": machine, "torch": torch.__version__,
         "shape": {**SHAPES[shape], "draft_vocab_size": DRAFT_VOCAB[shape], "ttt_steps": TTT_STEPS,
                   "batch_tokens": args.batch_tokens},
