@@ -195,12 +195,13 @@ def main() -> None:
                         "attention": draft.attention, "mla": draft.mla, "head_dim": draft.head_dim}
         say(f"{name}: {json.dumps(speed)[:400]}")
         atomic_write_json(out / "mla_gpu.json", record)
-    for name, draft in drafts.items():
-        record[name]["longest"] = longest(draft, args, device, budget)
-        atomic_write_json(out / "mla_gpu.json", record)
     g, m = record["gqa"]["speed"], record["mla"]["speed"]
     record["mla_over_gqa_tok_s"] = m["tok_s"] / g["tok_s"] if "tok_s" in m and "tok_s" in g else None
     record["peak_gib_mla"], record["peak_gib_gqa"] = m.get("peak_gib"), g.get("peak_gib")
+    atomic_write_json(out / "mla_gpu.json", record)  # the headline first: the probes may be cut short
+    for name, draft in drafts.items():
+        record[name]["longest"] = longest(draft, args, device, budget)
+        atomic_write_json(out / "mla_gpu.json", record)
     record["largest_fitting_tokens"] = {n: record[n]["longest"]["largest_fitting_tokens"] for n in drafts}
     record["kv_cache_bytes_per_token_bf16"] = {n: record[n]["kv_cache_bytes_per_token_bf16"] for n in drafts}
     record["elapsed_s"] = round(time.monotonic() - STARTED, 1)
