@@ -268,3 +268,15 @@ def test_sglang_export_refuses_an_mla_drafter_without_query_lora(tmp_path):
     save_drafter(mla_drafter(**VARIANTS["no_q_lora"]), tmp_path / "ckpt")
     with pytest.raises(EyasError, match="q_lora_rank"):
         export_drafter(tmp_path / "ckpt", "sglang", tmp_path / "sglang")
+
+
+def test_a_run_recorded_before_draft_attention_existed_resumes():
+    """Such a run's drafter comes back from its checkpoint with the attention it was built with;
+    a recorded choice that differs is still refused."""
+    from eyas.train.config import TrainConfig
+
+    cfg = TrainConfig(out="x", store="s")
+    recorded = {k: v for k, v in cfg.to_dict().items() if k != "draft_attention"}
+    cfg.check_resumable(recorded)
+    with pytest.raises(EyasError, match="draft-attention"):
+        cfg.check_resumable({**recorded, "draft_attention": "gqa"})

@@ -9,6 +9,11 @@ from typing import Any
 from eyas.errors import EyasError
 
 
+# Options added after runs were recorded, with the value such a run had (its drafter, restored
+# from the checkpoint, keeps the attention it was built with).
+ADDED = {"draft_attention": "auto"}
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     out: str
@@ -95,7 +100,7 @@ class TrainConfig:
         names = {f.name for f in fields(self)}
         differ = [
             f"{k.replace('_', '-')} {getattr(self, k)!r} (the run has {recorded.get(k)!r})"
-            for k in sorted(names - set(self.MAY_CHANGE)) if recorded.get(k) != getattr(self, k)
+            for k in sorted(names - set(self.MAY_CHANGE)) if recorded.get(k, ADDED.get(k)) != getattr(self, k)
         ]
         if differ:
             raise EyasError(
