@@ -90,7 +90,8 @@ WRAPPERS = {
     "kimi_k25": ("Kimi_K25Config", dict(
         architectures=["KimiK25ForConditionalGeneration"], text=KIMI_TEXT,
         vision=dict(_VISION, num_hidden_layers=1, pos_emb_height=4, pos_emb_width=4), projection_hidden_size=32,
-        checkpoint=KIMI_CHECKPOINT, preprocessor=KIMI_PREPROCESSOR, **_IMAGE_IDS)),
+        checkpoint=KIMI_CHECKPOINT, preprocessor=KIMI_PREPROCESSOR, media_placeholder_token_id=512,  # vLLM's EAGLE
+        **_IMAGE_IDS)),  # proposer reads it from a Kimi-K2.5 target, as the real config states it
 }
 
 
