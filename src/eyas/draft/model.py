@@ -20,6 +20,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from eyas.draft.config import DraftConfig
+from eyas.draft.mla import MLAAttention
 
 
 def _llama_config(cfg: DraftConfig) -> LlamaConfig:
@@ -35,6 +36,7 @@ class DraftAttention(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
         self.q_proj = nn.Linear(2 * cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(2 * cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
@@ -50,6 +52,13 @@ class DraftAttention(nn.Module):
         rep = self.n_heads // self.n_kv
         return q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
 
+    def merge_heads(self, out: torch.Tensor) -> torch.Tensor:
+        """out [B, nH, T, d] -> o_proj's input [B, T, nH*d]."""
+        return out.transpose(1, 2).flatten(2)
+
+    # What decoding caches: the same keys and values (MLA caches its latent instead, draft/mla.py).
+    cache_qkv, merge_cached = qkv, merge_heads
+
 
 class DraftLayer(nn.Module):
     def __init__(self, cfg: DraftConfig):
@@ -57,7 +66,7 @@ class DraftLayer(nn.Module):
         self.norm_before_residual = cfg.norm_before_residual
         self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.self_attn = DraftAttention(cfg)
+        self.self_attn = MLAAttention(cfg) if cfg.attention == "mla" else DraftAttention(cfg)
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = LlamaMLP(_llama_config(cfg))
 
@@ -150,34 +159,35 @@ class Eagle3Drafter(nn.Module):
         for k in range(steps):
             x, residual = self.midlayer.pre_attention(self.embed_tokens(padded[:, 1 + k : 1 + k + T]), hidden)
             cos, sin = self.rope(x, base_pos + k)
-            q, kk, vv = self.midlayer.self_attn.qkv(x, cos, sin)
+            q, kk, vv = self.midlayer.self_attn.qkv(x, cos, sin)  # [B, nH, T, d], v [B, nH, T, d_v]
             if k == 0:
                 k0, v0 = kk, vv
             else:
                 extra.append((kk, vv))
-            out = ttt_attention(q, k0, v0, extra)  # [B, nH, T, d]
-            normed, hidden = self.normed_outputs(self.midlayer.post_attention(out.transpose(1, 2).flatten(2), residual))
+            attn = self.midlayer.self_attn
+            out = ttt_attention(q, k0, v0, extra, attn.scale)  # [B, nH, T, d_v]
+            normed, hidden = self.normed_outputs(self.midlayer.post_attention(attn.merge_heads(out), residual))
             states.append(normed)
         return states
 
 
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
-                  extra: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                  extra: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None) -> torch.Tensor:
     """Exact TTT attention without a per-position loop: flex attention with a block-sparse
     mask on CUDA, dense scores elsewhere. Same inputs and output as `ttt_attention_dense`."""
     if q.is_cuda:
-        return ttt_attention_flex(q, k0, v0, extra)
-    return ttt_attention_dense(q, k0, v0, extra)
+        return ttt_attention_flex(q, k0, v0, extra, scale)
+    return ttt_attention_dense(q, k0, v0, extra, scale)
 
 
 def ttt_attention_dense(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
-                        extra: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """q, k0, v0 [B, nH, T, d]; extra: (k_j, v_j) [B, nH, T, d] for steps 1..k. Scores against
+                        extra: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None) -> torch.Tensor:
+    """q, k0 [B, nH, T, d], v0 [B, nH, T, d_v]; extra: (k_j, v_j) for steps 1..k. Scores against
     step-0 keys are causal [B, nH, T, T]; each later step contributes one same-position score
-    [B, nH, T, 1]; one softmax runs over all T + k of them.
+    [B, nH, T, 1]; one softmax runs over all T + k of them. `scale` defaults to d^-0.5.
     """
     T = q.shape[-2]
-    scale = 1.0 / math.sqrt(q.shape[-1])
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     scores = (q @ k0.transpose(-1, -2)).float().mul(scale).masked_fill(~causal, float("-inf"))
     if extra:
@@ -191,7 +201,7 @@ def ttt_attention_dense(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
 
 
 def ttt_attention_flex(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
-                       extra: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+                       extra: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None) -> torch.Tensor:
     """The same attention as one flex-attention call over the keys of all steps laid end to
     end ([B, nH, (1+k)T', d]); the block mask skips every block that is neither causal step-0
     nor on a same-position diagonal, so the cost is ~T^2/2 + kT, never (1+k)T^2.
@@ -204,7 +214,8 @@ def ttt_attention_flex(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
     pad = -T % FLEX_PAD
     k = torch.cat([F.pad(kj, (0, 0, 0, pad)) for kj in (k0, *(kj for kj, _ in extra))], dim=2)
     v = torch.cat([F.pad(vj, (0, 0, 0, pad)) for vj in (v0, *(vj for _, vj in extra))], dim=2)
-    out = _compiled_flex()(F.pad(q, (0, 0, 0, pad)), k, v, block_mask=_ttt_block_mask(T + pad, 1 + len(extra), q.device))
+    out = _compiled_flex()(F.pad(q, (0, 0, 0, pad)), k, v, block_mask=_ttt_block_mask(T + pad, 1 + len(extra), q.device),
+                           scale=scale)
     return out[..., :T, :]
 
 

@@ -21,7 +21,7 @@ from eyas.evaluate.tree import DraftTree
 class DrafterSession:
     def __init__(self, drafter: Eagle3Drafter):
         self.m = drafter
-        self.keys: torch.Tensor | None = None  # [1, nH, S, d] committed context
+        self.keys: torch.Tensor | None = None  # [1, nH, S, d] committed context (MLA: [1, 1, S, latent])
         self.values: torch.Tensor | None = None
         self.hidden: torch.Tensor | None = None  # [H] output of the last context entry
         self.logits: torch.Tensor | None = None  # [Vd] its draft-vocabulary logits
@@ -44,11 +44,13 @@ class DrafterSession:
         device = m.fc.weight.device
         x, residual = m.midlayer.pre_attention(m.embed_tokens(tokens.to(device))[None], hidden[None])
         cos, sin = m.rope(x, positions[None].to(device))
-        q, k, v = m.midlayer.self_attn.qkv(x, cos, sin)  # [1, nH, n, d]
+        attn = m.midlayer.self_attn
+        q, k, v = attn.cache_qkv(x, cos, sin)  # q [1, nH, n, d]; k, v [1, nH or 1 (MLA's latent), n, d]
         all_k = k if keys is None else torch.cat([keys, k], dim=-2)
         all_v = v if values is None else torch.cat([values, v], dim=-2)
-        out = F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=visible.to(device))
-        h = m.midlayer.post_attention(out.transpose(1, 2).flatten(2), residual)  # [1, n, H]
+        out = F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=visible.to(device), scale=attn.scale,
+                                             enable_gqa=True)
+        h = m.midlayer.post_attention(attn.merge_cached(out), residual)  # [1, n, H]
         return h[0], k, v
 
     @torch.inference_mode()

@@ -12,6 +12,9 @@ Understood layouts; anything else is refused with the field that is missing or u
   weights under `layers.0.*`.
 - eyas's own exports (an `eyas` block): restored exactly, the engine-visible fields checked
   against it.
+- MLA heads (vLLM's `Eagle3DeepseekV3ForCausalLM`, SGLang's `Eagle3DeepseekV2ForCausalLM`,
+  e.g. Kimi-K2.5 EAGLE-3 MLA drafters): the same, with a DeepSeek layer whose sizes are
+  read from `q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`.
 In every layout the EAGLE 3.1 options `fc_norm` (weights `fc_norm.{i}.weight`) and
 `norm_output` are read where vLLM reads them: at the top level of config.json.
 """
@@ -25,6 +28,7 @@ from typing import Any
 
 import torch
 
+from eyas.draft import mla
 from eyas.draft.checkpoint import save_drafter
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
@@ -35,6 +39,7 @@ from eyas.models.layers import default_aux_ids
 from eyas.models.resolve import resolve_model
 
 LLAMA_EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM")
+MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
 SPECULATORS_PREFIX = "layers.0."
 # speculators keeps frozen copies of the target's final norm and lm_head for training; never served.
 IGNORED_PREFIXES = ("verifier_norm.", "verifier_lm_head.")
@@ -56,6 +61,10 @@ class Foreign:
     aux_layer_ids: tuple[int, ...] | None  # eyas's convention (input of layer k); None = engine default
     norm_before_residual: bool
     verifier: str | None  # the target named by the folder itself
+
+    @property
+    def attention(self) -> str:
+        return "mla" if set(self.raw.get("architectures") or []) & set(mla.ARCHITECTURES) else "gqa"
 
     @property
     def options(self) -> dict[str, bool]:
@@ -117,9 +126,10 @@ def parse_config(raw: dict[str, Any], src: Path) -> Foreign:
         foreign = Foreign("speculators", raw, layer, tuple(ids) if ids else None, bool(nbr), verifier)
     else:
         architectures = _field(raw, "architectures", where)
-        if not set(architectures) & set(LLAMA_EAGLE3_ARCHITECTURES):
-            raise EyasError(f"{where}: architectures {architectures} is no Llama EAGLE-3 head; eyas imports "
-                            f"{', '.join(LLAMA_EAGLE3_ARCHITECTURES)} and speculators' Eagle3Speculator.")
+        if not set(architectures) & {*LLAMA_EAGLE3_ARCHITECTURES, *mla.ARCHITECTURES}:
+            raise EyasError(f"{where}: architectures {architectures} is no EAGLE-3 head eyas reads; it imports "
+                            f"{', '.join((*LLAMA_EAGLE3_ARCHITECTURES, *mla.ARCHITECTURES))} and speculators' "
+                            "Eagle3Speculator.")
         layout, ids = _hf_layer_ids(raw, where)
         foreign = Foreign(layout, raw, raw, ids, bool(raw.get("norm_before_residual", False)), None)
     _check_supported(foreign, where)
@@ -150,9 +160,10 @@ def _check_supported(foreign: Foreign, where: str) -> None:
         for key, what in UNSUPPORTED.items():
             if d.get(key):
                 raise EyasError(f"{where}: {key} is set ({what}); eyas's EAGLE-3 drafter does not implement it.")
-    if foreign.layer.get("model_type", "llama") != "llama":
+    kinds = MLA_MODEL_TYPES if foreign.attention == "mla" else ("llama",)
+    if foreign.layer.get("model_type", kinds[0]) not in kinds:
         raise EyasError(f"{where}: the decoder layer's model_type is {foreign.layer['model_type']!r}; "
-                        "eyas imports Llama-style EAGLE-3 layers only.")
+                        f"eyas imports {' or '.join(kinds)} layers for {foreign.raw.get('architectures')}.")
     if foreign.layer.get("num_hidden_layers", 1) != 1:
         raise EyasError(f"{where}: num_hidden_layers is {foreign.layer['num_hidden_layers']}; "
                         "eyas's EAGLE-3 drafter has exactly one decoder layer.")
@@ -200,10 +211,16 @@ def draft_config(foreign: Foreign, identity: ModelIdentity, state: dict[str, tor
     lm_head = state.get("lm_head.weight")
     draft_vocab = foreign.raw.get("draft_vocab_size") or layer.get("draft_vocab_size")
     draft_vocab = draft_vocab or (lm_head.shape[0] if lm_head is not None else vocab)
+    if foreign.attention == "mla":  # the DeepSeek layer: its sizes, all heads keyed by one latent
+        sizes = {k: layer.get(k) for k in mla.MLA_FIELDS}
+        attention = {"attention": "mla", "mla": sizes, "num_key_value_heads": heads,
+                     "head_dim": _field(layer, "qk_rope_head_dim", where)}
+    else:
+        attention = {"num_key_value_heads": layer.get("num_key_value_heads") or heads,
+                     "head_dim": layer.get("head_dim") or hidden // heads}
     return DraftConfig(
         hidden_size=hidden, intermediate_size=_field(layer, "intermediate_size", where),
-        num_attention_heads=heads, num_key_value_heads=layer.get("num_key_value_heads") or heads,
-        head_dim=layer.get("head_dim") or hidden // heads, vocab_size=vocab, draft_vocab_size=draft_vocab,
+        num_attention_heads=heads, **attention, vocab_size=vocab, draft_vocab_size=draft_vocab,
         aux_layer_ids=aux, label_layer_id=n, target=identity.to_dict(),
         rms_norm_eps=layer.get("rms_norm_eps", 1e-6), rope_parameters=rope_parameters(layer),
         max_position_embeddings=layer.get("max_position_embeddings", 8192), hidden_act=layer.get("hidden_act", "silu"),

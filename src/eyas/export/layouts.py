@@ -26,6 +26,15 @@ sglang       SGLang `srt/models/llama_eagle3.py` + `llama.py` + `model_executor/
              no `fc_norm` and no `norm_output` (neither field is read, the weights would be dropped).
              The top-level vLLM ids are written too, so the folder also serves correctly in vLLM
              (which reads top level first) instead of silently off by one layer.
+
+An MLA drafter (draft/mla.py) is the same folder with a DeepSeek layer: vLLM 0.32
+`model_executor/models/deepseek_eagle3.py` loads `Eagle3DeepseekV3ForCausalLM` (model_type
+deepseek_v2, since vLLM reads a deepseek_v3 draft config as its MTP model; `q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`,
+`v_head_dim`, `fc_norm`, `norm_output`; weights `midlayer.self_attn.{q_a_proj, q_a_layernorm,
+q_b_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj}` beside the Llama ones);
+SGLang `srt/models/kimi_k25_eagle3.py` loads the same weights (`midlayer.*` or `layers.0.*`)
+as `Eagle3DeepseekV2ForCausalLM`, reads `fc_norm` and `norm_output`, ids from `eagle_config`,
+and keeps the un-normed residual. speculators has no MLA layer.
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from eyas.draft import mla
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
 
@@ -72,9 +82,12 @@ def _sglang_check(cfg: DraftConfig) -> None:
         raise EyasError("This drafter was trained with norm_before_residual=true, which SGLang's EAGLE-3 layer does "
                         "not implement (its residual is always the un-normed hidden state). Export it --to vllm.")
     for option, what in EAGLE31_OPTIONS.items():
-        if getattr(cfg, option):
+        if getattr(cfg, option) and cfg.attention != "mla":  # its MLA head (kimi_k25_eagle3) reads both
             raise EyasError(f"This drafter was trained with {option}=true ({what}), which SGLang's EAGLE-3 head does "
                             "not implement; export it --to vllm.")
+    if cfg.attention == "mla" and not cfg.mla["q_lora_rank"]:
+        raise EyasError("SGLang's MLA EAGLE-3 head (kimi_k25_eagle3) needs a q_lora_rank; this drafter has none. "
+                        "Export it --to vllm.")
     if min(cfg.aux_layer_ids) < 1:
         raise EyasError("Aux layer id 0 (the embeddings) has no output-of-layer id in SGLang's convention.")
 
@@ -118,6 +131,7 @@ def vllm_config(cfg: DraftConfig, serving: dict[str, Any]) -> dict[str, Any]:
         "norm_before_residual": cfg.norm_before_residual,
         **{option: getattr(cfg, option) for option in EAGLE31_OPTIONS},
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+        **(mla.hf_fields(cfg) if cfg.attention == "mla" else {}),
         **_eyas_block(cfg),
     }
 
@@ -125,6 +139,7 @@ def vllm_config(cfg: DraftConfig, serving: dict[str, Any]) -> dict[str, Any]:
 def sglang_config(cfg: DraftConfig, serving: dict[str, Any]) -> dict[str, Any]:
     return {
         **vllm_config(cfg, serving),
+        **({"architectures": [mla.SGLANG_ARCHITECTURE]} if cfg.attention == "mla" else {}),
         "eagle_config": {
             "eagle_aux_hidden_state_layer_ids": [k - 1 for k in cfg.aux_layer_ids],
             "use_aux_hidden_state": True,
@@ -156,9 +171,16 @@ def speculators_config(cfg: DraftConfig, serving: dict[str, Any]) -> dict[str, A
     }
 
 
+def _speculators_check(cfg: DraftConfig) -> None:
+    _needs_silu(cfg)
+    if cfg.attention == "mla":
+        raise EyasError("vLLM's speculators format describes a Llama layer; export this MLA drafter --to vllm "
+                        "(Eagle3DeepseekV3ForCausalLM).")
+
+
 LAYOUTS: dict[str, Layout] = {
     "vllm": Layout("vllm", "vllm", EYAS_PREFIX, False, vllm_config, _needs_silu),
-    "speculators": Layout("speculators", "vllm", "layers.0.", False, speculators_config, _needs_silu),
+    "speculators": Layout("speculators", "vllm", "layers.0.", False, speculators_config, _speculators_check),
     "sglang": Layout("sglang", "sglang", EYAS_PREFIX, True, sglang_config, _sglang_check),
 }
 

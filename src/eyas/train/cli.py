@@ -52,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     head.add_argument("--intermediate-size", type=int,
                       help="the drafter's MLP width (default: the target's); vLLM and SGLang read it from the "
                            "exported config")
+    head.add_argument("--draft-attention", choices=("auto", "gqa", "mla"), default="auto",
+                      help="the drafter layer's attention: gqa (Llama-style) or mla (the target's multi-head latent "
+                           "attention, its ranks and head dims); default auto = mla for DeepSeek-V2/V3-style targets "
+                           "(Kimi-K2/K2.5 included), else gqa")
     head.add_argument("--fc-norm", action=argparse.BooleanOptionalAction, default=False,
                       help="an RMSNorm on each aux state before fc (EAGLE 3.1; served by vLLM, not SGLang)")
     head.add_argument("--norm-output", action=argparse.BooleanOptionalAction, default=False,

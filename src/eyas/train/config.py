@@ -9,6 +9,11 @@ from typing import Any
 from eyas.errors import EyasError
 
 
+# Options added after runs were recorded, with the value such a run had (its drafter, restored
+# from the checkpoint, keeps the attention it was built with).
+ADDED = {"draft_attention": "auto"}
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     out: str
@@ -21,6 +26,7 @@ class TrainConfig:
     ttt_steps: int = 7
     ttt_decay: float = 0.8
     intermediate_size: int | None = None  # the drafter's MLP width (default: the target's)
+    draft_attention: str = "auto"  # gqa, mla, or auto (the target's kind: draft/mla.py)
     fc_norm: bool = False
     norm_output: bool = False
     epochs: float | None = None  # default 1 unless steps is given
@@ -94,7 +100,7 @@ class TrainConfig:
         names = {f.name for f in fields(self)}
         differ = [
             f"{k.replace('_', '-')} {getattr(self, k)!r} (the run has {recorded.get(k)!r})"
-            for k in sorted(names - set(self.MAY_CHANGE)) if recorded.get(k) != getattr(self, k)
+            for k in sorted(names - set(self.MAY_CHANGE)) if recorded.get(k, ADDED.get(k)) != getattr(self, k)
         ]
         if differ:
             raise EyasError(

@@ -180,7 +180,8 @@ def _new_draft_config(cfg: TrainConfig, source, folder: str, train_pos: list[int
     width = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
     draft = DraftConfig.for_target(AutoConfig.from_pretrained(folder), source.identity, source.layer_ids, size,
                                    ttt_steps=cfg.ttt_steps, ttt_decay=cfg.ttt_decay, fc_norm=cfg.fc_norm,
-                                   norm_output=cfg.norm_output, chat_template=source.chat_template, **width)
+                                   norm_output=cfg.norm_output, chat_template=source.chat_template,
+                                   attention=cfg.draft_attention, **width)
     return draft, draft_ids
 
 
