@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from eyas.device import parse_device
 from eyas.errors import EyasError
 
 
@@ -35,12 +36,8 @@ def init(device: str | None, fsdp: bool) -> tuple[Dist, torch.device]:
     """Join torchrun's process group when WORLD_SIZE > 1; pick this process's device."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = parse_device(device)
     if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise EyasError(f"--device {device}: no CUDA device is visible.")
         dev = torch.device("cuda", local_rank if world > 1 else (dev.index or 0))
         torch.cuda.set_device(dev)
     if world > 1 and not dist.is_initialized():
