@@ -45,10 +45,13 @@ def _read(fd: int) -> dict:
         return {}
 
 
+def _owner(record: dict) -> str:
+    return (f"eyas {record.get('command', '?')} (pid {record.get('pid', '?')} on {record.get('host', '?')}, "
+            f"since {record.get('started', '?')})") if record else "another eyas run"
+
+
 def _busy(folder: Path, record: dict) -> EyasError:
-    owner = (f"eyas {record.get('command', '?')} (pid {record.get('pid', '?')} on {record.get('host', '?')}, "
-             f"since {record.get('started', '?')})") if record else "another eyas run"
-    return EyasError(f"{folder} is in use by {owner}; wait for it to finish, or use another folder.")
+    return EyasError(f"{folder} is in use by {_owner(record)}; wait for it to finish, or use another folder.")
 
 
 @contextmanager
@@ -62,10 +65,13 @@ def output_lock(folder: str | Path, command: str, wait: float = 10.0) -> Iterato
         yield
         return
     created = not folder.exists()
+    new_lock = not os.path.lexists(folder / LOCK_FILE)
     try:  # the first write: a folder that cannot be written is refused before any work
         folder.mkdir(parents=True, exist_ok=True)
         fd = open_lock_file(folder / LOCK_FILE, os.O_RDWR | os.O_CREAT)
     except OSError as e:
+        if created and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
         raise EyasError(f"Cannot write in {folder} ({e.strerror}); make it writable or choose another folder.") from None
     job = job_id()
     try:
@@ -78,7 +84,7 @@ def output_lock(folder: str | Path, command: str, wait: float = 10.0) -> Iterato
             finally:
                 _HELD.discard(key)
         finally:
-            _release(fd, folder if created else None)
+            _release(fd, folder, created, new_lock)
     finally:
         os.close(fd)
 
@@ -142,15 +148,18 @@ def _acquire(fd: int, folder: Path, command: str, job: str | None, wait: float) 
         time.sleep(0.05)
 
 
-def _release(fd: int, created: Path | None) -> None:
+def _release(fd: int, folder: Path, created: bool, new_lock: bool) -> None:
     """Unlock; the last holder clears the record, so a finished run leaves no owner named, and
-    removes a folder it created that holds nothing else (a run that failed early leaves no trace)."""
+    removes a folder it created that holds nothing else, or else a lock file it created in a
+    folder left as it was (a run that failed early, or was refused, leaves no trace)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         os.ftruncate(fd, 0)
-        if created is not None and [p.name for p in created.iterdir()] == [LOCK_FILE]:
-            (created / LOCK_FILE).unlink()
-            created.rmdir()
+        if created and [p.name for p in folder.iterdir()] == [LOCK_FILE]:
+            (folder / LOCK_FILE).unlink()
+            folder.rmdir()
+        elif new_lock and not created:
+            (folder / LOCK_FILE).unlink(missing_ok=True)
     except BlockingIOError:
         pass  # other processes of the job still hold it
     fcntl.flock(fd, fcntl.LOCK_UN)
@@ -164,17 +173,16 @@ def reading_lock(folder: str | Path, what: str) -> Iterator[None]:
     try:
         fd = open_lock_file(Path(folder) / LOCK_FILE, os.O_RDONLY)
     except (OSError, EyasError):
+        fd = None
+    if fd is None:
         yield
         return
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
-            record = _read(fd)
-            raise EyasError(f"{what} {folder} is being written by "
-                            + (f"eyas {record.get('command', '?')} (pid {record.get('pid', '?')} on {record.get('host', '?')})"
-                               if record else "another eyas run")
-                            + "; wait for it to finish, then run this again.") from None
+            raise EyasError(f"{what} {folder} is being written by {_owner(_read(fd))}; wait for it to finish, "
+                            f"then run this again.") from None
         try:
             yield
         finally:

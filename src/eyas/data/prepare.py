@@ -73,29 +73,28 @@ def prepare_into(model: str, source: str, out: str | Path, max_len: int = 2048, 
     conversations: list[list[dict[str, str]]] = []
     dropped: Counter[str] = Counter()
     truncated = records = tail_bytes = 0
-    bar = tqdm(desc="prepare", unit=" conv", total=limit, disable=not progress)
-    for index, record, result in _encoded(tokenizer, iter_records(source), max_len, workers):
-        if limit is not None and len(samples) >= limit:
-            break
-        if isinstance(record, TruncatedTail):
-            if strict:
-                raise EyasError(f"{source} is cut off inside record {index}: its last {record.nbytes} bytes are incomplete.")
-            records += record.records
-            dropped[TAIL] += record.records
-            tail_bytes = record.nbytes
-            continue
-        records += 1
-        if isinstance(result, str):
-            if strict:
-                raise EyasError(f"record {index} of {source}: {result}")
-            dropped[result] += 1
-            continue
-        messages, ids, mask, was_truncated = result
-        truncated += was_truncated
-        samples.append(PreparedSample(torch.from_numpy(ids), torch.from_numpy(mask), index))
-        conversations.append(messages)
-        bar.update(1)
-    bar.close()
+    with tqdm(desc="prepare", unit=" conv", total=limit, disable=not progress) as bar:  # closed on errors too
+        for index, record, result in _encoded(tokenizer, iter_records(source), max_len, workers):
+            if limit is not None and len(samples) >= limit:
+                break
+            if isinstance(record, TruncatedTail):
+                if strict:
+                    raise EyasError(f"{source} is cut off inside record {index}: its last {record.nbytes} bytes are incomplete.")
+                records += record.records
+                dropped[TAIL] += record.records
+                tail_bytes = record.nbytes
+                continue
+            records += 1
+            if isinstance(result, str):
+                if strict:
+                    raise EyasError(f"record {index} of {source}: {result}")
+                dropped[result] += 1
+                continue
+            messages, ids, mask, was_truncated = result
+            truncated += was_truncated
+            samples.append(PreparedSample(torch.from_numpy(ids), torch.from_numpy(mask), index))
+            conversations.append(messages)
+            bar.update(1)
     if not samples:
         reasons = ", ".join(f"{n} {r}" for r, n in dropped.most_common()) or "the source is empty"
         raise EyasError(f"No usable conversation in {source} ({records} records read: {reasons}).")

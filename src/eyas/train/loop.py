@@ -163,10 +163,10 @@ def _check_complete(store, allowed: bool) -> None:
     m = store.manifest
     if m.get("complete"):
         return
-    expected = m.get("expected_samples")
+    expected = m.get("expected_samples")  # recorded by `eyas capture`; a store written otherwise only gets the note
     held = f"{len(store)} of {expected} samples ({100 * len(store) / expected:.0f}%)" if expected else \
         f"{len(store)} samples, not all of its prepared data"
-    if not allowed:
+    if not allowed and expected:
         raise EyasError(f"The store {store.path} is incomplete: it holds {held}. Run the same `eyas capture` command "
                         f"again to finish it, or pass --allow-incomplete to train on what is there.")
     print(f"eyas train: note: the store {store.path} is incomplete ({held}); training on what is there "
