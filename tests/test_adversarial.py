@@ -460,3 +460,15 @@ def test_an_unexpected_error_is_one_line_and_debug_shows_the_traceback(capsys, m
     for argv in (["--debug", "export"], ["export", "--debug"]):
         with pytest.raises(RuntimeError, match="did not foresee"):
             main([*argv, "ckpt", "--to", "vllm", "--out", "o"])
+
+
+def test_export_names_a_drafter_whose_training_stopped_early(tmp_path, capsys, tiny_store):  # noqa: F811
+    from eyas.train import TrainConfig, train
+
+    run = tmp_path / "run"
+    train(TrainConfig(store=str(tiny_store), out=str(run), steps=2, batch_tokens=64, ttt_steps=1, draft_vocab=64,
+                      eval_fraction=0.0, progress=False, device="cpu"), stop_at=1)
+    code, err = cli(capsys, "export", run, "--to", "vllm", "--out", tmp_path / "x")
+    assert code == 0 and err.splitlines()[0] == (f"eyas export: note: the drafter in {run} is from step 1 of 2: its "
+                                                 f"training stopped early; add --resume to its `eyas train` command "
+                                                 f"to finish it.")

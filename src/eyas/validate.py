@@ -30,7 +30,8 @@ class Number:
     def describe(self) -> str:
         kind = "an integer" if self.integer else "a finite number"
         if self.lo is not None and self.hi is not None:
-            return f"{kind} in {'(' if self.lo_open else '['}{_fmt(self.lo)}, {_fmt(self.hi)}{')' if self.hi_open else ']'}"
+            left, right = "(" if self.lo_open else "[", ")" if self.hi_open else "]"
+            return f"{kind} in {left}{_fmt(self.lo)}, {_fmt(self.hi)}{right}"
         if self.lo is not None:
             return f"{kind} {'>' if self.lo_open else '>='} {_fmt(self.lo)}"
         if self.hi is not None:

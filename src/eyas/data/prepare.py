@@ -79,7 +79,8 @@ def prepare_into(model: str, source: str, out: str | Path, max_len: int = 2048, 
                 break
             if isinstance(record, TruncatedTail):
                 if strict:
-                    raise EyasError(f"{source} is cut off inside record {index}: its last {record.nbytes} bytes are incomplete.")
+                    raise EyasError(f"{source} is cut off inside record {index}: its last {record.nbytes} bytes "
+                                    f"are incomplete.")
                 records += record.records
                 dropped[TAIL] += record.records
                 tail_bytes = record.nbytes

@@ -143,7 +143,8 @@ class DraftConfig:
         except FileNotFoundError:
             raise EyasError(f"{folder} is not a drafter checkpoint: no config.json.") from None
         except NotADirectoryError:
-            raise EyasError(f"{folder} is a file; give the drafter's folder (config.json + model.safetensors).") from None
+            raise EyasError(f"{folder} is a file; give the drafter's folder (config.json + model.safetensors).") \
+                from None
         except (ValueError, RecursionError):
             raise EyasError(f"{path} is cut off or is not JSON; train or export the drafter again.") from None
         if not isinstance(raw, dict) or not isinstance(raw.get("eyas", {}), dict):

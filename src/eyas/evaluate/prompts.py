@@ -42,7 +42,8 @@ def load_prompts(source: str, limit: int | None = None) -> list[EvalPrompt]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise EyasError(f"{label}:{n}: not UTF-8 text (byte {e.start}); eyas reads UTF-8 prompt files.") from None
+                raise EyasError(f"{label}:{n}: not UTF-8 text (byte {e.start}); eyas reads UTF-8 prompt "
+                                f"files.") from None
             if line.strip():
                 prompts.append(_parse(line, f"{label}:{n}"))
     if not prompts:

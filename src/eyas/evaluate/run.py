@@ -3,6 +3,7 @@ model), run every method on the same prompts, write results.json, the table and 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from eyas.evaluate.target import TargetSession
 from eyas.models import ModelIdentity, load_target, model_identity
 from eyas.device import parse_device
 from eyas.paths import atomic_write_json, check_confined, check_writable
+from eyas.train.checkpoint import unfinished_note
 from eyas.validate import COUNT, Number, check_options
 
 BASELINES = ("prompt-lookup",)
@@ -136,6 +138,8 @@ def run_methods(target: TargetSession, tokenizer, proposers: list[Proposer], pro
 def evaluate(cfg: EvalConfig) -> dict:
     cfg.check_paths()
     parse_device(cfg.device)
+    if cfg.draft and (note := unfinished_note(cfg.draft)):
+        print(f"eyas eval: {note}", file=sys.stderr, flush=True)
     torch.manual_seed(cfg.seed)
     prompts = load_prompts(cfg.prompts, cfg.limit)
     model, tokenizer = load_target(cfg.model, dtype=cfg.dtype, device=cfg.device)

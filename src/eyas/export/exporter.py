@@ -17,6 +17,7 @@ from eyas.export.weights import build_drafter, owned_out, read_tensors, write_fo
 from eyas.models.load import parse_dtype
 from eyas.models.resolve import resolve_model
 from eyas.paths import check_confined
+from eyas.train.checkpoint import unfinished_note
 from eyas.validate import COUNT
 
 
@@ -26,6 +27,8 @@ def export_drafter(ckpt: str | Path, to: str, out: str | Path, *, target: str | 
     layout = get_layout(to)
     COUNT.check("--num-speculative-tokens", num_speculative_tokens)
     check_confined(out, {"the checkpoint": ckpt, "--target": target})
+    if note := unfinished_note(ckpt):
+        print(f"eyas export: {note}", file=sys.stderr, flush=True)
     cfg = DraftConfig.load(ckpt)
     state = read_tensors(ckpt)
     build_drafter(cfg, state, str(ckpt))

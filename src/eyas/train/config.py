@@ -15,7 +15,8 @@ OPTIONS = {
     "intermediate_size": COUNT, "epochs": POSITIVE, "steps": COUNT, "minutes": POSITIVE,
     "lr": Number(lo=0, lo_open=True, required=True), "warmup": Number(lo=0, required=True),
     "weight_decay": Number(lo=0, required=True), "clip": Number(lo=0, lo_open=True, required=True),
-    "batch_tokens": Number(lo=2, integer=True, required=True), "grad_accum": COUNT, "max_len": Number(lo=2, integer=True),
+    "batch_tokens": Number(lo=2, integer=True, required=True), "grad_accum": COUNT,
+    "max_len": Number(lo=2, integer=True),
     "eval_fraction": SHARE, "seed": Number(integer=True, required=True),
     "save_every": COUNT, "eval_every": COUNT, "log_every": COUNT, "keep": COUNT,
 }
@@ -60,7 +61,8 @@ class TrainConfig:
 
     # May differ on --resume: how the run is watched, and where the same data comes from (a
     # moved store, offline <-> online); the data's model and layer ids are checked separately.
-    MAY_CHANGE = ("resume", "allow_incomplete", "minutes", "save_every", "eval_every", "log_every", "keep", "progress", "device", "out",
+    MAY_CHANGE = ("resume", "allow_incomplete", "minutes", "save_every", "eval_every", "log_every", "keep", "progress",
+                  "device", "out",
                   "store", "online", "model", "data", "layers")
 
     def __post_init__(self) -> None:

@@ -328,8 +328,8 @@ def train_step(run: Run) -> torch.Tensor:
         where = f"sample(s) {bad}" if bad else "a sample on another process"
         latest = ckpt.latest_checkpoint(Path(run.cfg.out))
         kept = f"the newest checkpoint, {latest.name}, is untouched" if latest else "no checkpoint was written"
-        raise EyasError(f"The loss or its gradient is not finite at step {run.step + 1} ({where}); training stopped before "
-                        f"updating the weights and {kept}. Check those samples, or lower --lr.")
+        raise EyasError(f"The loss or its gradient is not finite at step {run.step + 1} ({where}); training stopped "
+                        f"before updating the weights and {kept}. Check those samples, or lower --lr.")
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
