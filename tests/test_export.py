@@ -201,7 +201,7 @@ def test_export_refuses_bad_requests(drafter, tmp_path, tiny_tokenizer_dir):
     (tmp_path / "busy/notes.txt").write_text("mine")
     with pytest.raises(EyasError, match="--force"):
         export_drafter(drafter, "vllm", tmp_path / "busy")
-    with pytest.raises(EyasError, match="being read"):
+    with pytest.raises(EyasError, match="is the input the checkpoint"):
         export_drafter(drafter, "vllm", drafter, force=True)
     other = build_model(tmp_path / "other", "llama", layers=6, tokenizer_dir=tiny_tokenizer_dir)
     with pytest.raises(EyasError, match="configs differ"):

@@ -124,7 +124,7 @@ def test_intermediate_size_sets_the_drafters_mlp_width(tiny_store, tmp_path):
     assert json.loads((out / "config.json").read_text())["intermediate_size"] == 96
     with pytest.raises(EyasError, match="intermediate-size 128"):
         train(TrainConfig(out=str(out), store=str(tiny_store), steps=2, resume=True, intermediate_size=128, **FAST))
-    with pytest.raises(EyasError, match="--intermediate-size must be at least 1"):
+    with pytest.raises(EyasError, match="--intermediate-size must be an integer >= 1"):
         TrainConfig(out=str(out), store=str(tiny_store), intermediate_size=0)
 
 

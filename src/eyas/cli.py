@@ -10,6 +10,7 @@ says how in `ON_INTERRUPT`.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import sys
 
@@ -36,14 +37,27 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"eyas {__version__}")
+    parser.add_argument("--debug", dest="_debug", action="store_true", help="show the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
         p = sub.add_parser(name, help=module.HELP, description=module.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)
+        p.add_argument("--debug", dest="_debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the traceback of an unexpected error")
         p.set_defaults(_run=module.run, _on_interrupt=getattr(module, "ON_INTERRUPT", "interrupted."))
     return parser
+
+
+# What to do about an environment fault, by errno: the line names the path and the fix.
+ENVIRONMENT = {
+    errno.ENOSPC: "free space on that disk",
+    errno.EDQUOT: "free space within your disk quota",
+    errno.EROFS: "the filesystem is read-only; write to another folder",
+    errno.EACCES: "make it writable (or readable) for you, or use another folder",
+    errno.EPERM: "make it writable (or readable) for you, or use another folder",
+}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,5 +70,24 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         print(f"\neyas {args.command}: {args._on_interrupt}", file=sys.stderr)
         code = 130
+    except Exception as e:  # noqa: BLE001  (the one place every other failure becomes one line)
+        if args._debug:
+            raise
+        print(f"eyas {args.command}: error: {one_line(e)}", file=sys.stderr)
+        code = 2 if isinstance(e, OSError) and e.errno in ENVIRONMENT else 1
     sys.stdout.flush()
     sys.exit(code or 0)
+
+
+def one_line(e: BaseException) -> str:
+    """An unexpected exception as one line: an environment fault (disk full, read-only, no
+    permission) says what to do; anything else points at --debug, which shows the traceback."""
+    if isinstance(e, OSError) and e.errno in ENVIRONMENT:
+        where = f" ({e.filename})" if e.filename else ""
+        return (f"{e.strerror or errno.errorcode[e.errno]}{where}: {ENVIRONMENT[e.errno]}, then run the same command "
+                f"again: it continues from what was written.")
+    if isinstance(e, MemoryError):
+        return "out of memory; use smaller sizes or batches (run with --debug to see where)."
+    text = (str(e).strip().splitlines() or [""])[0][:300]
+    return f"unexpected {type(e).__name__}: {text} (this is a bug in eyas or an unhandled input; run with --debug " \
+           f"for the traceback and report it)."

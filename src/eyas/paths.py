@@ -67,6 +67,48 @@ def plain_name(name: Any, what: str) -> str:
     return name
 
 
+def check_confined(out: str | Path, inputs: dict[str, str | Path | None], option: str = "--out") -> None:
+    """Refuse an output that is, or holds, one of the stage's inputs (`{option: path}`; hub ids,
+    `packaged:` names and options not given are skipped): a stage writes only inside its
+    output, so nothing it reads can be overwritten or deleted. Links are resolved first."""
+    from eyas.errors import EyasError
+
+    target = Path(out).expanduser().resolve()
+    for name, given in inputs.items():
+        if not given or str(given).startswith("packaged:") or not Path(given).expanduser().exists():
+            continue
+        source = Path(given).expanduser().resolve()
+        if source == target or target in source.parents:
+            how = "is" if source == target else "holds"
+            raise EyasError(f"{option} {out} {how} the input {name} {given}: a stage writes only where none of its "
+                            f"inputs are; choose another {option}.")
+
+
+def check_writable(path: str | Path, option: str, folder: bool = False) -> None:
+    """Before any work: `path` (a file, or a `folder`) can be written where it is, checked by
+    creating and removing a file in its nearest existing folder (permissions, a read-only
+    filesystem, a full quota all show), and a file's path is not a folder."""
+    from eyas.errors import EyasError
+
+    path = Path(path).expanduser()
+    if not folder and path.is_dir():
+        raise EyasError(f"{option} {path} is a folder; give a file name.")
+    if folder and path.exists() and not path.is_dir():
+        raise EyasError(f"{option} {path} is a file, not a folder.")
+    where = path if folder and path.is_dir() else path.parent
+    while not where.exists():
+        where = where.parent
+    if not where.is_dir():
+        raise EyasError(f"{option} {path}: {where} is a file, so nothing can be written under it.")
+    try:
+        fd, probe = tempfile.mkstemp(dir=where, prefix=".eyas-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise EyasError(f"{option} {path}: cannot write in {where} ({e.strerror}); make it writable or choose "
+                        f"another path.") from None
+
+
 def sha256_file(path: Path) -> str:
     """Hex sha256 of a file, read in 16 MiB blocks (files here run to GiBs)."""
     h = hashlib.sha256()

@@ -16,9 +16,12 @@ from eyas.data.prepared import PreparedData
 from eyas.data.template import check_same_template
 from eyas.device import default_model_dtype
 from eyas.errors import EyasError
+from eyas.device import parse_device
 from eyas.lock import output_lock
+from eyas.paths import check_confined
 from eyas.store import StoreWriter
 from eyas.store.reader import read_manifest
+from eyas.validate import COUNT, Number, check_options
 
 
 def make_hf_backend(model: str, layers: str, model_dtype: str, device: str, **_: Any):
@@ -28,6 +31,8 @@ def make_hf_backend(model: str, layers: str, model_dtype: str, device: str, **_:
 
 
 BACKENDS: dict[str, Callable[..., Any]] = {"hf": make_hf_backend, "vllm": make_vllm_backend}
+# The number options of `eyas capture` (see eyas.validate); the vLLM ones are checked by vLLM.
+OPTIONS = {"batch_tokens": COUNT, "shard_mb": Number(lo=0, lo_open=True, required=True)}
 
 
 def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", layers: str = "auto",
@@ -43,6 +48,10 @@ def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", 
     capture a sample twice, whatever the other ranks have done. The ranks of one job share
     the store's lock; any other run on the same store is refused.
     """
+    check_options({"batch_tokens": batch_tokens, "shard_mb": shard_mb}, OPTIONS)
+    check_confined(out, {"--data": data, "--model": model, "--chat-template": chat_template})
+    if backend == "hf":
+        parse_device(device)
     with output_lock(out, "capture"):
         return _capture(model, data, out, backend, layers, dtype, device, model_dtype, batch_tokens, shard_mb,
                         progress, chat_template, **backend_options)
@@ -55,8 +64,6 @@ def _capture(model: str, data: str | Path, out: str | Path, backend: str, layers
 
     if backend not in BACKENDS:
         raise EyasError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
-    if batch_tokens < 1:
-        raise EyasError("--batch-tokens must be positive.")
     prepared = PreparedData(data)
     if prepared.chat_template is not None:
         check_same_template(prepared.chat_template, chat_template, f"The prepared data in {data}")
@@ -72,7 +79,7 @@ def _capture(model: str, data: str | Path, out: str | Path, backend: str, layers
         # passed on to the drafter, so that eval renders prompts as the training data was rendered
         "chat_template": prepared.meta.get("chat_template"),
     }
-    writer = StoreWriter(out, header, shard_bytes=int(shard_mb * (1 << 20)))
+    writer = StoreWriter(out, header, shard_bytes=int(shard_mb * (1 << 20)), expected_samples=len(prepared))
     lengths = [prepared.length(i) for i in range(len(prepared))]
     todo = [i for i in range(ranks.rank, len(prepared), ranks.world) if i not in writer.done]
     desc = f"capture ({backend})" + (f" rank {ranks.rank}/{ranks.world}" if ranks.enabled else "")

@@ -45,8 +45,6 @@ def run(args: argparse.Namespace) -> int:
     missing = [f"--{k}" for k in ("model", "data", "out") if not getattr(args, k)]
     if missing:
         raise EyasError(f"missing {', '.join(missing)} (see eyas prepare --help)")
-    if args.workers is not None and args.workers < 1:
-        raise EyasError("--workers must be at least 1.")
     summary = prepare(args.model, args.data, args.out, max_len=args.max_len, limit=args.limit,
                       strict=args.strict, chat_template=args.chat_template, workers=args.workers)
     print(format_summary(summary, args.out))

@@ -13,10 +13,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from eyas.data.prepared import PreparedSample, write_prepared
+from eyas.data.prepared import PREPARED_FILES, PreparedSample, write_prepared
 from eyas.data.sources import BadRecord, TruncatedTail, iter_records, normalize
 from eyas.data.template import ChatTemplate, encode_conversation, require_chat_template
 from eyas.errors import EyasError
+from eyas.lock import LOCK_FILE, output_lock
+from eyas.paths import check_confined
+from eyas.validate import COUNT, Number, check_options
 
 
 TAIL = "cut off at the end of the file"
@@ -25,6 +28,26 @@ TAIL = "cut off at the end of the file"
 def prepare(model: str, source: str, out: str | Path, max_len: int = 2048, limit: int | None = None,
             strict: bool = False, chat_template: str | Path | ChatTemplate | None = None,
             progress: bool = True, workers: int | None = None) -> dict[str, Any]:
+    """`prepare_into` an output folder of its own: one that is none of the inputs, holds none
+    of them, holds nothing but prepared data, and that no other run is writing."""
+    template_file = None if isinstance(chat_template, ChatTemplate) else chat_template
+    check_confined(out, {"--data": source, "--model": model, "--chat-template": template_file})
+    check_options({"max_len": max_len, "limit": limit, "workers": workers}, OPTIONS)
+    with output_lock(out, "prepare"):
+        foreign = sorted(p.name for p in Path(out).iterdir() if p.name not in PREPARED_FILES + (LOCK_FILE,))
+        if foreign:
+            raise EyasError(f"--out {out} already holds other files ({', '.join(foreign[:3])}); prepare writes "
+                            f"into an empty folder or one it wrote before: choose another --out.")
+        return prepare_into(model, source, out, max_len, limit, strict, chat_template, progress, workers)
+
+
+# The number options of `eyas prepare` (see eyas.validate).
+OPTIONS = {"max_len": Number(lo=2, integer=True, required=True), "limit": COUNT, "workers": COUNT}
+
+
+def prepare_into(model: str, source: str, out: str | Path, max_len: int = 2048, limit: int | None = None,
+                 strict: bool = False, chat_template: str | Path | ChatTemplate | None = None,
+                 progress: bool = True, workers: int | None = None) -> dict[str, Any]:
     """Tokenize `source` for `model` with its tokenizer's chat template, or `chat_template` (a
     file, or one recorded earlier); keep at most `limit` samples. Returns the summary.
 
@@ -35,8 +58,6 @@ def prepare(model: str, source: str, out: str | Path, max_len: int = 2048, limit
 
     from eyas.models import load_tokenizer, model_identity, resolve_model
 
-    if max_len < 2:
-        raise EyasError("--max-len must be at least 2.")
     tokenizer = load_tokenizer(model)
     # The identity is the tokenizer as shipped; the template used is recorded beside it, so
     # later stages load the same tokenizer and are not asked for the template again.
@@ -52,29 +73,29 @@ def prepare(model: str, source: str, out: str | Path, max_len: int = 2048, limit
     conversations: list[list[dict[str, str]]] = []
     dropped: Counter[str] = Counter()
     truncated = records = tail_bytes = 0
-    bar = tqdm(desc="prepare", unit=" conv", total=limit, disable=not progress)
-    for index, record, result in _encoded(tokenizer, iter_records(source), max_len, workers):
-        if limit is not None and len(samples) >= limit:
-            break
-        if isinstance(record, TruncatedTail):
-            if strict:
-                raise EyasError(f"{source} is cut off inside record {index}: its last {record.nbytes} bytes are incomplete.")
-            records += record.records
-            dropped[TAIL] += record.records
-            tail_bytes = record.nbytes
-            continue
-        records += 1
-        if isinstance(result, str):
-            if strict:
-                raise EyasError(f"record {index} of {source}: {result}")
-            dropped[result] += 1
-            continue
-        messages, ids, mask, was_truncated = result
-        truncated += was_truncated
-        samples.append(PreparedSample(torch.from_numpy(ids), torch.from_numpy(mask), index))
-        conversations.append(messages)
-        bar.update(1)
-    bar.close()
+    with tqdm(desc="prepare", unit=" conv", total=limit, disable=not progress) as bar:  # closed on errors too
+        for index, record, result in _encoded(tokenizer, iter_records(source), max_len, workers):
+            if limit is not None and len(samples) >= limit:
+                break
+            if isinstance(record, TruncatedTail):
+                if strict:
+                    raise EyasError(f"{source} is cut off inside record {index}: its last {record.nbytes} bytes "
+                                    f"are incomplete.")
+                records += record.records
+                dropped[TAIL] += record.records
+                tail_bytes = record.nbytes
+                continue
+            records += 1
+            if isinstance(result, str):
+                if strict:
+                    raise EyasError(f"record {index} of {source}: {result}")
+                dropped[result] += 1
+                continue
+            messages, ids, mask, was_truncated = result
+            truncated += was_truncated
+            samples.append(PreparedSample(torch.from_numpy(ids), torch.from_numpy(mask), index))
+            conversations.append(messages)
+            bar.update(1)
     if not samples:
         reasons = ", ".join(f"{n} {r}" for r, n in dropped.most_common()) or "the source is empty"
         raise EyasError(f"No usable conversation in {source} ({records} records read: {reasons}).")

@@ -28,6 +28,7 @@ from eyas.paths import atomic_write_bytes, atomic_write_json
 META = "prepared.json"
 SAMPLES = "samples.safetensors"
 CONVERSATIONS = "conversations.jsonl"
+PREPARED_FILES = (META, SAMPLES, CONVERSATIONS)
 
 
 @dataclass
@@ -42,13 +43,26 @@ class PreparedData:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        if not self.path.is_dir():
+            what = "does not exist" if not self.path.exists() else "is a file, not a prepared folder"
+            raise EyasError(f"{self.path} {what}; give the folder `eyas prepare` wrote (--out of eyas prepare).")
         try:
-            self.meta = json.loads((self.path / META).read_text())
+            self.meta = json.loads((self.path / META).read_bytes())
         except FileNotFoundError:
             raise EyasError(f"{self.path} is not prepared data (no {META}); run `eyas prepare` first.") from None
-        t = load_file(self.path / SAMPLES)
-        self.input_ids, self.loss_mask = t["input_ids"], t["loss_mask"]
-        self.offsets, self.source_index = t["offsets"], t["source_index"]
+        except (ValueError, RecursionError):
+            raise EyasError(f"{self.path / META} is cut off or corrupt; run `eyas prepare` again.") from None
+        if not isinstance(self.meta, dict) or not all(k in self.meta for k in ("target", "max_len", "fingerprint")):
+            raise EyasError(f"{self.path / META} is not a prepared-data record; run `eyas prepare` again.")
+        try:
+            t = load_file(self.path / SAMPLES)
+            self.input_ids, self.loss_mask = t["input_ids"], t["loss_mask"]
+            self.offsets, self.source_index = t["offsets"], t["source_index"]
+        except FileNotFoundError:
+            raise EyasError(f"{self.path} has no {SAMPLES}; run `eyas prepare` again.") from None
+        except Exception as e:  # safetensors' own errors on a damaged file, or a tensor missing
+            raise EyasError(f"{self.path / SAMPLES} is damaged ({type(e).__name__}: {e}); "
+                            f"run `eyas prepare` again.") from None
         if len(self) == 0:
             raise EyasError(f"{self.path} holds no samples.")
 

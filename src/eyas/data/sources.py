@@ -51,6 +51,10 @@ def iter_records(source: str) -> Iterator[Any]:
         raise EyasError(f"Unknown packaged dataset {source!r}; choose packaged:sharegpt or packaged:chitchat.")
     else:
         path = Path(source)
+        if path.is_dir():
+            raise EyasError(f"--data {source} is a folder; give a .json or .jsonl file of conversations"
+                            + (" (a prepared folder is the input of capture, train --online and regenerate)."
+                               if (path / "prepared.json").is_file() else "."))
         if not path.is_file():
             raise EyasError(f"Data file {source} does not exist.")
         if path.suffix == ".jsonl":
@@ -68,13 +72,21 @@ def _read_text(path: Path) -> str:
         data = path.read_bytes()
     except OSError as e:
         raise EyasError(f"Cannot read {path}: {e.strerror}.") from None
-    if data.startswith((b"\xff\xfe", b"\xfe\xff")) or b"\x00" in data[:2]:  # a BOM, or ASCII in 2 or 4 bytes
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")) or _wide(data[:4]):
         raise EyasError(f"{path} is UTF-16 or UTF-32 text; eyas reads UTF-8: convert it (e.g. iconv -t UTF-8).")
     return data.removeprefix(b"\xef\xbb\xbf").decode("utf-8", errors="surrogateescape")
 
 
+def _wide(head: bytes) -> bool:
+    """ASCII written in 2 or 4 bytes a character: a NUL beside a non-NUL in the first bytes. A run
+    of NULs is not text of any width: a crash can leave one, and its lines are bad records."""
+    return len(head) >= 2 and (head[0] == 0) != (head[1] == 0) or head[:3] == b"\0\0\0" and head[3:4] not in (b"", b"\0")
+
+
 def _decode(text: str) -> Any:
     """One JSON value, or a `BadRecord` saying why not."""
+    if "\0" in text:
+        return BadRecord("NUL bytes (a damaged stretch of the file)")
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
@@ -104,7 +116,8 @@ def _value_end(text: str, i: int) -> int | None:
     following brackets and strings without decoding; None if the text ends first. A closer that
     does not match is taken to close the nearest bracket of its kind, so one bad record does not
     swallow the records after it."""
-    stack: list[str] = []
+    stack: list[str] = []  # the closers awaited, innermost last
+    at: dict[str, list[int]] = {"}": [], "]": []}  # each closer's places in `stack`: linear in the depth
     while (m := _STRUCTURE.search(text, i)) is not None:
         c, i = m.group(), m.end()
         if c == '"':
@@ -114,11 +127,16 @@ def _value_end(text: str, i: int) -> int | None:
                 return None
             i = e.end()
         elif c in "{[":
-            stack.append("}" if c == "{" else "]")
+            closer = "}" if c == "{" else "]"
+            at[closer].append(len(stack))
+            stack.append(closer)
         elif c == "," and not stack or c == "]" and not stack:  # the next record, or the array's end
             return m.start()
-        elif c in stack:
-            del stack[len(stack) - 1 - stack[::-1].index(c):]
+        elif at.get(c):
+            del stack[at[c][-1]:]
+            for places in at.values():
+                while places and places[-1] >= len(stack):
+                    places.pop()
     return None  # (a stray "}" outside any bracket is part of the bad record)
 
 

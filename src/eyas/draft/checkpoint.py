@@ -29,14 +29,22 @@ def save_drafter(model: Eagle3Drafter, folder: str | Path) -> None:
     model.config.save(folder)
 
 
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file; a missing, cut-off or damaged file is one line naming it."""
+    try:
+        return load_file(path)
+    except FileNotFoundError:
+        raise EyasError(f"{path.parent} has no {path.name}.") from None
+    except Exception as e:  # safetensors' own errors: a bad header, a file shorter than its header says
+        raise EyasError(f"{path} is damaged or not a safetensors file ({type(e).__name__}: "
+                        f"{(str(e).splitlines() or [''])[0][:200]}).") from None
+
+
 def load_drafter(folder: str | Path, embed_weight: torch.Tensor | None = None) -> Eagle3Drafter:
     """Rebuild a drafter; pass the target's input embeddings [V, H] to make it usable."""
     cfg = DraftConfig.load(folder)
     model = Eagle3Drafter(cfg, embed_weight)
-    try:
-        state = load_file(Path(folder) / WEIGHTS)
-    except FileNotFoundError:
-        raise EyasError(f"{folder} has no {WEIGHTS}.") from None
+    state = read_safetensors(Path(folder) / WEIGHTS)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith(_NOT_SAVED)]
     if missing or unexpected:

@@ -13,6 +13,7 @@ from eyas.draft import mla as latent
 from eyas.draft.rope import drafter_rope
 from eyas.errors import EyasError
 from eyas.models.identity import ModelIdentity, text_config
+from eyas.validate import COUNT, Number
 
 CONFIG_VERSION = 1
 
@@ -44,7 +45,15 @@ class DraftConfig:
     mla: dict[str, Any] | None = None  # MLA's latent ranks and head dims (draft/mla.py MLA_FIELDS)
 
     def __post_init__(self) -> None:
-        self.aux_layer_ids = tuple(int(k) for k in self.aux_layer_ids)
+        for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "vocab_size", "draft_vocab_size", "label_layer_id", "ttt_steps", "max_position_embeddings"):
+            COUNT.check(f"the drafter's `{name}`", getattr(self, name))
+        Number(lo=0, lo_open=True, required=True).check("the drafter's `rms_norm_eps`", self.rms_norm_eps)
+        ids = self.aux_layer_ids
+        if not isinstance(ids, (list, tuple)) or not ids or not all(Number(lo=0, integer=True, required=True).accepts(k)
+                                                                    for k in ids):
+            raise EyasError(f"the drafter's `aux_layer_ids` {ids!r} is not a list of layer ids (integers >= 0).")
+        self.aux_layer_ids = tuple(int(k) for k in ids)
         if self.draft_vocab_size > self.vocab_size:
             raise EyasError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocabulary {self.vocab_size}.")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -145,6 +154,19 @@ class DraftConfig:
     def load(cls, folder: str | Path) -> "DraftConfig":
         path = Path(folder) / "config.json"
         try:
-            return cls.from_hf_dict(json.loads(path.read_text()))
+            raw = json.loads(path.read_bytes())
         except FileNotFoundError:
             raise EyasError(f"{folder} is not a drafter checkpoint: no config.json.") from None
+        except NotADirectoryError:
+            raise EyasError(f"{folder} is a file; give the drafter's folder (config.json + model.safetensors).") \
+                from None
+        except (ValueError, RecursionError):
+            raise EyasError(f"{path} is cut off or is not JSON; train or export the drafter again.") from None
+        if not isinstance(raw, dict) or not isinstance(raw.get("eyas", {}), dict):
+            raise EyasError(f"{path} is not a drafter config (a JSON object with an `eyas` block).")
+        try:
+            return cls.from_hf_dict(raw)
+        except TypeError as e:  # a field missing, or of the wrong kind
+            raise EyasError(f"{path}: the `eyas` block is incomplete or damaged ({e}).") from None
+        except EyasError as e:
+            raise EyasError(f"{path}: {e}") from None

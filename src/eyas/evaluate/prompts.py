@@ -37,8 +37,13 @@ def load_prompts(source: str, limit: int | None = None) -> list[EvalPrompt]:
         if not path.is_file():
             raise EyasError(f"Prompt file {source} does not exist (use --prompts mt-bench or a .jsonl file).")
     prompts = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise EyasError(f"{label}:{n}: not UTF-8 text (byte {e.start}); eyas reads UTF-8 prompt "
+                                f"files.") from None
             if line.strip():
                 prompts.append(_parse(line, f"{label}:{n}"))
     if not prompts:
@@ -55,6 +60,8 @@ def _parse(line: str, where: str) -> EvalPrompt:
         record = json.loads(line)
     except json.JSONDecodeError as e:
         raise EyasError(f"{where}: invalid JSON ({e.msg}).") from None
+    except RecursionError:
+        raise EyasError(f"{where}: nested too deeply to be a prompt.") from None
     if not isinstance(record, dict):
         raise EyasError(f"{where}: expected a JSON object.")
     pid = str(record.get("question_id", record.get("id", where)))
@@ -73,7 +80,7 @@ def _conversation(pid: str, raw: list, role_key: str, content_key: str, where: s
     for m in raw:
         role = ROLES.get(str(m.get(role_key, "")).lower()) if isinstance(m, dict) else None
         if role is None or not isinstance(m.get(content_key), str):
-            raise EyasError(f"{where}: malformed message {m!r}.")
+            raise EyasError(f"{where}: malformed message {ascii(m)[:80]}.")
         messages.append({"role": role, "content": m[content_key]})
     users = [i for i, m in enumerate(messages) if m["role"] == "user"]
     if not users:

@@ -3,6 +3,7 @@ model), run every method on the same prompts, write results.json, the table and 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from tqdm import tqdm
 
 from eyas import __version__
 from eyas.data.template import ChatTemplate
-from eyas.device import resolve_device
+from eyas.device import parse_device, resolve_device
 from eyas.draft import Eagle3Drafter, load_drafter
 from eyas.errors import EyasError
 from eyas.evaluate.drafter import DrafterSession
@@ -22,9 +23,14 @@ from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
 from eyas.evaluate.report import RATE_DEFINITION, TAU_DEFINITION, format_table, summarize
 from eyas.evaluate.target import TargetSession
 from eyas.models import ModelIdentity, load_target, model_identity
-from eyas.paths import atomic_write_json
+from eyas.paths import atomic_write_json, check_confined, check_writable
+from eyas.train.checkpoint import unfinished_note
+from eyas.validate import COUNT, Number, check_options
 
 BASELINES = ("prompt-lookup",)
+# The number options of `eyas eval` (see eyas.validate).
+OPTIONS = {"limit": COUNT, "max_new_tokens": COUNT, "steps": COUNT, "top_k": COUNT, "draft_tokens": COUNT,
+           "temperature": Number(lo=0, required=True), "seed": Number(integer=True, required=True)}
 
 
 @dataclass(kw_only=True)
@@ -50,13 +56,14 @@ class EvalConfig:
         unknown = [b for b in self.baselines if b not in BASELINES]
         if unknown:
             raise EyasError(f"Unknown baseline(s) {unknown}; choose from none, {', '.join(BASELINES)}.")
-        for name in ("max_new_tokens", "steps", "top_k", "draft_tokens"):
-            if getattr(self, name) < 1:
-                raise EyasError(f"--{name.replace('_', '-')} must be at least 1.")
-        if self.temperature < 0:
-            raise EyasError("--temperature must be >= 0 (0 is greedy).")
-        if self.limit is not None and self.limit < 1:
-            raise EyasError("--limit must be at least 1.")
+        check_options(self, OPTIONS)
+
+    def check_paths(self) -> None:
+        """Before any work: the outputs can be written, and neither is one of the inputs."""
+        plot = self.plot or str(Path(self.output).with_suffix(".png"))
+        for option, path in (("--output", self.output), ("--plot", plot)):
+            check_writable(path, option)
+            check_confined(path, {"--prompts": self.prompts, "--model": self.model, "--draft": self.draft}, option)
 
 
 def check_drafter(identity: ModelIdentity, drafter_cfg, where: str) -> None:
@@ -129,6 +136,10 @@ def run_methods(target: TargetSession, tokenizer, proposers: list[Proposer], pro
 
 
 def evaluate(cfg: EvalConfig) -> dict:
+    cfg.check_paths()
+    parse_device(cfg.device)
+    if cfg.draft and (note := unfinished_note(cfg.draft)):
+        print(f"eyas eval: {note}", file=sys.stderr, flush=True)
     torch.manual_seed(cfg.seed)
     prompts = load_prompts(cfg.prompts, cfg.limit)
     device = str(resolve_device(cfg.device))

@@ -17,14 +17,19 @@ from eyas.export.layouts import Layout, get_layout
 from eyas.export.weights import build_drafter, owned_out, read_tensors, write_folder
 from eyas.models.load import parse_dtype
 from eyas.models.resolve import resolve_model
+from eyas.paths import check_confined
+from eyas.train.checkpoint import unfinished_note
+from eyas.validate import COUNT
 
 
 def export_drafter(ckpt: str | Path, to: str, out: str | Path, *, target: str | None = None, dtype: str = "keep",
                    num_speculative_tokens: int = 3, force: bool = False) -> dict[str, Any]:
     """Export the drafter in `ckpt` as `to` (vllm, speculators or sglang) into `out`; return a summary."""
     layout = get_layout(to)
-    if num_speculative_tokens < 1:
-        raise EyasError("--num-speculative-tokens must be at least 1.")
+    COUNT.check("--num-speculative-tokens", num_speculative_tokens)
+    check_confined(out, {"the checkpoint": ckpt, "--target": target})
+    if note := unfinished_note(ckpt):
+        print(f"eyas export: {note}", file=sys.stderr, flush=True)
     cfg = DraftConfig.load(ckpt)
     state = read_tensors(ckpt)
     build_drafter(cfg, state, str(ckpt))

@@ -37,6 +37,8 @@ from eyas.export.weights import build_drafter, owned_out, read_tensors
 from eyas.models.identity import ModelIdentity
 from eyas.models.layers import default_aux_ids
 from eyas.models.resolve import resolve_model
+from eyas.paths import check_confined
+from eyas.validate import COUNT
 
 LLAMA_EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM")
 MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
@@ -50,6 +52,11 @@ UNSUPPORTED = {
     "mlp_bias": "MLP biases",
     "tie_word_embeddings": "an lm_head tied to the embeddings",
 }
+
+
+# The size fields of a drafter config, each a positive integer where it is present.
+SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
+         "draft_vocab_size", "target_hidden_size", "num_hidden_layers")
 
 
 @dataclass
@@ -75,6 +82,7 @@ class Foreign:
 def import_drafter(src: str | Path, out: str | Path, *, target: str | None = None, force: bool = False) -> dict[str, Any]:
     """Convert the drafter in `src` to an eyas checkpoint in `out`; return a summary."""
     src, out = Path(src), Path(out)
+    check_confined(out, {"the drafter folder": src, "--target": target})
     raw = read_config(src)
     foreign = parse_config(raw, src)
     own = DraftConfig.from_hf_dict(raw) if "eyas" in raw else None
@@ -99,11 +107,14 @@ def import_drafter(src: str | Path, out: str | Path, *, target: str | None = Non
 
 def read_config(folder: Path) -> dict[str, Any]:
     try:
-        return json.loads((folder / "config.json").read_text())
-    except FileNotFoundError:
+        raw = json.loads((folder / "config.json").read_bytes())
+    except (FileNotFoundError, NotADirectoryError):
         raise EyasError(f"{folder} has no config.json: not a drafter folder.") from None
-    except json.JSONDecodeError as e:
-        raise EyasError(f"{folder}/config.json is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise EyasError(f"{folder}/config.json is cut off or not valid JSON ({e}).") from None
+    if not isinstance(raw, dict):
+        raise EyasError(f"{folder}/config.json is not a JSON object; not a drafter config.")
+    return raw
 
 
 def _field(d: dict[str, Any], key: str, where: str, why: str = "") -> Any:
@@ -132,6 +143,12 @@ def parse_config(raw: dict[str, Any], src: Path) -> Foreign:
                             "Eagle3Speculator.")
         layout, ids = _hf_layer_ids(raw, where)
         foreign = Foreign(layout, raw, raw, ids, bool(raw.get("norm_before_residual", False)), None)
+    if not isinstance(foreign.layer, dict):
+        raise EyasError(f"{where}: the decoder layer's config is not a JSON object.")
+    for d in (foreign.raw, foreign.layer):  # numbers as numbers: "576" is not 576
+        for key in SIZES:
+            if d.get(key) is not None:
+                COUNT.check(f"{where}: `{key}`", d[key])
     _check_supported(foreign, where)
     return foreign
 
@@ -140,10 +157,17 @@ def _hf_layer_ids(raw: dict[str, Any], where: str) -> tuple[str, tuple[int, ...]
     """vLLM reads top-level ids (inputs of layers), SGLang only `eagle_config` ids (outputs of layers)."""
     top = raw.get("eagle_aux_hidden_state_layer_ids")
     eagle = raw.get("eagle_config") or {}
+    if not isinstance(eagle, dict):
+        raise EyasError(f"{where}: eagle_config is not a JSON object.")
     if eagle.get("use_aux_hidden_state") is False:
         raise EyasError(f"{where}: eagle_config.use_aux_hidden_state is false (an EAGLE-1/2 style head); "
                         "eyas drafters read the target's aux layers.")
     sglang = eagle.get("eagle_aux_hidden_state_layer_ids")
+    for ids in (top, sglang):
+        if ids is not None and (not isinstance(ids, list)
+                                or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in ids)):
+            raise EyasError(f"{where}: eagle_aux_hidden_state_layer_ids {ids!r} is not a list of layer ids "
+                            f"(integers >= 0).")
     if sglang:
         shifted = tuple(int(k) + 1 for k in sglang)
         if top and tuple(top) != shifted:

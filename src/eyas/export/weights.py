@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from safetensors.torch import load_file, save
+from safetensors.torch import save
 
-from eyas.draft.checkpoint import _NOT_SAVED
+from eyas.draft.checkpoint import _NOT_SAVED, read_safetensors
 from eyas.draft.config import DraftConfig
 from eyas.draft.model import Eagle3Drafter
 from eyas import __version__
@@ -36,16 +36,16 @@ def read_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
             continue
         if name.endswith(".index.json"):
             shards = sorted({plain_name(f, str(path)) for f in _weight_map(path).values()})
-            load = load_file if name.startswith("model.safetensors") else _load_bin
+            load = read_safetensors if name.startswith("model.safetensors") else _load_bin
             return {k: v for shard in shards for k, v in load(folder / shard).items()}
-        return load_file(path) if name.endswith(".safetensors") else _load_bin(path)
+        return read_safetensors(path) if name.endswith(".safetensors") else _load_bin(path)
     raise EyasError(f"{folder} holds no weights: looked for {', '.join(WEIGHT_FILES)}.")
 
 
 def _weight_map(index: Path) -> dict[str, Any]:
     try:
         weight_map = json.loads(index.read_bytes())["weight_map"]
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         raise EyasError(f"{index} is not a weight index (no readable `weight_map`).") from None
     if not isinstance(weight_map, dict):
         raise EyasError(f"{index} is not a weight index (no readable `weight_map`).")
@@ -91,8 +91,6 @@ def owned_out(out: Path, force: bool, source: Path, command: str) -> Iterator[No
     `force`, and even then only the files an earlier eyas run recorded there are replaced:
     a file eyas did not write that the new drafter would overwrite, or another weight file an
     engine would load beside it, is refused."""
-    if out.resolve() == source.resolve():
-        raise EyasError(f"--out {out} is the folder being read; write to another folder.")
     with output_lock(out, command):
         present = {p.name for p in out.iterdir()} - {LOCK_FILE}
         if present and not force:

@@ -56,6 +56,10 @@ class ModelIdentity:
                 f"{what} was made for model {self.model} before its config changed (configs differ)." if same_name else
                 f"{what} was made for model {other.model}, not for {self.model} (configs differ)."
             )
+        for name in ("num_layers", "hidden_size", "vocab_size"):  # covered by the hash, unless a record was edited
+            if getattr(self, name) != getattr(other, name):
+                raise EyasError(f"{what} records {name} {getattr(other, name)!r} for {other.model}, but the model has "
+                                f"{getattr(self, name)!r}: the record was edited or is damaged.")
 
 
 def _digest(obj: Any) -> str:

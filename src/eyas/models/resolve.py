@@ -7,6 +7,7 @@ network, and only because the user named it.
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -31,10 +32,29 @@ def resolve_model(spec: str) -> str:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise EyasError(f"{path} is a folder but has no config.json: not a transformers model folder.")
+        check_model_config(path / "config.json")
         return str(path.resolve())
     if spec.startswith((".", "/", "~")) or path.exists():
         raise EyasError(f"Model path {spec} does not exist.")
     return spec
+
+
+def check_model_config(path: Path) -> None:
+    """A model's config.json must be a JSON object naming a model type this transformers knows."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        config = json.loads(path.read_bytes())
+    except (ValueError, RecursionError):
+        raise EyasError(f"{path} is cut off or is not JSON.") from None
+    if not isinstance(config, dict):
+        raise EyasError(f"{path} is not a model config (a JSON object).")
+    model_type = config.get("model_type")
+    if model_type is not None and model_type not in CONFIG_MAPPING:
+        import transformers
+
+        raise EyasError(f"{path} names model_type {ascii(model_type)[:60]}, an architecture transformers "
+                        f"{transformers.__version__} does not know.")
 
 
 def _packaged_gguf(name: str) -> Path:
@@ -54,11 +74,18 @@ def _converted(gguf: Path) -> Path:
         raise EyasError("Reading a .gguf model needs the `gguf` package: pip install gguf") from e
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
+    with open(gguf, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise EyasError(f"{gguf} is not a GGUF file (it does not start with the GGUF magic bytes).")
     print(f"eyas: converting {gguf.name} to safetensors under {out} (once)")
-    loaded = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True)
-    )
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    try:
+        loaded = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True)
+        )
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as e:  # gguf's and transformers' many errors on a cut-off or damaged file
+        raise EyasError(f"{gguf} is damaged or cut off, or holds a model transformers cannot read "
+                        f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}).") from None
     # A GGUF-loaded model refuses save_pretrained: rebuild a plain one from its config.
     config = AutoConfig.for_model(**{k: v for k, v in loaded.config.to_dict().items() if k != "quantization_config"})
     model = AutoModelForCausalLM.from_config(config)

@@ -28,8 +28,14 @@ from tqdm import tqdm
 
 from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
+from eyas.device import parse_device
 from eyas.lock import output_lock
+from eyas.paths import check_confined
+from eyas.validate import COUNT, POSITIVE, Number, check_options
 
+# The number options of `eyas regenerate` (see eyas.validate).
+OPTIONS = {"temperature": Number(lo=0, required=True), "max_new_tokens": COUNT, "group_size": COUNT,
+           "minutes": POSITIVE}
 PROGRESS = "regenerated.jsonl"
 CONVERSATIONS = "regenerated-conversations.jsonl"  # the input handed to `prepare`
 
@@ -55,17 +61,18 @@ def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf
     """Regenerate every conversation of `data` not yet in `out` (or as many as `minutes`
     allow), then prepare `out` from the finished ones; return prepare's summary."""
     from eyas.capture.vllm.target import read_target
-    from eyas.data.prepare import prepare
+    from eyas.data.prepare import prepare_into
     from eyas.models import load_tokenizer
 
-    if temperature < 0 or max_new_tokens < 1 or group_size < 1 or (minutes is not None and minutes <= 0):
-        raise EyasError("--temperature must be >= 0, --max-new-tokens and --group-size >= 1, --minutes > 0.")
+    check_options({"temperature": temperature, "max_new_tokens": max_new_tokens, "group_size": group_size,
+                   "minutes": minutes}, OPTIONS)
+    check_confined(out, {"--data": data, "--model": model})
+    if backend == "hf":
+        parse_device(device)
     started = time.monotonic()
     seconds = {"load": 0.0, "render": 0.0, "generate": 0.0, "prepare": 0.0}  # where this run's time went
     source = PreparedData(data)
     out = Path(out)
-    if out.resolve() == source.path.resolve():
-        raise EyasError("--out must be a new folder, not the prepared data being regenerated.")
     conversations, max_len, fingerprint = source.conversations(), int(source.meta["max_len"]), source.meta["fingerprint"]
     read_target(model)[2].check_same(source.identity, f"The prepared data in {data}")  # no layer ids: any depth
     tokenizer = load_tokenizer(model)
@@ -104,8 +111,8 @@ def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf
             for i in sorted(done):
                 f.write(json.dumps({"messages": done[i]}, ensure_ascii=False) + "\n")
         t0 = time.monotonic()
-        summary = prepare(model, str(out / CONVERSATIONS), out, max_len=max_len, chat_template=source.chat_template,
-                          progress=progress)
+        summary = prepare_into(model, str(out / CONVERSATIONS), out, max_len=max_len,
+                               chat_template=source.chat_template, progress=progress)
         seconds["prepare"] = time.monotonic() - t0
         summary["regenerate_seconds"] = {k: round(v, 1) for k, v in seconds.items()}
         if generator is not None and decoding and decoding["batches"]:

@@ -32,7 +32,7 @@ import torch
 
 from eyas import __version__
 from eyas.errors import EyasError
-from eyas.lock import LOCK_FILE
+from eyas.lock import LOCK_FILE, open_lock_file
 from eyas.paths import atomic_write_json, fsync_dir, sha256_file, temp_file
 from eyas.store.format import (FORMAT, FORMAT_VERSION, MANIFEST, SHARD_PATTERN, first_nonfinite, next_shard_name,
                                quantize_fp8, store_dtype, write_safetensors)
@@ -46,12 +46,15 @@ Buffers = tuple[torch.Tensor, torch.Tensor | None]  # a shard's hidden [rows, L,
 def store_lock(path: Path) -> Iterator[None]:
     """Exclusive lock on the store folder: one writer at a time touches the manifest."""
     path.mkdir(parents=True, exist_ok=True)
-    with open(path / LOCK, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+    fd = open_lock_file(path / LOCK, os.O_WRONLY | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
         try:
             yield
         finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _disk_full(path: Path) -> EyasError:
@@ -78,8 +81,9 @@ def settle_pending(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         return manifest
     settled = {k: v for k, v in manifest.items() if k != "pending"}
     for entry in pending if isinstance(pending, list) else []:
-        file = path / str(entry.get("file", "")) if isinstance(entry, dict) else None
-        if (file is not None and SHARD_PATTERN.fullmatch(file.name) and file.is_file()
+        name = entry.get("file") if isinstance(entry, dict) else None
+        file = path / name if isinstance(name, str) and SHARD_PATTERN.fullmatch(name) else None  # a plain shard name
+        if (file is not None and file.is_file() and not file.is_symlink()
                 and all(s["file"] != file.name for s in settled["shards"]) and sha256_file(file) == entry.get("sha256")):
             settled = _record(settled, entry)
     atomic_write_json(path / MANIFEST, settled)
@@ -90,8 +94,10 @@ class StoreWriter:
     """Open (or resume) a store. `header` fixes what every shard must agree with: target
     identity, layer ids, dtype, hidden size, and the prepared data it was captured from."""
 
-    def __init__(self, path: str | Path, header: dict[str, Any], shard_bytes: int = 1 << 30, threads: int = 3):
+    def __init__(self, path: str | Path, header: dict[str, Any], shard_bytes: int = 1 << 30, threads: int = 3,
+                 expected_samples: int | None = None):
         self.path = Path(path)
+        self.expected_samples = expected_samples  # recorded, so a reader can say how much is missing
         self.dtype = store_dtype(header["dtype"])
         self.layer_ids = list(header["layer_ids"])
         self.done: set[int] = set()
@@ -131,7 +137,8 @@ class StoreWriter:
         if any(p.name not in (LOCK, LOCK_FILE) for p in self.path.iterdir()):
             raise EyasError(f"{self.path} exists, is not empty and is not an eyas store; choose another --out.")
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "eyas_version": __version__,
-                    **header, "shards": [], "num_samples": 0, "num_tokens": 0, "complete": False}
+                    **header, "shards": [], "num_samples": 0, "num_tokens": 0, "complete": False,
+                    **({"expected_samples": self.expected_samples} if self.expected_samples is not None else {})}
         atomic_write_json(self.path / MANIFEST, manifest)
         return manifest
 

@@ -103,6 +103,21 @@ def latest_checkpoint(out: Path) -> Path | None:
     return folder
 
 
+def unfinished_note(folder: str | Path) -> str | None:
+    """A note for eval and export when `folder` is a training run stopped before the end of its
+    schedule (--minutes, Ctrl-C): its drafter is that of an earlier step. None otherwise."""
+    try:
+        latest = latest_checkpoint(Path(folder))
+        trainer = json.loads((latest / TRAINER).read_bytes()) if latest is not None else {}
+    except (EyasError, OSError, ValueError):
+        return None
+    step, total = (trainer.get("step"), trainer.get("total_steps")) if isinstance(trainer, dict) else (None, None)
+    if not (isinstance(step, int) and isinstance(total, int) and step < total):
+        return None
+    return (f"note: the drafter in {folder} is from step {step} of {total}: its training stopped early; add --resume "
+            f"to its `eyas train` command to finish it.")
+
+
 def read_checkpoint(folder: Path) -> tuple[DraftConfig, dict[str, Any]]:
     return DraftConfig.load(folder), json.loads((folder / TRAINER).read_text())
 

@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     src.add_argument("--out", required=True, help="output folder: the drafter, metrics.jsonl, checkpoints/")
     src.add_argument("--eval-fraction", type=float, default=0.05, help="share of samples held out (default 0.05)")
     src.add_argument("--max-len", type=int, help="crop samples to this many tokens (default: --batch-tokens)")
+    src.add_argument("--allow-incomplete", action="store_true",
+                     help="train on a store whose capture has not finished (refused otherwise, naming what is missing)")
 
     head = p.add_argument_group("drafter")
     head.add_argument("--draft-vocab", type=int, help="draft vocabulary size (default min(32000, target vocab))")

@@ -7,6 +7,19 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from eyas.errors import EyasError
+from eyas.validate import COUNT, POSITIVE, SHARE, Number, check_options
+
+# Every number option of `eyas train`, with its accepted range (see eyas.validate).
+OPTIONS = {
+    "draft_vocab": COUNT, "ttt_steps": COUNT, "ttt_decay": Number(lo=0, hi=1, lo_open=True, required=True),
+    "intermediate_size": COUNT, "epochs": POSITIVE, "steps": COUNT, "minutes": POSITIVE,
+    "lr": Number(lo=0, lo_open=True, required=True), "warmup": Number(lo=0, required=True),
+    "weight_decay": Number(lo=0, required=True), "clip": Number(lo=0, lo_open=True, required=True),
+    "batch_tokens": Number(lo=2, integer=True, required=True), "grad_accum": COUNT,
+    "max_len": Number(lo=2, integer=True),
+    "eval_fraction": SHARE, "seed": Number(integer=True, required=True),
+    "save_every": COUNT, "eval_every": COUNT, "log_every": COUNT, "keep": COUNT,
+}
 
 
 # Options added after runs were recorded, with the value such a run had (its drafter, restored
@@ -50,10 +63,12 @@ class TrainConfig:
     log_every: int = 10
     keep: int = 2  # checkpoints kept under out/checkpoints
     progress: bool = True
+    allow_incomplete: bool = False  # train on a store whose capture has not finished
 
     # May differ on --resume: how the run is watched, and where the same data comes from (a
     # moved store, offline <-> online); the data's model and layer ids are checked separately.
-    MAY_CHANGE = ("resume", "minutes", "save_every", "eval_every", "log_every", "keep", "progress", "device", "out",
+    MAY_CHANGE = ("resume", "allow_incomplete", "minutes", "save_every", "eval_every", "log_every", "keep", "progress",
+                  "device", "out",
                   "store", "online", "model", "data", "layers")
 
     def __post_init__(self) -> None:
@@ -66,27 +81,9 @@ class TrainConfig:
             raise EyasError("Give --store STORE (offline), or --online --model MODEL --data PREPARED.")
         if self.data and not self.online:
             raise EyasError("--data is for --online; offline training reads --store.")
-        checks = [
-            (self.ttt_steps >= 1, "--ttt-steps must be at least 1"),
-            (0 < self.ttt_decay <= 1, "--ttt-decay must lie in (0, 1]"),
-            (self.intermediate_size is None or self.intermediate_size >= 1, "--intermediate-size must be at least 1"),
-            (self.lr > 0, "--lr must be positive"),
-            (self.batch_tokens >= 2, "--batch-tokens must be at least 2"),
-            (self.grad_accum >= 1, "--grad-accum must be at least 1"),
-            (0 <= self.eval_fraction < 1, "--eval-fraction must lie in [0, 1)"),
-            (self.steps is None or self.steps >= 1, "--steps must be at least 1"),
-            (self.epochs is None or self.epochs > 0, "--epochs must be positive"),
-            (self.steps is None or self.epochs is None, "give --steps or --epochs, not both"),
-            (self.max_len is None or self.max_len >= 2, "--max-len must be at least 2"),
-            (self.save_every >= 1 and self.eval_every >= 1 and self.log_every >= 1, "--*-every must be at least 1"),
-            (self.minutes is None or self.minutes > 0, "--minutes must be positive"),
-            (self.clip > 0, "--clip must be positive"),
-            (self.warmup >= 0, "--warmup must not be negative"),
-            (self.keep >= 1, "--keep must be at least 1"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise EyasError(message + ".")
+        check_options(self, OPTIONS)
+        if self.steps is not None and self.epochs is not None:
+            raise EyasError("give --steps or --epochs, not both.")
 
     @property
     def crop(self) -> int:

@@ -22,7 +22,9 @@ from eyas.draft.config import DraftConfig
 from eyas.draft.model import Eagle3Drafter
 from eyas.draft.vocab import TokenCounter, build_draft_vocab, coverage, default_draft_vocab_size
 from eyas.errors import EyasError
-from eyas.lock import output_lock
+from eyas.device import check_fits
+from eyas.lock import output_lock, reading_lock
+from eyas.paths import check_confined
 from eyas.store.format import first_nonfinite
 from eyas.train import checkpoint as ckpt
 from eyas import distributed
@@ -69,10 +71,13 @@ def train(cfg: TrainConfig, stop_at: int | None = None) -> dict[str, Any]:
     `stop_at` ends the run after that step with a checkpoint, exactly as an interruption
     would, while the schedule still spans the whole run (tests use it to prove resumption).
     """
+    check_confined(cfg.out, {"--store": cfg.store, "--data": cfg.data, "--model": cfg.model})
     d, device = distributed.init(cfg.device, cfg.fsdp)
     created_group = d.enabled
     try:
-        with output_lock(cfg.out, "train"):  # shared by this job's processes
+        # The out folder is shared by this job's processes; the store is read while no capture writes it.
+        with output_lock(cfg.out, "train"), \
+                (reading_lock(cfg.store, "The store") if cfg.store else contextlib.nullcontext()):
             run = setup(cfg, d, device)
             return fit(run, stop_at)
     finally:
@@ -112,6 +117,7 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device) -> Run:
         _log(d, f"resuming {out} from {previous.name}")
     else:
         draft, draft_ids = _new_draft_config(cfg, source, folder, train_pos, d)
+        _check_fits(draft, d, device)
         torch.manual_seed(cfg.seed)
         drafter = Eagle3Drafter(draft, head.embed_weight)
         drafter.set_vocab(draft_ids)
@@ -137,6 +143,7 @@ def _open_source(cfg: TrainConfig, device: torch.device):
         source = OnlineSource(cfg.model, cfg.data, cfg.layers, cfg.crop, device)
         return source, resolve_model(cfg.model)
     source = StoreSource(cfg.store, cfg.crop)
+    _check_complete(source.store, cfg.allow_incomplete)
     spec = cfg.model or source.identity.model
     try:
         folder = resolve_model(spec)
@@ -148,6 +155,22 @@ def _open_source(cfg: TrainConfig, device: torch.device):
         first = (str(e).splitlines() or [""])[0]
         raise EyasError(f"The target {spec!r} cannot be loaded here ({type(e).__name__}: {first}); pass --model.") from None
     return source, folder
+
+
+def _check_complete(store, allowed: bool) -> None:
+    """Say, first, that the store's capture has not finished: how much is there and how to
+    finish it; train on it only when --allow-incomplete makes that the user's choice."""
+    m = store.manifest
+    if m.get("complete"):
+        return
+    expected = m.get("expected_samples")  # recorded by `eyas capture`; a store written otherwise only gets the note
+    held = f"{len(store)} of {expected} samples ({100 * len(store) / expected:.0f}%)" if expected else \
+        f"{len(store)} samples, not all of its prepared data"
+    if not allowed and expected:
+        raise EyasError(f"The store {store.path} is incomplete: it holds {held}. Run the same `eyas capture` command "
+                        f"again to finish it, or pass --allow-incomplete to train on what is there.")
+    print(f"eyas train: note: the store {store.path} is incomplete ({held}); training on what is there "
+          f"(--allow-incomplete).", flush=True)
 
 
 def _check_identity(spec: str, folder: str, source: StoreSource) -> None:
@@ -183,6 +206,16 @@ def _new_draft_config(cfg: TrainConfig, source, folder: str, train_pos: list[int
                                    norm_output=cfg.norm_output, chat_template=source.chat_template,
                                    attention=cfg.draft_attention, **width)
     return draft, draft_ids
+
+
+def _check_fits(draft: DraftConfig, d: distributed.Dist, device: torch.device) -> None:
+    """Refuse a drafter whose float32 weights, gradients and AdamW moments (16 bytes a trained
+    parameter, sharded under FSDP) cannot fit in the device, before allocating any of it."""
+    with torch.device("meta"):
+        shape = Eagle3Drafter(draft)
+    params = sum(p.numel() for name, p in shape.named_parameters() if not name.startswith("embed_tokens."))
+    check_fits(16 * params // (d.world if d.fsdp else 1), device, f"A drafter of {params:,} parameters (weights, "
+               f"gradients and optimizer state)", "lower --intermediate-size or --draft-vocab")
 
 
 # ---------------------------------------------------------------- steps
@@ -296,12 +329,26 @@ def train_step(run: Run) -> torch.Tensor:
         where = f"sample(s) {bad}" if bad else "a sample on another process"
         latest = ckpt.latest_checkpoint(Path(run.cfg.out))
         kept = f"the newest checkpoint, {latest.name}, is untouched" if latest else "no checkpoint was written"
-        raise EyasError(f"The loss is not finite at step {run.step + 1} ({where}); training stopped before "
-                        f"updating the weights and {kept}. Check those samples, or lower --lr.")
+        raise EyasError(f"The loss or its gradient is not finite at step {run.step + 1} ({where}); training stopped "
+                        f"before updating the weights and {kept}. Check those samples, or lower --lr.")
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
+    _check_weights(run)
     return stats
+
+
+def _check_weights(run: Run) -> None:
+    """Stop at the first update that leaves a weight NaN/inf (a finite loss and gradient can
+    still overflow them, e.g. a huge --lr): such a drafter is never saved."""
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    local = torch.stack([_nonfinite_rows(getattr(p, "_local_tensor", p).detach().reshape(1, -1)).any()
+                         for p in params]).sum().float()
+    if distributed.all_reduce(local[None], run.d).item():
+        latest = ckpt.latest_checkpoint(Path(run.cfg.out))
+        kept = f"the newest checkpoint, {latest.name}, is untouched" if latest else "nothing was saved"
+        raise EyasError(f"The weights are not finite after step {run.step} (the update overflowed; --lr "
+                        f"{run.cfg.lr:g}); training stopped and {kept}. Lower --lr or --clip.")
 
 
 @torch.no_grad()

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from eyas.errors import EyasError
+from eyas.paths import atomic_write_bytes
 from eyas.train.objective import CORRECT, COUNT, IN_VOCAB, LOSS, simulated_acceptance
 
 METRICS_FILE = "metrics.jsonl"
@@ -41,8 +43,8 @@ class MetricsLog:
         if resume_step is None:
             self.path.unlink(missing_ok=True)
         elif self.path.is_file():
-            rows = [line for line in self.path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
-            self.path.write_text("".join(r + "\n" for r in rows))
+            rows = [line for line in _rows(self.path) if json.loads(line)["step"] <= resume_step]
+            atomic_write_bytes(self.path, "".join(r + "\n" for r in rows).encode())
         self.tb = _tensorboard(out)
 
     def write(self, row: dict[str, Any]) -> None:
@@ -59,6 +61,26 @@ class MetricsLog:
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def _rows(path: Path) -> list[str]:
+    """The complete rows of a metrics file. A last line cut off (a run killed mid-write, a full
+    disk) is dropped; damage anywhere else is the user's to look at."""
+    lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
+    rows = []
+    for n, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            ok = isinstance(json.loads(line).get("step"), int)
+        except (ValueError, AttributeError, RecursionError):
+            ok = False
+        if not ok:
+            if n >= len(lines) - 2 and not any(x.strip() for x in lines[n + 1:]):  # the last line: torn
+                break
+            raise EyasError(f"{path} line {n + 1} is not a metrics row; move the file away to resume without it.")
+        rows.append(line)
+    return rows
 
 
 def _tensorboard(out: Path):
