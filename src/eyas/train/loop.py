@@ -24,6 +24,7 @@ from eyas.draft.vocab import TokenCounter, build_draft_vocab, coverage, default_
 from eyas.errors import EyasError
 from eyas.lock import output_lock
 from eyas.store.format import first_nonfinite
+from eyas.train import budget
 from eyas.train import checkpoint as ckpt
 from eyas import distributed
 from eyas.train.config import TrainConfig
@@ -45,10 +46,11 @@ class Run:
     optimizer: torch.optim.Optimizer
     train_stream: BatchStream
     eval_positions: list[int]
-    total_steps: int
+    total_steps: int  # the schedule's length; under --minutes, revised to fit the budget
     step: int = 0  # optimizer steps done
     resumed_from: int | None = None
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=lambda: budget.clock())
+    cap: int | None = None  # the --steps / --epochs length, which a --minutes plan never exceeds
 
     @property
     def drafter(self) -> Eagle3Drafter:
@@ -69,11 +71,13 @@ def train(cfg: TrainConfig, stop_at: int | None = None) -> dict[str, Any]:
     `stop_at` ends the run after that step with a checkpoint, exactly as an interruption
     would, while the schedule still spans the whole run (tests use it to prove resumption).
     """
+    started = budget.clock()  # a --minutes budget counts the set-up (model loads) too
     d, device = distributed.init(cfg.device, cfg.fsdp)
     created_group = d.enabled
     try:
         with output_lock(cfg.out, "train"):  # shared by this job's processes
             run = setup(cfg, d, device)
+            run.started = started
             return fit(run, stop_at)
     finally:
         if created_group:
@@ -120,9 +124,11 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device) -> Run:
                                   betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     stream = BatchStream(train_pos, source.lengths, source.sample_index, cfg.batch_tokens, cfg.seed)
     per_epoch = len(stream) / (d.world * cfg.grad_accum)
-    total = trainer["total_steps"] if previous is not None else cfg.steps or math.ceil((cfg.epochs or 1.0) * per_epoch)
+    cap = cfg.steps or (math.ceil(cfg.epochs * per_epoch) if cfg.epochs else None)
+    # Under --minutes this is provisional: the plan replaces it once the steady-state rate is known.
+    total = trainer["total_steps"] if previous is not None else cap or math.ceil(per_epoch)
     run = Run(cfg=cfg, d=d, device=device, source=source, head=head, draft=draft, model=model, optimizer=optimizer,
-              train_stream=stream, eval_positions=eval_pos, total_steps=total)
+              train_stream=stream, eval_positions=eval_pos, total_steps=total, cap=cap)
     if previous is not None:
         run.step = run.resumed_from = trainer["step"]
         ckpt.load_optimizer(model, optimizer, ckpt.read_optimizer(previous))
@@ -251,9 +257,13 @@ def _weights(run: Run, positions: list[list[int]]) -> torch.Tensor:
 
 
 def _upcoming(run: Run) -> Iterator[list[int]]:
-    """This process's micro-batches from the current step to the last, in the order `accumulate` loads them."""
-    for step in range(run.step, run.total_steps):
+    """This process's micro-batches from the current step to the last, in the order `accumulate` loads them
+    (under --minutes the last step is not known yet: up to the cap, or on until the reader is closed)."""
+    end = (run.cap or math.inf) if run.cfg.minutes else run.total_steps
+    step = run.step
+    while step < end:
         yield from run.train_stream.for_step(step, run.group, run.d.rank, run.d.world)
+        step += 1
 
 
 def accumulate(run: Run) -> tuple[torch.Tensor, list[tuple[list[int], torch.Tensor, torch.Tensor]]]:
@@ -342,8 +352,22 @@ def save(run: Run) -> None:
 def _out_of_time(run: Run) -> bool:
     if run.cfg.minutes is None:
         return False
-    late = torch.tensor([float(time.monotonic() - run.started > 60 * run.cfg.minutes)], device=run.device)
+    late = torch.tensor([float(budget.clock() - run.started > 60 * run.cfg.minutes)], device=run.device)
     return bool(distributed.all_reduce(late, run.d).item())
+
+
+def _replan(run: Run, plan: budget.Budget, eval_batches: int) -> None:
+    """Size the schedule to the time left at the steady-state rate (the slowest process's)."""
+    step_s = distributed.all_reduce(torch.tensor([plan.step_s], device=run.device), run.d, "max").item()
+    eval_guess = step_s / run.cfg.grad_accum * math.ceil(eval_batches / run.d.world)  # with backward: an upper bound
+    total = plan.plan(run.step, step_s, run.cfg.eval_every, run.cfg.save_every, eval_guess if eval_batches else 0.0)
+    if total is None or abs(total - run.total_steps) <= run.total_steps // 200:  # jitter: keep the lr smooth
+        return
+    if plan.steady and (not plan.logged or abs(total - run.total_steps) > run.total_steps // 10):
+        _log(run.d, f"{step_s:.3g} s/step in the steady state: {total} steps fit --minutes {run.cfg.minutes}"
+                    + (f" (--steps/--epochs allow {run.cap})" if run.cap else ""))
+        plan.logged = True
+    run.total_steps = total
 
 
 def fit(run: Run, stop_at: int | None = None) -> dict[str, Any]:
@@ -354,23 +378,36 @@ def fit(run: Run, stop_at: int | None = None) -> dict[str, Any]:
     bar = tqdm(total=run.total_steps, initial=run.step, desc="train", unit="step", disable=not (cfg.progress and d.main))
     window = torch.zeros(run.draft.ttt_steps, 4, device=run.device)
     window_start, tokens, last = time.monotonic(), 0, {}
-    end = min(run.total_steps, stop_at or run.total_steps)
+    plan = budget.Budget(cfg.minutes, run.started, run.cap) if cfg.minutes else None
+    eval_batches = len(BatchStream(run.eval_positions, run.source.lengths, run.source.sample_index,
+                                   cfg.batch_tokens, cfg.seed)) if plan and run.eval_positions else 0
     try:
-        while run.step < end:
+        while run.step < (end := min(run.total_steps, stop_at or run.total_steps)):
             tokens += sum(run.source.lengths[p] for b in run.train_stream.for_step(run.step, run.group, 0, 1) for p in b)
+            t0 = budget.clock()
             window += train_step(run)
             bar.update(1)
+            if plan is not None:
+                plan.step_took(budget.clock() - t0)
+                _replan(run, plan, eval_batches)
+                end = min(run.total_steps, stop_at or run.total_steps)
+                bar.total = run.total_steps
             stopping = _out_of_time(run)
             if run.step % cfg.log_every == 0 or run.step == end or stopping:
                 last["train"] = summarize(distributed.all_reduce(window, d))
                 _write(log, run, "train", last["train"], bar, tokens / (time.monotonic() - window_start))
                 window.zero_()
                 window_start, tokens = time.monotonic(), 0
+            t0 = budget.clock()
             if run.step % cfg.eval_every == 0 and run.step < end and not stopping and (m := evaluate(run, run.eval_positions)):
                 last["eval"] = m
                 _write(log, run, "eval", m, bar, None)
+                if plan is not None:
+                    plan.eval_s, t0 = budget.clock() - t0, budget.clock()
             if run.step % cfg.save_every == 0 and run.step < end and not stopping:
                 save(run)
+                if plan is not None:
+                    plan.save_s = budget.clock() - t0
             if stopping:
                 _log(d, f"--minutes {cfg.minutes} reached at step {run.step}; run the same command with --resume to go on.")
                 break
@@ -401,6 +438,7 @@ def _write(log: MetricsLog | None, run: Run, split_name: str, m: dict[str, Any],
     row = {"step": run.step, "split": split_name, **m}
     if split_name == "train":
         row["lr"] = lr_at(run.cfg, run.step - 1, run.total_steps)
+        row["total_steps"] = run.total_steps
         row["tokens_per_s"] = round(tokens_per_s, 1)
     log.write(row)
     if bar is not None and split_name == "train":
