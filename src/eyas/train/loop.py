@@ -316,22 +316,33 @@ def train_step(run: Run) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(run: Run, positions: list[int]) -> dict[str, Any] | None:
     """Metrics over `positions` (split among the processes), with the current weights."""
+    model = run.model if run.cfg.fsdp else run.objective
+    return score(run.source, run.head, model, _draft_ids(run), run.draft.ttt_steps, positions, run.cfg.batch_tokens,
+                 run.cfg.seed, run.device, run.d)
+
+
+@torch.no_grad()
+def score(source, head: TargetHead, model: torch.nn.Module, draft_ids: torch.Tensor, K: int, positions: list[int],
+          batch_tokens: int, seed: int, device: torch.device, d: distributed.Dist) -> dict[str, Any] | None:
+    """Teacher-forced metrics per TTT step over `positions` of `source`: the trainer's held-out
+    pass, and `eyas eval --teacher-forced` (one scorer, so the two agree by construction).
+    `model` is the TTTObjective (or its FSDP wrapper, which gathers weights in every forward,
+    so each process runs the same number of them)."""
     if not positions:
         return None
-    stream = BatchStream(positions, run.source.lengths, run.source.sample_index, run.cfg.batch_tokens,
-                         run.cfg.seed)
-    K = run.draft.ttt_steps
-    stats = torch.zeros(K, 4, device=run.device)
-    weights = torch.zeros(K, device=run.device)
-    # FSDP gathers weights inside every forward, so each process runs the same number of them.
-    rounds = math.ceil(len(stream) / run.d.world)
-    for i in range(run.d.rank, rounds * run.d.world, run.d.world):
-        batch = run.source.load(stream.batches[min(i, len(stream) - 1)], run.device)
+    stream = BatchStream(positions, source.lengths, source.sample_index, batch_tokens, seed)
+    stats = torch.zeros(K, 4, device=device)
+    weights = torch.zeros(K, device=device)
+    rounds = math.ceil(len(stream) / d.world)
+    for i in range(d.rank, rounds * d.world, d.world):
+        batch = source.load(stream.batches[min(i, len(stream) - 1)], device)
         _check_inputs(batch)
-        s = forward(run, batch, weights, wrapped=run.cfg.fsdp)[1]
+        with _autocast(device):
+            labels = make_labels(head, batch.hidden[:, :, -1], batch.loss_mask, draft_ids)
+            s = model(batch.input_ids, batch.hidden[:, :, :-1], labels, weights)[1]
         if i < len(stream):
             stats += s
-    return summarize(distributed.all_reduce(stats, run.d))
+    return summarize(distributed.all_reduce(stats, d))
 
 
 # ---------------------------------------------------------------- the loop
