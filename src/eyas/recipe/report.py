@@ -25,7 +25,9 @@ def write_report(recipe: dict[str, Any], work: Path, stages) -> Path:
     ev = work / "eval"
     heldout = _read(ev / "heldout.json").get("teacher_forced", {})
     chain, tree = _read(ev / "chain.json"), _read(ev / "tree.json")
-    summary = {**chain.get("summary", {}), **tree.get("summary", {})}
+    # The tree run has no baseline of its own but plain decoding: its drafter row joins the chain run's table.
+    found = {**{m: v for m, v in tree.get("summary", {}).items() if m != "plain"}, **chain.get("summary", {})}
+    summary = {m: found[m] for m in sorted(found, key=lambda m: (m != "plain", m.startswith("eagle3"), m))}
     by = {key: {m: v for r in (chain, tree) for m, v in r.get("tau_by", {}).get(key, {}).items() if m != "plain"}
           for key in ("category", "turn")}
     exports = {s.output.name: {"folder": str(s.output), "serve": planned_serve_command(work / "drafter", s.output.name,
