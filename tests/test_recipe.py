@@ -1,6 +1,7 @@
 """`eyas recipe`: the packaged SmolLM2 goes through every stage to a report on a tiny budget;
 a run failing in the middle of each stage in turn, re-run with the same command each time,
-ends with what an uninterrupted run makes; finished stages are never silently redone."""
+ends with what an uninterrupted run makes; finished stages are never silently redone;
+--stop-after ends a run after the stage it names."""
 
 from __future__ import annotations
 
@@ -112,3 +113,9 @@ def test_failing_in_each_stage_then_rerunning_ends_as_an_uninterrupted_run(tiny_
                       regenerate={"max_new_tokens": 7, "group_size": 3})
     with pytest.raises(EyasError, match="regenerate stage finished earlier"):
         run_recipe(changed, work)
+
+    # --stop-after ends the run once that stage is done; the state holds only the stages run.
+    assert run_recipe(recipe, tmp_path / "part", stop_after="prepare") is None
+    assert list(json.loads((tmp_path / "part/recipe-state.json").read_text())["done"]) == ["prepare"]
+    with pytest.raises(EyasError, match="this recipe's stages are prepare, regenerate, train, heldout"):
+        run_recipe(recipe, tmp_path / "part", stop_after="nothing")

@@ -27,10 +27,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "recipe's path without .yaml)")
     p.add_argument("--dry-run", action="store_true", help="print the stages, their estimates and what is done; "
                    "run nothing")
+    p.add_argument("--stop-after", metavar="STAGE", help="stop once this stage is done (e.g. regenerate, train): "
+                   "to split a run over several sessions")
 
 
 def run(args: argparse.Namespace) -> int:
     from eyas.recipe.run import run_recipe
 
-    run_recipe(args.recipe, args.work, dry_run=args.dry_run)
+    run_recipe(args.recipe, args.work, dry_run=args.dry_run, stop_after=args.stop_after)
     return 0

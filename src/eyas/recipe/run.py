@@ -209,8 +209,10 @@ def _run_stage(stage: Stage) -> None:
     args._run(args)
 
 
-def run_recipe(path: str | Path, work: str | Path | None = None, dry_run: bool = False) -> Path | None:
-    """Run (or with `dry_run`, describe) the recipe's stages that are not done; returns the report."""
+def run_recipe(path: str | Path, work: str | Path | None = None, dry_run: bool = False,
+               stop_after: str | None = None) -> Path | None:
+    """Run (or with `dry_run`, describe) the recipe's stages that are not done, up to `stop_after`
+    if given; returns the report once every stage is done."""
     from eyas.recipe.estimate import describe
     from eyas.recipe.report import write_report
 
@@ -219,6 +221,9 @@ def run_recipe(path: str | Path, work: str | Path | None = None, dry_run: bool =
     stages = plan(recipe, work, str(path))
     for stage in stages:
         _parse(stage)  # every stage's options are checked before the first one runs
+    names = [s.name for s in stages]
+    if stop_after is not None and stop_after not in names:
+        raise EyasError(f"--stop-after {stop_after!r}: this recipe's stages are {', '.join(names)}.")
     state = State(work)
     if dry_run:
         print(describe(recipe, stages, state))
@@ -232,6 +237,9 @@ def run_recipe(path: str | Path, work: str | Path | None = None, dry_run: bool =
         print(f"[{k}/{len(stages)}] {stage.name}{again}\n  {stage.line}", flush=True)
         _run_stage(stage)
         state.finish(stage)
+        if stage.name == stop_after and k < len(stages):
+            print(f"stopped after {stop_after} (--stop-after); run without it to go on.", flush=True)
+            return None
     report = write_report(recipe, work, stages)
     print(f"recipe finished: report in {report}", flush=True)
     return report
