@@ -103,8 +103,9 @@ def test_windows_of_two_user_turns(tmp_path, tiny_llama_dir):
 
 
 def test_weighted_mix_and_excluded_prompts(tmp_path, tiny_llama_dir):
-    """A@2 B@1 interleaves two of A per one of B and ends when A runs out; a conversation whose
-    user turn shares 8 words in a row with an excluded prompt file is dropped and counted."""
+    """A@2 B@1 interleaves two samples of A per one of B and ends when A runs out (windows count
+    as samples); a conversation whose user turn shares 8 words in a row with an excluded prompt
+    file is dropped and counted."""
     def rows(name: str) -> list[dict]:
         return [{"messages": [{"role": "user", "content": f"Tell me about {name} number {k} in a few plain words"},
                               {"role": "assistant", "content": f"{name} {k}."}]} for k in range(6)]
@@ -117,5 +118,14 @@ def test_weighted_mix_and_excluded_prompts(tmp_path, tiny_llama_dir):
     assert answers == ["apples 0.", "apples 1.", "boats 0.", "apples 2.", "apples 3.", "apples 4.", "apples 5.",
                        "boats 2."]
     assert summary["dropped"] == {EXCLUDED: 1} and summary["records_read"] == 9
+    # Weights count samples: windows of a long conversation alternate with short ones.
+    long = [{"messages": [m for k in range(6) for m in ({"role": "user", "content": f"Q{r}.{k}?"},
+                                                         {"role": "assistant", "content": f"L{r}w{k // 2}"})]}
+            for r in range(2)]
+    summary = prepare(str(tiny_llama_dir), [f"{_jsonl(tmp_path / 'long.jsonl', long)}@1", f"{a}@1"], tmp_path / "w",
+                      window=2, workers=1, progress=False)
+    answers = [c[-1]["content"] for c in PreparedData(tmp_path / "w").conversations()]
+    assert answers == [x for k in range(6) for x in (f"L{k // 3}w{k % 3}", f"apples {k}.")]
+    assert summary["records_read"] == 8 and summary["kept"] == 12
     with pytest.raises(EyasError, match="SOURCE@WEIGHT"):
         prepare(str(tiny_llama_dir), [f"{a}@0"], tmp_path / "bad", progress=False)

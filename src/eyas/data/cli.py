@@ -7,7 +7,7 @@ whatever the template family. Sources: .json/.jsonl files, parquet and Arrow fil
 (OpenAI, UltraChat-200k) or `data: [str, ...]` (UltraChat); `packaged:sharegpt`,
 `packaged:chitchat` and `packaged:synthetic:N:SEED` (N synthetic two-turn instruction
 prompts, free of MT-bench; their answers are placeholders for `eyas regenerate`). Several
-sources mix as SRC@WEIGHT. Bad records are skipped and counted by reason; the summary names
+sources mix as SRC@WEIGHT (samples in those proportions, until one source runs out). Bad records are skipped and counted by reason; the summary names
 the layouts found.
 
 examples:

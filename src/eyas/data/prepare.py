@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from eyas.data.prepared import PreparedSample, write_prepared
-from eyas.data.sources import BadRecord, TruncatedTail, iter_mix, layout, normalize, parse_mix
+from eyas.data.sources import BadRecord, TruncatedTail, interleave, iter_records, layout, normalize, parse_mix
 from eyas.data.template import ChatTemplate, encode_conversation, require_chat_template
 from eyas.errors import EyasError
 
@@ -30,8 +30,9 @@ def prepare(model: str, source: str | list[str], out: str | Path, max_len: int =
     """Tokenize `source` for `model` with its tokenizer's chat template, or `chat_template` (a
     file, or one recorded earlier); keep at most `limit` samples. Returns the summary.
 
-    `source` may mix several sources, `SRC@WEIGHT` each (`sources.iter_mix`). `window` cuts
-    each conversation into windows of that many user turns, each a sample of its own (MT-bench
+    `source` may mix several sources, `SRC@WEIGHT` each: samples (windows, with `window`) come
+    from each in proportion to its weight, until one runs out (`sources.interleave`). `window`
+    cuts each conversation into windows of that many user turns, each a sample of its own (MT-bench
     asks two; on SmolLM2 two-turn windows trained a better drafter than whole long
     conversations, for the same regeneration time). A conversation sharing 8 words in a row
     with a prompt of an `exclude` prompt set (eval's --prompts: mt-bench or a file) is dropped.
@@ -67,7 +68,9 @@ def prepare(model: str, source: str | list[str], out: str | Path, max_len: int =
     layouts: Counter[str] = Counter()
     truncated = records = tail_bytes = 0
     bar = tqdm(desc="prepare", unit=" conv", total=limit, disable=not progress)
-    for index, first, record, result in _encoded(tokenizer, _items(iter_mix(mix), window, grams), max_len, workers):
+    streams = [_items(iter_records(name), window, grams) for name, _ in mix]  # index: the record's in its source
+    items = streams[0] if len(mix) == 1 else interleave(streams, [w for _, w in mix])
+    for index, first, record, result in _encoded(tokenizer, items, max_len, workers):
         if limit is not None and len(samples) >= limit:
             break
         if isinstance(record, TruncatedTail):

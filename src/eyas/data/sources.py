@@ -363,19 +363,15 @@ def parse_mix(sources: str | list[str]) -> list[tuple[str, float]]:
     return mix
 
 
-def iter_mix(mix: list[tuple[str, float]]) -> Iterator[Any]:
-    """The records of several sources interleaved in proportion to their weights (each next record
-    from the source furthest behind its share), so any prefix, such as a --limit, has the mix's
-    proportions. It ends when a source runs out, where the proportions would stop holding."""
-    if len(mix) == 1:
-        yield from iter_records(mix[0][0])
-        return
-    readers = [iter_records(source) for source, _ in mix]
-    taken = [0] * len(mix)
+def interleave(streams: list[Iterator[Any]], weights: list[float]) -> Iterator[Any]:
+    """Items of several streams in proportion to their weights (each next item from the stream
+    furthest behind its share), so any prefix, such as a --limit, has the mix's proportions.
+    It ends when a stream runs out, where the proportions would stop holding."""
+    taken = [0] * len(streams)
     while True:
-        i = min(range(len(mix)), key=lambda k: ((taken[k] + 1) / mix[k][1], k))
-        record = next(readers[i], None)
-        if record is None:
+        i = min(range(len(streams)), key=lambda k: ((taken[k] + 1) / weights[k], k))
+        item = next(streams[i], None)
+        if item is None:
             return
         taken[i] += 1
-        yield record
+        yield item
