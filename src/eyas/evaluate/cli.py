@@ -16,6 +16,8 @@ examples:
   eyas eval --model packaged:smollm2-135m --draft out/drafter --prompts mt-bench --limit 10
   eyas eval --model MODEL --draft CKPT --tree --top-k 10 --draft-tokens 60 --output tree.json
   eyas eval --model MODEL --draft CKPT --temperature 0.7 --prompts my_prompts.jsonl
+  eyas eval --model MODEL --draft CKPT --workers 4          # 4 processes, prompts dealt by category
+  eyas eval --model MODEL --draft drafter --teacher-forced prepared --held-out   # accuracy per TTT step
 """
 
 from __future__ import annotations
@@ -51,16 +53,38 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed for T > 0 (default: %(default)s)")
     p.add_argument("--output", default="results.json", help="results file (default: %(default)s)")
     p.add_argument("--plot", help="PNG of per-position acceptance (default: the output path with .png)")
+    p.add_argument("--workers", type=int, default=1,
+                   help="processes sharing the prompts, dealt round-robin over categories; the same answers as one "
+                        "process, the timings contended (default: %(default)s)")
+    p.add_argument("--teacher-forced", metavar="PREPARED",
+                   help="instead of decoding: the drafter's accuracy per TTT step on this prepared folder, scored as "
+                        "the trainer scores its held-out samples")
+    p.add_argument("--held-out", action="store_true",
+                   help="with --teacher-forced: only the samples the drafter's training run held out (--draft is "
+                        "that run's folder)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from eyas.errors import EyasError
     from eyas.evaluate.run import EvalConfig, evaluate
 
+    if args.teacher_forced:
+        from eyas.evaluate.teacher_forced import format_result, teacher_forced, write
+
+        if not args.draft:
+            raise EyasError("--teacher-forced scores a drafter: give --draft.")
+        result = teacher_forced(args.model, args.draft, args.teacher_forced, held_out=args.held_out,
+                                limit=args.limit, device=args.device)
+        write(result, args.output)
+        print(format_result(result) + f"\nwrote {args.output}")
+        return 0
+    if args.held_out:
+        raise EyasError("--held-out goes with --teacher-forced PREPARED.")
     baselines = tuple(b.strip() for b in args.baseline.split(",") if b.strip() and b.strip() != "none")
     evaluate(EvalConfig(
         model=args.model, draft=args.draft, prompts=args.prompts, limit=args.limit,
         max_new_tokens=args.max_new_tokens, steps=args.steps, tree=args.tree, top_k=args.top_k,
         draft_tokens=args.draft_tokens, temperature=args.temperature, baselines=baselines, dtype=args.dtype,
-        device=args.device, seed=args.seed, output=args.output, plot=args.plot,
+        device=args.device, seed=args.seed, output=args.output, plot=args.plot, workers=args.workers,
     ))
     return 0

@@ -27,6 +27,7 @@ class EvalPrompt:
     id: str
     turns: list[str]  # user messages, asked in order
     history: list[dict[str, str]] = field(default_factory=list)  # fixed messages before the first turn
+    category: str = ""  # MT-bench's (writing, roleplay, ...), or a file's "category" field
 
 
 def load_prompts(source: str, limit: int | None = None) -> list[EvalPrompt]:
@@ -65,13 +66,16 @@ def _parse(line: str, where: str) -> EvalPrompt:
     if not isinstance(record, dict):
         raise EyasError(f"{where}: expected a JSON object.")
     pid = str(record.get("question_id", record.get("id", where)))
+    category = str(record.get("category") or "")
     if isinstance(record.get("prompt"), str):
-        return EvalPrompt(pid, [record["prompt"]])
+        return EvalPrompt(pid, [record["prompt"]], category=category)
     if isinstance(record.get("turns"), list) and record["turns"] and all(isinstance(t, str) for t in record["turns"]):
-        return EvalPrompt(pid, list(record["turns"]))
+        return EvalPrompt(pid, list(record["turns"]), category=category)
     for key, role_key, content_key in (("messages", "role", "content"), ("conversations", "from", "value")):
         if isinstance(record.get(key), list):
-            return _conversation(pid, record[key], role_key, content_key, where)
+            prompt = _conversation(pid, record[key], role_key, content_key, where)
+            prompt.category = category
+            return prompt
     raise EyasError(f"{where}: expected a 'prompt' string, a 'turns' list of strings, or 'messages'/'conversations'.")
 
 
@@ -86,6 +90,16 @@ def _conversation(pid: str, raw: list, role_key: str, content_key: str, where: s
     if not users:
         raise EyasError(f"{where}: the conversation has no user message to answer.")
     return EvalPrompt(pid, [messages[users[-1]]["content"]], messages[: users[-1]])
+
+
+def stratified(prompts: list[EvalPrompt]) -> list[int]:
+    """Prompt indices round-robin over categories (in order of first appearance), so that any
+    prefix, and every worker's share of `order[w::n]`, covers the categories alike."""
+    by_category: dict[str, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_category.setdefault(p.category, []).append(i)
+    queues = list(by_category.values())
+    return [q[k] for k in range(max(map(len, queues), default=0)) for q in queues if k < len(q)]
 
 
 def render(tokenizer, messages: list[dict[str, str]]) -> list[int]:

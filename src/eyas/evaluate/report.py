@@ -66,3 +66,24 @@ def format_table(summaries: dict[str, Summary], max_positions: int = 8) -> str:
         rates = "".join(f"{r:>7.2f}" for r in s.acceptance[:width])
         lines.append(f"{s.method:<15}{s.tau:>6.2f}{s.tokens_per_s:>9.1f}{speed:>10}{s.steps:>8}{s.tokens:>8}  {rates}")
     return "\n".join(lines)
+
+
+def tau_by(records: list[dict], key: str) -> dict[str, dict[str, float]]:
+    """{method: {value of `key` (category, turn): tau over those records' steps}}."""
+    counts: dict[str, dict[str, list[int]]] = {}
+    for r in records:
+        counts.setdefault(r["method"], {}).setdefault(str(r.get(key, "")), []).extend(r["accept_counts"])
+    return {m: {k: round(1 + sum(c) / max(len(c), 1), 4) for k, c in by.items()} for m, by in counts.items()}
+
+
+def format_breakdown(breakdown: dict[str, dict[str, dict[str, float]]]) -> str:
+    """tau per method by category and by turn, one row per method (methods that draft only)."""
+    lines = []
+    for key, by_method in breakdown.items():
+        values = sorted({v for by in by_method.values() for v in by})
+        if len(values) < 2:
+            continue
+        lines += ["", f"tau by {key}:", f"{'method':<15}" + "".join(f"{v[:11]:>12}" for v in values)]
+        lines += [f"{m:<15}" + "".join(f"{by.get(v, float('nan')):>12.2f}" for v in values)
+                  for m, by in by_method.items() if m != "plain"]
+    return "\n".join(lines)

@@ -1,9 +1,17 @@
 """`eyas eval` end to end: load target and drafter (refusing a drafter made for another
-model), run every method on the same prompts, write results.json, the table and the plot."""
+model), run every method on the same prompts, write results.json, the table and the plot.
+
+With `workers` > 1, that many processes each load the target and drafter and answer a share
+of the prompts, dealt round-robin over categories; every prompt's answers are the same as in
+one process (temperature > 0 seeds each prompt by its index), only the timings differ.
+"""
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -18,9 +26,9 @@ from eyas.errors import EyasError
 from eyas.evaluate.drafter import DrafterSession
 from eyas.evaluate.generate import generate
 from eyas.evaluate.plot import plot_acceptance
-from eyas.evaluate.prompts import EvalPrompt, load_prompts, render
+from eyas.evaluate.prompts import EvalPrompt, load_prompts, render, stratified
 from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
-from eyas.evaluate.report import RATE_DEFINITION, TAU_DEFINITION, format_table, summarize
+from eyas.evaluate.report import RATE_DEFINITION, TAU_DEFINITION, format_breakdown, format_table, summarize, tau_by
 from eyas.evaluate.target import TargetSession
 from eyas.models import ModelIdentity, load_target, model_identity
 from eyas.paths import atomic_write_json, check_confined, check_writable
@@ -30,6 +38,7 @@ from eyas.validate import COUNT, Number, check_options
 BASELINES = ("prompt-lookup",)
 # The number options of `eyas eval` (see eyas.validate).
 OPTIONS = {"limit": COUNT, "max_new_tokens": COUNT, "steps": COUNT, "top_k": COUNT, "draft_tokens": COUNT,
+           "workers": COUNT,
            "temperature": Number(lo=0, required=True), "seed": Number(integer=True, required=True)}
 
 
@@ -51,6 +60,7 @@ class EvalConfig:
     seed: int = 0
     output: str = "results.json"
     plot: str | None = None  # default: the output path with .png
+    workers: int = 1  # processes sharing the prompts
 
     def __post_init__(self) -> None:
         unknown = [b for b in self.baselines if b not in BASELINES]
@@ -111,7 +121,8 @@ def run_prompt(target: TargetSession, tokenizer, proposer: Proposer, prompt: Eva
         g = generate(target, proposer, ids, max_new_tokens, eos, temperature, generator)
         answer = tokenizer.decode([t for t in g.generated_ids if t not in eos], skip_special_tokens=True)
         messages.append({"role": "assistant", "content": answer})
-        records.append({"prompt_id": prompt.id, "turn": turn, "method": proposer.name, "prompt_ids": g.prompt_ids,
+        records.append({"prompt_id": prompt.id, "category": prompt.category, "turn": turn, "method": proposer.name,
+                        "prompt_ids": g.prompt_ids,
                         "generated_ids": g.generated_ids, "accept_counts": g.accept_counts, "seconds": g.seconds,
                         "text": answer})
     return records
@@ -119,9 +130,10 @@ def run_prompt(target: TargetSession, tokenizer, proposer: Proposer, prompt: Eva
 
 def run_methods(target: TargetSession, tokenizer, proposers: list[Proposer], prompts: list[EvalPrompt],
                 max_new_tokens: int, eos: set[int], temperature: float = 0.0, seed: int = 0,
-                progress: bool = True, warmup: bool = True) -> list[dict]:
+                progress: bool = True, warmup: bool = True, indices: list[int] | None = None) -> list[dict]:
     """Every method on every prompt, interleaved per prompt so load changes hit all alike;
-    first (with `warmup`) one short untimed generation per method."""
+    first (with `warmup`) one short untimed generation per method. `indices` are the prompts'
+    places in the whole set (sampling seeds follow them), when these are a worker's share."""
     def generator(k: int) -> torch.Generator | None:
         return torch.Generator(device=target.device).manual_seed(seed + k) if temperature > 0 else None
 
@@ -129,18 +141,18 @@ def run_methods(target: TargetSession, tokenizer, proposers: list[Proposer], pro
         generate(target, p, render(tokenizer, [{"role": "user", "content": prompts[0].turns[0]}]),
                  min(8, max_new_tokens), eos, temperature, generator(-1))
     records = []
-    for i, prompt in enumerate(tqdm(prompts, desc="eval", unit="prompt", disable=not progress)):
+    for i, prompt in zip(indices or range(len(prompts)), tqdm(prompts, desc="eval", unit="prompt", disable=not progress)):
+        for p in proposers:  # a drafter's own draws restart per prompt too: any share of the prompts draws alike
+            if getattr(p, "generator", None) is not None:
+                p.generator.manual_seed(seed * 1_000_003 + i)
         for p in proposers:
             records += run_prompt(target, tokenizer, p, prompt, max_new_tokens, eos, temperature, generator(i))
     return records
 
 
-def evaluate(cfg: EvalConfig) -> dict:
-    cfg.check_paths()
-    parse_device(cfg.device)
-    if cfg.draft and (note := unfinished_note(cfg.draft)):
-        print(f"eyas eval: {note}", file=sys.stderr, flush=True)
-    torch.manual_seed(cfg.seed)
+def _answer(cfg: EvalConfig, indices: list[int], progress: bool = True) -> tuple[list[dict], dict]:
+    """Load the target (and drafter) and answer the prompts at `indices` with every method:
+    (records, the target's identity)."""
     prompts = load_prompts(cfg.prompts, cfg.limit)
     device = str(resolve_device(cfg.device))
     model, tokenizer = load_target(cfg.model, dtype=cfg.dtype, device=device)
@@ -158,19 +170,61 @@ def evaluate(cfg: EvalConfig) -> dict:
         proposers.append(Eagle3(DrafterSession(drafter), cfg.steps, tree=cfg.tree, top_k=cfg.top_k,
                                 max_nodes=cfg.draft_tokens, temperature=cfg.temperature, generator=gen))
     target = TargetSession(model, aux_ids)
-    records = run_methods(target, tokenizer, proposers, prompts, cfg.max_new_tokens, eos_ids(model, tokenizer),
-                          cfg.temperature, cfg.seed)
+    records = run_methods(target, tokenizer, proposers, [prompts[i] for i in indices], cfg.max_new_tokens,
+                          eos_ids(model, tokenizer), cfg.temperature, cfg.seed, progress, indices=indices)
     target.close()
-    summaries = summarize(records, {p.name: cfg.steps for p in proposers[1:]})
+    return records, identity.to_dict()
+
+
+def _worker(cfg: EvalConfig, indices: list[int], threads: int) -> tuple[list[dict], dict]:
+    torch.set_num_threads(threads)
+    torch.manual_seed(cfg.seed)
+    return _answer(cfg, indices, progress=False)
+
+
+def _answer_in_workers(cfg: EvalConfig, prompts: list[EvalPrompt]) -> tuple[list[dict], dict]:
+    """`cfg.workers` processes over the stratified shares; records put back in prompt order."""
+    order = stratified(prompts)
+    shares = [order[w::cfg.workers] for w in range(cfg.workers) if order[w::cfg.workers]]
+    threads = max(1, (os.cpu_count() or 1) // len(shares))
+    # spawn: a forked copy of a process that already ran torch can deadlock in its thread pools
+    with ProcessPoolExecutor(len(shares), mp_context=multiprocessing.get_context("spawn")) as pool:
+        results = list(pool.map(_worker, [cfg] * len(shares), shares, [threads] * len(shares)))
+    methods = len({r["method"] for r in results[0][0]})
+    by_prompt: dict[int, list[dict]] = {}
+    for share, (records, _) in zip(shares, results):
+        at = 0
+        for i in share:  # a worker's records: prompt by prompt, each method's turns in turn
+            n = methods * len(prompts[i].turns)
+            by_prompt[i], at = records[at:at + n], at + n
+    return [r for i in sorted(by_prompt) for r in by_prompt[i]], results[0][1]
+
+
+def evaluate(cfg: EvalConfig) -> dict:
+    cfg.check_paths()
+    parse_device(cfg.device)
+    if cfg.draft and (note := unfinished_note(cfg.draft)):
+        print(f"eyas eval: {note}", file=sys.stderr, flush=True)
+    torch.manual_seed(cfg.seed)
+    prompts = load_prompts(cfg.prompts, cfg.limit)
+    if cfg.workers > 1:
+        records, identity = _answer_in_workers(cfg, prompts)
+    else:
+        records, identity = _answer(cfg, list(range(len(prompts))))
+    summaries = summarize(records, {m: cfg.steps for m in {r["method"] for r in records} - {"plain"}})
+    breakdown = {"category": tau_by(records, "category"), "turn": tau_by(records, "turn")}
     results = {
         "eyas_version": __version__, "tau_definition": TAU_DEFINITION, "acceptance_definition": RATE_DEFINITION,
-        "settings": asdict(cfg), "target": identity.to_dict(),
-        "summary": {k: s.to_dict() for k, s in summaries.items()}, "records": records,
+        "settings": asdict(cfg), "target": identity,
+        "summary": {k: s.to_dict() for k, s in summaries.items()}, "tau_by": breakdown, "records": records,
     }
     out = Path(cfg.output)
     atomic_write_json(out, results)
     plot = Path(cfg.plot) if cfg.plot else out.with_suffix(".png")
     plot_acceptance(summaries, plot, f"{cfg.model} on {cfg.prompts} ({len(prompts)} prompts, T={cfg.temperature})")
     print(format_table(summaries))
+    print(format_breakdown(breakdown))
+    if cfg.workers > 1:
+        print(f"({cfg.workers} worker processes shared the machine: the speed-ups are measured under contention)")
     print(f"\nwrote {out} and {plot}")
     return results

@@ -18,6 +18,7 @@ share of every step's batches (DDP; --fsdp shards the head across GPUs).
 
 examples:
   eyas train --store store --out drafter
+  eyas train --store store --out drafter --minutes 30       # as many steps as fit in 30 minutes
   eyas train --store store --out drafter --steps 200 --minutes 5 --batch-tokens 2048
   eyas train --store store --out drafter --resume          # continue an interrupted run
   eyas train --online --model packaged:smollm2-135m --data prepared --out drafter
@@ -66,7 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     opt = p.add_argument_group("schedule")
     opt.add_argument("--epochs", type=float, help="passes over the training samples (default 1)")
     opt.add_argument("--steps", type=int, help="optimizer steps instead of --epochs")
-    opt.add_argument("--minutes", type=float, help="stop after this many minutes with a checkpoint (schedule unchanged)")
+    opt.add_argument("--minutes", type=float,
+                     help="fit the whole schedule into this many minutes: its length follows the steady-state rate "
+                          "(after warm-up), at most --steps/--epochs when given")
     opt.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (default 1e-4), cosine to 0")
     opt.add_argument("--warmup", type=float, default=0.03, help="warm-up: share of steps if < 1, else steps (default 0.03)")
     opt.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay (default 0)")

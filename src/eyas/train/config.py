@@ -57,7 +57,7 @@ class TrainConfig:
     fsdp: bool = False
     # How a run is watched and stopped; these may change on --resume.
     resume: bool = False
-    minutes: float | None = None  # stop (with a checkpoint) after this long; the schedule is unchanged
+    minutes: float | None = None  # size the schedule to end within this long (at most steps/epochs)
     save_every: int = 500
     eval_every: int = 500
     log_every: int = 10

@@ -26,6 +26,7 @@ from eyas.device import check_fits
 from eyas.lock import output_lock, reading_lock
 from eyas.paths import check_confined
 from eyas.store.format import first_nonfinite
+from eyas.train import budget
 from eyas.train import checkpoint as ckpt
 from eyas import distributed
 from eyas.train.config import TrainConfig
@@ -47,10 +48,11 @@ class Run:
     optimizer: torch.optim.Optimizer
     train_stream: BatchStream
     eval_positions: list[int]
-    total_steps: int
+    total_steps: int  # the schedule's length; under --minutes, revised to fit the budget
     step: int = 0  # optimizer steps done
     resumed_from: int | None = None
-    started: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=lambda: budget.clock())
+    cap: int | None = None  # the --steps / --epochs length, which a --minutes plan never exceeds
 
     @property
     def drafter(self) -> Eagle3Drafter:
@@ -72,6 +74,7 @@ def train(cfg: TrainConfig, stop_at: int | None = None) -> dict[str, Any]:
     would, while the schedule still spans the whole run (tests use it to prove resumption).
     """
     check_confined(cfg.out, {"--store": cfg.store, "--data": cfg.data, "--model": cfg.model})
+    started = budget.clock()  # a --minutes budget counts the set-up (model loads) too
     d, device = distributed.init(cfg.device, cfg.fsdp)
     created_group = d.enabled
     try:
@@ -79,6 +82,7 @@ def train(cfg: TrainConfig, stop_at: int | None = None) -> dict[str, Any]:
         with output_lock(cfg.out, "train"), \
                 (reading_lock(cfg.store, "The store") if cfg.store else contextlib.nullcontext()):
             run = setup(cfg, d, device)
+            run.started = started
             return fit(run, stop_at)
     finally:
         if created_group:
@@ -126,9 +130,11 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device) -> Run:
                                   betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     stream = BatchStream(train_pos, source.lengths, source.sample_index, cfg.batch_tokens, cfg.seed)
     per_epoch = len(stream) / (d.world * cfg.grad_accum)
-    total = trainer["total_steps"] if previous is not None else cfg.steps or math.ceil((cfg.epochs or 1.0) * per_epoch)
+    cap = cfg.steps or (math.ceil(cfg.epochs * per_epoch) if cfg.epochs else None)
+    # Under --minutes this is provisional: the plan replaces it once the steady-state rate is known.
+    total = trainer["total_steps"] if previous is not None else cap or math.ceil(per_epoch)
     run = Run(cfg=cfg, d=d, device=device, source=source, head=head, draft=draft, model=model, optimizer=optimizer,
-              train_stream=stream, eval_positions=eval_pos, total_steps=total)
+              train_stream=stream, eval_positions=eval_pos, total_steps=total, cap=cap)
     if previous is not None:
         run.step = run.resumed_from = trainer["step"]
         ckpt.load_optimizer(model, optimizer, ckpt.read_optimizer(previous))
@@ -285,9 +291,13 @@ def _weights(run: Run, positions: list[list[int]]) -> torch.Tensor:
 
 
 def _upcoming(run: Run) -> Iterator[list[int]]:
-    """This process's micro-batches from the current step to the last, in the order `accumulate` loads them."""
-    for step in range(run.step, run.total_steps):
+    """This process's micro-batches from the current step to the last, in the order `accumulate` loads them
+    (under --minutes the last step is not known yet: up to the cap, or on until the reader is closed)."""
+    end = (run.cap or math.inf) if run.cfg.minutes else run.total_steps
+    step = run.step
+    while step < end:
         yield from run.train_stream.for_step(step, run.group, run.d.rank, run.d.world)
+        step += 1
 
 
 def accumulate(run: Run) -> tuple[torch.Tensor, list[tuple[list[int], torch.Tensor, torch.Tensor]]]:
@@ -354,22 +364,33 @@ def _check_weights(run: Run) -> None:
 @torch.no_grad()
 def evaluate(run: Run, positions: list[int]) -> dict[str, Any] | None:
     """Metrics over `positions` (split among the processes), with the current weights."""
+    model = run.model if run.cfg.fsdp else run.objective
+    return score(run.source, run.head, model, _draft_ids(run), run.draft.ttt_steps, positions, run.cfg.batch_tokens,
+                 run.cfg.seed, run.device, run.d)
+
+
+@torch.no_grad()
+def score(source, head: TargetHead, model: torch.nn.Module, draft_ids: torch.Tensor, K: int, positions: list[int],
+          batch_tokens: int, seed: int, device: torch.device, d: distributed.Dist) -> dict[str, Any] | None:
+    """Teacher-forced metrics per TTT step over `positions` of `source`: the trainer's held-out
+    pass, and `eyas eval --teacher-forced` (one scorer, so the two agree by construction).
+    `model` is the TTTObjective (or its FSDP wrapper, which gathers weights in every forward,
+    so each process runs the same number of them)."""
     if not positions:
         return None
-    stream = BatchStream(positions, run.source.lengths, run.source.sample_index, run.cfg.batch_tokens,
-                         run.cfg.seed)
-    K = run.draft.ttt_steps
-    stats = torch.zeros(K, 4, device=run.device)
-    weights = torch.zeros(K, device=run.device)
-    # FSDP gathers weights inside every forward, so each process runs the same number of them.
-    rounds = math.ceil(len(stream) / run.d.world)
-    for i in range(run.d.rank, rounds * run.d.world, run.d.world):
-        batch = run.source.load(stream.batches[min(i, len(stream) - 1)], run.device)
+    stream = BatchStream(positions, source.lengths, source.sample_index, batch_tokens, seed)
+    stats = torch.zeros(K, 4, device=device)
+    weights = torch.zeros(K, device=device)
+    rounds = math.ceil(len(stream) / d.world)
+    for i in range(d.rank, rounds * d.world, d.world):
+        batch = source.load(stream.batches[min(i, len(stream) - 1)], device)
         _check_inputs(batch)
-        s = forward(run, batch, weights, wrapped=run.cfg.fsdp)[1]
+        with _autocast(device):
+            labels = make_labels(head, batch.hidden[:, :, -1], batch.loss_mask, draft_ids)
+            s = model(batch.input_ids, batch.hidden[:, :, :-1], labels, weights)[1]
         if i < len(stream):
             stats += s
-    return summarize(distributed.all_reduce(stats, run.d))
+    return summarize(distributed.all_reduce(stats, d))
 
 
 # ---------------------------------------------------------------- the loop
@@ -390,8 +411,22 @@ def save(run: Run) -> None:
 def _out_of_time(run: Run) -> bool:
     if run.cfg.minutes is None:
         return False
-    late = torch.tensor([float(time.monotonic() - run.started > 60 * run.cfg.minutes)], device=run.device)
+    late = torch.tensor([float(budget.clock() - run.started > 60 * run.cfg.minutes)], device=run.device)
     return bool(distributed.all_reduce(late, run.d).item())
+
+
+def _replan(run: Run, plan: budget.Budget, eval_batches: int) -> None:
+    """Size the schedule to the time left at the steady-state rate (the slowest process's)."""
+    step_s = distributed.all_reduce(torch.tensor([plan.step_s], device=run.device), run.d, "max").item()
+    eval_guess = step_s / run.cfg.grad_accum * math.ceil(eval_batches / run.d.world)  # with backward: an upper bound
+    total = plan.plan(run.step, step_s, run.cfg.eval_every, run.cfg.save_every, eval_guess if eval_batches else 0.0)
+    if total is None or abs(total - run.total_steps) <= run.total_steps // 200:  # jitter: keep the lr smooth
+        return
+    if plan.steady and (not plan.logged or abs(total - run.total_steps) > run.total_steps // 10):
+        _log(run.d, f"{step_s:.3g} s/step in the steady state: {total} steps fit --minutes {run.cfg.minutes}"
+                    + (f" (--steps/--epochs allow {run.cap})" if run.cap else ""))
+        plan.logged = True
+    run.total_steps = total
 
 
 def fit(run: Run, stop_at: int | None = None) -> dict[str, Any]:
@@ -402,23 +437,36 @@ def fit(run: Run, stop_at: int | None = None) -> dict[str, Any]:
     bar = tqdm(total=run.total_steps, initial=run.step, desc="train", unit="step", disable=not (cfg.progress and d.main))
     window = torch.zeros(run.draft.ttt_steps, 4, device=run.device)
     window_start, tokens, last = time.monotonic(), 0, {}
-    end = min(run.total_steps, stop_at or run.total_steps)
+    plan = budget.Budget(cfg.minutes, run.started, run.cap) if cfg.minutes else None
+    eval_batches = len(BatchStream(run.eval_positions, run.source.lengths, run.source.sample_index,
+                                   cfg.batch_tokens, cfg.seed)) if plan and run.eval_positions else 0
     try:
-        while run.step < end:
+        while run.step < (end := min(run.total_steps, stop_at or run.total_steps)):
             tokens += sum(run.source.lengths[p] for b in run.train_stream.for_step(run.step, run.group, 0, 1) for p in b)
+            t0 = budget.clock()
             window += train_step(run)
             bar.update(1)
+            if plan is not None:
+                plan.step_took(budget.clock() - t0)
+                _replan(run, plan, eval_batches)
+                end = min(run.total_steps, stop_at or run.total_steps)
+                bar.total = run.total_steps
             stopping = _out_of_time(run)
             if run.step % cfg.log_every == 0 or run.step == end or stopping:
                 last["train"] = summarize(distributed.all_reduce(window, d))
                 _write(log, run, "train", last["train"], bar, tokens / (time.monotonic() - window_start))
                 window.zero_()
                 window_start, tokens = time.monotonic(), 0
+            t0 = budget.clock()
             if run.step % cfg.eval_every == 0 and run.step < end and not stopping and (m := evaluate(run, run.eval_positions)):
                 last["eval"] = m
                 _write(log, run, "eval", m, bar, None)
+                if plan is not None:
+                    plan.eval_s, t0 = budget.clock() - t0, budget.clock()
             if run.step % cfg.save_every == 0 and run.step < end and not stopping:
                 save(run)
+                if plan is not None:
+                    plan.save_s = budget.clock() - t0
             if stopping:
                 _log(d, f"--minutes {cfg.minutes} reached at step {run.step}; run the same command with --resume to go on.")
                 break
@@ -449,6 +497,7 @@ def _write(log: MetricsLog | None, run: Run, split_name: str, m: dict[str, Any],
     row = {"step": run.step, "split": split_name, **m}
     if split_name == "train":
         row["lr"] = lr_at(run.cfg, run.step - 1, run.total_steps)
+        row["total_steps"] = run.total_steps
         row["tokens_per_s"] = round(tokens_per_s, 1)
     log.write(row)
     if bar is not None and split_name == "train":

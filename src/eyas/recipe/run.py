@@ -1,0 +1,245 @@
+"""`eyas recipe RECIPE.yaml`: the whole pipeline from one file, resumable stage by stage.
+
+A recipe names the target, a work folder and, per stage, that stage command's own options
+(YAML keys are the long option names, `max_len` or `max-len`). The recipe fills in what
+links the stages (--model, --data, --out, --store, --draft...). Stages, in order:
+
+  prepare     WORK/prepared            conversations -> samples
+  regenerate  WORK/regen               the target's own answers (only with a `regenerate` key)
+  capture     WORK/store               hidden states (only when `train` is not `online: true`)
+  train       WORK/drafter             online, or offline from the store (under torchrun with
+                                       `train: nproc_per_node: N`)
+  heldout     WORK/eval/heldout.json   teacher-forced accuracy per TTT step on the held-out samples
+  eval-chain  WORK/eval/chain.json     MT-bench (or `eval: prompts`), chain, against prompt lookup
+  eval-tree   WORK/eval/tree.json      the same prompts, dynamic tree (the eval stages run only
+                                       with an `eval` key: they load the target in transformers)
+  export      WORK/export/FORMAT       one folder per `export: to` format, with its serve command
+  report      WORK/report.md
+
+Each stage's output folder is its checkpoint: WORK/recipe-state.json records the stages that
+finished and the exact command each ran. A finished stage is skipped; an unfinished one runs
+again and continues where its own output allows (regenerate and capture keep what they
+wrote, train resumes from its last checkpoint); a finished stage whose options changed is an
+error, never silently redone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from eyas.errors import EyasError
+from eyas.paths import atomic_write_json
+
+STATE = "recipe-state.json"
+STAGE_KEYS = ("prepare", "regenerate", "capture", "train", "eval", "export")
+# Options the recipe sets itself, per stage command: they link the stages.
+LINKED = {"prepare": {"model", "out"}, "regenerate": {"model", "data", "out"}, "capture": {"model", "data", "out"},
+          "train": {"model", "data", "store", "out", "resume"},
+          "eval": {"model", "draft", "output", "tree", "teacher_forced", "held_out", "plot"},
+          "export": {"ckpt", "out", "force", "serve_command"}}
+
+
+@dataclass
+class Stage:
+    name: str  # recipe-state key
+    command: str  # the eyas subcommand
+    argv: list[str]  # its options, as on the command line
+    output: Path  # the stage's checkpoint: its output folder or file
+    processes: int = 1  # > 1: run under torchrun with this many processes
+
+    @property
+    def line(self) -> str:
+        launch = f"torchrun --nproc-per-node {self.processes} -m eyas" if self.processes > 1 else "eyas"
+        return launch + " " + " ".join(shlex.quote(a) for a in [self.command, *self.argv])
+
+
+def load_recipe(path: str | Path) -> dict[str, Any]:
+    try:
+        recipe = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except OSError as e:
+        raise EyasError(f"Cannot read the recipe {path}: {e.strerror}.") from None
+    except yaml.YAMLError as e:
+        raise EyasError(f"{path} is not valid YAML ({str(e).splitlines()[0]}).") from None
+    if not isinstance(recipe, dict) or not isinstance(recipe.get("model"), str):
+        raise EyasError(f"{path}: a recipe is a mapping with at least `model: TARGET` and `prepare: {{data: ...}}`.")
+    unknown = set(recipe) - {"model", "work", *STAGE_KEYS}
+    if unknown:
+        raise EyasError(f"{path}: unknown key(s) {sorted(unknown)}; a recipe has model, work and the stages "
+                        f"{', '.join(STAGE_KEYS)}.")
+    for key in STAGE_KEYS:
+        if not isinstance(recipe.get(key) or {}, dict):
+            raise EyasError(f"{path}: `{key}` holds that stage's options as a mapping (option: value).")
+    if not (recipe.get("prepare") or {}).get("data"):
+        raise EyasError(f"{path}: `prepare: data:` names the conversations (a file, a folder or packaged:...).")
+    return recipe
+
+
+def _stage_parser(command: str) -> argparse.ArgumentParser:
+    from eyas.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[command]
+
+
+def _options(stage: str, options: dict[str, Any], where: str) -> list[str]:
+    """A stage's recipe options as command-line arguments (True: the flag; False: its --no-
+    form where the command has one, else nothing; a list: several values)."""
+    known = _stage_parser(stage)._option_string_actions
+    argv: list[str] = []
+    for key, value in options.items():
+        name = str(key).replace("-", "_")
+        if name in LINKED[stage]:
+            raise EyasError(f"{where}: `{stage}: {key}` is set by the recipe itself (it links the stages).")
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            argv.append(flag)
+        elif value is False:
+            argv += ["--no-" + flag[2:]] if "--no-" + flag[2:] in known else []
+        elif isinstance(value, list):  # one flag for nargs="+", else the flag once per value (action="append")
+            action = known.get(flag)
+            argv += [flag, *map(str, value)] if action is not None and action.nargs in ("+", "*") else \
+                [x for v in value for x in (flag, str(v))]
+        elif value is not None:
+            argv += [flag, str(value)]
+    return argv
+
+
+def plan(recipe: dict[str, Any], work: Path, where: str) -> list[Stage]:
+    """The stages this recipe runs, with their exact commands."""
+    model = recipe["model"]
+    opts = {k: dict(recipe.get(k) or {}) for k in STAGE_KEYS}
+    prepared = work / "prepared"
+    stages = [Stage("prepare", "prepare", ["--model", model, "--out", str(prepared)]
+                    + _options("prepare", opts["prepare"], where), prepared)]
+    data = prepared
+    if "regenerate" in recipe:
+        data = work / "regen"
+        stages.append(Stage("regenerate", "regenerate", ["--model", model, "--data", str(prepared), "--out", str(data)]
+                            + _options("regenerate", opts["regenerate"], where), data))
+    drafter = work / "drafter"
+    train = opts["train"]
+    online = bool(train.pop("online", False))
+    if online:
+        source = ["--online", "--model", model, "--data", str(data)]
+    else:
+        store = work / "store"
+        stages.append(Stage("capture", "capture", ["--model", model, "--data", str(data), "--out", str(store)]
+                            + _options("capture", opts["capture"], where), store))
+        source = ["--store", str(store), "--model", model]
+    processes = int(train.pop("nproc_per_node", 1))
+    stages.append(Stage("train", "train", source + ["--out", str(drafter)] + _options("train", train, where), drafter,
+                        processes))
+    if "eval" in recipe:
+        stages += _eval_stages(model, drafter, data, work / "eval", opts["eval"], where)
+    export = opts["export"]
+    formats = export.pop("to", ["vllm"])
+    for fmt in [formats] if isinstance(formats, str) else formats:
+        stages.append(Stage(f"export-{fmt}", "export", [str(drafter), "--to", fmt, "--out", str(work / "export" / fmt),
+                                                        "--force"] + _options("export", export, where),
+                            work / "export" / fmt))
+    return stages
+
+
+def _eval_stages(model: str, drafter: Path, data: Path, ev: Path, options: dict[str, Any], where: str) -> list[Stage]:
+    stages = []
+    stages.append(Stage("heldout", "eval", ["--model", model, "--draft", str(drafter), "--teacher-forced", str(data),
+                                            "--held-out", "--output", str(ev / "heldout.json")]
+                        + (["--device", str(options["device"])] if "device" in options else []),
+                        ev / "heldout.json"))
+    common = ["--model", model, "--draft", str(drafter)] + _options("eval", options, where)
+    stages.append(Stage("eval-chain", "eval", common + ["--output", str(ev / "chain.json")], ev / "chain.json"))
+    stages.append(Stage("eval-tree", "eval", common + ["--tree", "--baseline", "none", "--output", str(ev / "tree.json")],
+                        ev / "tree.json"))
+    return stages
+
+
+def _parse(stage: Stage) -> argparse.Namespace:
+    from eyas.cli import build_parser
+
+    try:
+        return build_parser().parse_args([stage.command, *stage.argv])
+    except SystemExit:  # argparse has printed the reason
+        raise EyasError(f"the {stage.name} stage's options are not valid for eyas {stage.command} "
+                        f"(see above, and eyas {stage.command} --help): {stage.line}") from None
+
+
+class State:
+    """WORK/recipe-state.json: the finished stages and the command each ran."""
+
+    def __init__(self, work: Path):
+        self.path = work / STATE
+        self.done: dict[str, str] = json.loads(self.path.read_text())["done"] if self.path.is_file() else {}
+
+    def check(self, stage: Stage) -> bool:
+        """True if `stage` finished with this very command; an error if with another."""
+        if stage.name not in self.done:
+            return False
+        if self.done[stage.name] != stage.line:
+            raise EyasError(f"the {stage.name} stage finished earlier as\n  {self.done[stage.name]}\nbut the recipe now "
+                            f"asks\n  {stage.line}\nRestore the recipe, or delete {stage.output} and the "
+                            f"{stage.name!r} entry of {self.path} (and the stages after it) to redo it.")
+        return True
+
+    def finish(self, stage: Stage) -> None:
+        self.done[stage.name] = stage.line
+        atomic_write_json(self.path, {"done": self.done})
+
+
+def _run_stage(stage: Stage) -> None:
+    if stage.command == "train" and (stage.output / "checkpoints" / "latest").is_file():
+        stage = Stage(stage.name, stage.command, [*stage.argv, "--resume"], stage.output, stage.processes)
+    if stage.processes > 1:
+        import subprocess
+        import sys
+
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(stage.processes),
+                  "-m", "eyas", stage.command, *stage.argv]
+        if subprocess.run(launch).returncode != 0:
+            raise EyasError(f"the {stage.name} stage failed under torchrun (see above); run the recipe again to "
+                            f"continue from its last checkpoint.")
+        return
+    args = _parse(stage)
+    args._run(args)
+
+
+def run_recipe(path: str | Path, work: str | Path | None = None, dry_run: bool = False,
+               stop_after: str | None = None) -> Path | None:
+    """Run (or with `dry_run`, describe) the recipe's stages that are not done, up to `stop_after`
+    if given; returns the report once every stage is done."""
+    from eyas.recipe.estimate import describe
+    from eyas.recipe.report import write_report
+
+    recipe = load_recipe(path)
+    work = Path(work or recipe.get("work") or Path(path).with_suffix(""))
+    stages = plan(recipe, work, str(path))
+    for stage in stages:
+        _parse(stage)  # every stage's options are checked before the first one runs
+    names = [s.name for s in stages]
+    if stop_after is not None and stop_after not in names:
+        raise EyasError(f"--stop-after {stop_after!r}: this recipe's stages are {', '.join(names)}.")
+    state = State(work)
+    if dry_run:
+        print(describe(recipe, stages, state))
+        return None
+    work.mkdir(parents=True, exist_ok=True)
+    for k, stage in enumerate(stages, 1):
+        if state.check(stage):
+            print(f"[{k}/{len(stages)}] {stage.name}: done ({stage.output})", flush=True)
+            continue
+        again = " (continuing: its output exists)" if stage.output.exists() else ""
+        print(f"[{k}/{len(stages)}] {stage.name}{again}\n  {stage.line}", flush=True)
+        _run_stage(stage)
+        state.finish(stage)
+        if stage.name == stop_after and k < len(stages):
+            print(f"stopped after {stop_after} (--stop-after); run without it to go on.", flush=True)
+            return None
+    report = write_report(recipe, work, stages)
+    print(f"recipe finished: report in {report}", flush=True)
+    return report

@@ -1,0 +1,65 @@
+"""Sizing a training run to a time budget (`eyas train --minutes`).
+
+A probe measured before the run is the wrong clock: the first steps of a run pay for
+compilation, cold caches and allocator warm-up, so on a cold compile cache a probe once
+measured 1.79 s/step instead of ~0.55 and planned 205 steps instead of ~740. Instead, the
+run plans from its own steady-state rate: the median duration of its recent steps, the first
+`SETTLE` steps left out, plus the held-out passes and checkpoints still to come, as measured.
+The plan is revised as the rate changes, so the learning-rate schedule (which depends on the
+total) reaches its end inside the budget.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections import deque
+
+clock = time.monotonic  # the budget's clock (tests drive it)
+
+SETTLE = 2  # steps left out of the rate: compilation and warm-up
+WINDOW = 9  # recent steps whose median is the rate: long enough to ignore a stray slow step,
+            # short enough to follow a lasting change within a few steps
+MARGIN = 0.03  # share of the budget kept free: the final save and the jitter of the last steps
+
+
+class Budget:
+    """The step count that fits the time left, from steady-state step times."""
+
+    def __init__(self, minutes: float, started: float, cap: int | None):
+        self.deadline = started + 60 * minutes
+        self.margin = 60 * minutes * MARGIN
+        self.cap = cap  # --steps / --epochs, when given, bound the plan
+        self.early: list[float] = []  # the first SETTLE steps
+        self.steps: deque[float] = deque(maxlen=WINDOW)  # the steady state's recent steps
+        self.eval_s: float | None = None  # the last held-out pass
+        self.save_s = 0.0  # the last intermediate checkpoint
+        self.logged = False  # a steady-state plan was announced
+
+    def step_took(self, seconds: float) -> None:
+        (self.early if len(self.early) < SETTLE else self.steps).append(seconds)
+
+    @property
+    def steady(self) -> bool:
+        return len(self.steps) >= 3
+
+    @property
+    def step_s(self) -> float:
+        """Seconds per step: the steady state's once it shows, until then every step's median
+        (a provisional plan, which only has to keep the run going until the rate is known)."""
+        return statistics.median(self.steps if self.steady else [*self.early, *self.steps])
+
+    def plan(self, step: int, step_s: float, eval_every: int, save_every: int, eval_guess: float) -> int | None:
+        """The total step count that ends the schedule before the deadline, from `step` on
+        (None when not one more step fits).
+
+        `step_s` is the (all-process) steady-state rate; held-out passes cost their measured
+        time (`eval_guess` until one has run) every `eval_every` steps and once at the end."""
+        eval_s = self.eval_s if self.eval_s is not None else eval_guess
+        per_step = step_s + eval_s / eval_every + self.save_s / save_every
+        left = self.deadline - clock() - self.margin - eval_s
+        if left < per_step:  # spent: the run stops at the deadline, and --resume finishes the plan as it stands
+            return None
+        total = step + math.floor(left / per_step)
+        return min(total, self.cap) if self.cap else total

@@ -1,0 +1,78 @@
+"""`eyas eval` at scale, on a tiny random Llama: worker processes give the same per-prompt
+answers as one process; tau by category and turn recomputes from the records; the
+teacher-forced scorer equals the trainer's own held-out pass on the same samples."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from eyas.evaluate.prompts import EvalPrompt, stratified
+from eyas.evaluate.run import EvalConfig, evaluate
+from eyas.evaluate.teacher_forced import teacher_forced
+from eyas.train import TrainConfig, train
+
+PROMPTS = [
+    {"turns": ["write a short poem", "now shorter"], "category": "writing"},
+    {"prompt": "what is two plus two?", "category": "math"},
+    {"turns": ["name a colour", "and another"], "category": "reasoning"},
+    {"prompt": "what is five times three?", "category": "math"},
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_thread):
+    """Tiny models: see conftest's one_thread."""
+
+
+def test_stratified_order_deals_categories_round_robin():
+    prompts = [EvalPrompt(str(i), ["x"], category=c) for i, c in enumerate("aabcab")]
+    assert stratified(prompts) == [0, 2, 3, 1, 5, 4]
+
+
+@pytest.fixture(scope="module")
+def trained(tiny_llama_dir, tmp_path_factory):
+    """A tiny drafter trained online for 3 steps with a quarter of 16 samples held out."""
+    from eyas.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("scale")
+    prepare(str(tiny_llama_dir), "packaged:chitchat", root / "prep", max_len=64, limit=16, workers=1, progress=False)
+    result = train(TrainConfig(out=str(root / "drafter"), online=True, model=str(tiny_llama_dir),
+                               data=str(root / "prep"), steps=3, batch_tokens=256, eval_fraction=0.25, ttt_steps=3,
+                               lr=1e-3, progress=False))
+    return root, result
+
+
+def test_two_workers_answer_each_prompt_as_one_process(tiny_llama_dir, trained, tmp_path):
+    root, _ = trained
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    common = dict(model=str(tiny_llama_dir), draft=str(root / "drafter"), prompts=str(prompts), max_new_tokens=8,
+                  steps=3, temperature=0.5, seed=3)  # sampled: each prompt's draws must not depend on its worker
+    one = evaluate(EvalConfig(output=str(tmp_path / "one.json"), workers=1, **common))
+    two = evaluate(EvalConfig(output=str(tmp_path / "two.json"), workers=2, **common))
+
+    def answers(results):
+        return [{k: v for k, v in r.items() if k != "seconds"} for r in results["records"]]
+
+    assert answers(one) == answers(two) and len(answers(one)) == 3 * 6  # 3 methods x 6 turns
+    assert one["tau_by"] == two["tau_by"]
+    chain = [r for r in one["records"] if r["method"] == "eagle3-chain"]
+    for category in ("writing", "math", "reasoning"):
+        counts = [c for r in chain if r["category"] == category for c in r["accept_counts"]]
+        assert one["tau_by"]["category"]["eagle3-chain"][category] == pytest.approx(1 + sum(counts) / len(counts),
+                                                                                     abs=1e-4)
+    counts = [c for r in chain if r["turn"] == 1 for c in r["accept_counts"]]
+    assert one["tau_by"]["turn"]["eagle3-chain"]["1"] == pytest.approx(1 + sum(counts) / len(counts), abs=1e-4)
+
+
+def test_teacher_forced_equals_the_trainers_held_out_pass(tiny_llama_dir, trained):
+    root, result = trained
+    scored = teacher_forced(str(tiny_llama_dir), root / "drafter", root / "prep", held_out=True, device="cpu")
+    held = result["eval"]
+    assert scored["samples"] == 4 and scored["positions"] == held["positions"] > 0
+    assert scored["acc_per_step"] == pytest.approx(held["acc_per_step"], abs=1e-6)
+    assert scored["loss"] == pytest.approx(held["loss"], rel=1e-5)
+    everything = teacher_forced(str(tiny_llama_dir), root / "drafter", root / "prep", device="cpu")
+    assert everything["samples"] == 16 and everything["positions"] > scored["positions"]

@@ -1,0 +1,121 @@
+"""`eyas recipe`: the packaged SmolLM2 goes through every stage to a report on a tiny budget;
+a run failing in the middle of each stage in turn, re-run with the same command each time,
+ends with what an uninterrupted run makes; finished stages are never silently redone;
+--stop-after ends a run after the stage it names."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from eyas.data.prepared import PreparedData
+from eyas.errors import EyasError
+from eyas.recipe import run_recipe
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread(one_thread):
+    """Tiny models: see conftest's one_thread."""
+
+
+def _recipe(tmp_path: Path, model: str, name: str = "r.yaml", **changes) -> Path:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"turns": ["Name a colour.", "And another?"], "category": "writing"}) + "\n"
+                       + json.dumps({"prompt": "What is two plus two?", "category": "math"}) + "\n")
+    recipe = {
+        "model": model,
+        "prepare": {"data": ["packaged:chitchat@1", "packaged:synthetic:50:0@1"], "window": 2, "max_len": 96,
+                    "limit": 6, "workers": 1},
+        "regenerate": {"max_new_tokens": 6, "group_size": 3},
+        "train": {"online": True, "steps": 3, "batch_tokens": 256, "ttt_steps": 2, "draft_vocab": 512,
+                  "eval_fraction": 0.34, "save_every": 1, "lr": 0.001, "progress": False},
+        "eval": {"prompts": str(prompts), "max_new_tokens": 6, "steps": 2},
+        "export": {"to": ["vllm"]},
+        **changes,
+    }
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def test_smollm2_recipe_runs_every_stage_to_a_report(smollm2_dir, tmp_path, capsys):
+    recipe = _recipe(tmp_path, "packaged:smollm2-135m")
+    report = run_recipe(recipe, tmp_path / "work")
+    text = report.read_text()
+    data = json.loads((tmp_path / "work" / "report.json").read_text())
+    assert len(data["heldout"]["acc_per_step"]) == 2 and data["heldout"]["samples"] >= 1
+    assert {"plain", "prompt-lookup", "eagle3-chain", "eagle3-tree"} <= set(data["summary"])
+    assert set(data["tau_by"]["category"]["eagle3-tree"]) == {"writing", "math"}
+    assert "vllm serve" in data["exports"]["vllm"]["serve"] and (tmp_path / "work/export/vllm/config.json").is_file()
+    assert "Held-out accuracy per TTT step" in text and "tau by category" in text and ".png" in text
+    capsys.readouterr()
+    run_recipe(recipe, tmp_path / "work", dry_run=True)  # everything done, nothing runs
+    assert capsys.readouterr().out.count(" done\n") == 7
+
+
+def test_failing_in_each_stage_then_rerunning_ends_as_an_uninterrupted_run(tiny_llama_dir, tmp_path, monkeypatch):
+    """The same recipe (a tiny random Llama) uninterrupted, and interrupted in the middle of
+    each stage in turn (an injected failure on a later call of the stage's inner loop), then
+    re-run until done: the same prepared and regenerated data, drafter weights, held-out and
+    eval results, and exported weights."""
+    import eyas.data.prepare as prep
+    import eyas.evaluate.run as ev
+    import eyas.export.exporter as ex
+    import eyas.regenerate.run as regen
+    import eyas.train.loop as loop
+
+    recipe = _recipe(tmp_path, str(tiny_llama_dir))
+    clean = run_recipe(recipe, tmp_path / "clean").parent
+
+    def fail_on(module, name: str, call: int) -> None:
+        real, calls = getattr(module, name), [0]
+
+        def failing(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == call:
+                monkeypatch.setattr(module, name, real)
+                raise RuntimeError(f"injected failure in {name}")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, failing)
+
+    work = tmp_path / "broken"
+    # Each stage in turn fails after some of its work is done (train after 2 of 3 steps, with a
+    # checkpoint at step 1; regenerate after its first group; eval on its second prompt).
+    for module, name, call in ((prep, "write_prepared", 1), (regen, "regenerate_group", 2), (loop, "train_step", 3),
+                               (loop, "score", 1), (ev, "run_prompt", 4), (ev, "run_prompt", 4), (ex, "export_drafter", 1)):
+        fail_on(module, name, call)
+        with pytest.raises(RuntimeError, match="injected"):
+            run_recipe(recipe, work)
+    report = run_recipe(recipe, work)
+    assert report == work / "report.md"
+
+    a, b = PreparedData(clean / "regen"), PreparedData(work / "regen")
+    assert a.meta["fingerprint"] == b.meta["fingerprint"] and a.conversations() == b.conversations()
+    assert PreparedData(clean / "prepared").meta["fingerprint"] == PreparedData(work / "prepared").meta["fingerprint"]
+    for weights in ("drafter/model.safetensors", "export/vllm/model.safetensors"):
+        x, y = load_file(clean / weights), load_file(work / weights)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), weights
+    for result in ("chain", "tree"):
+        x, y = (json.loads((w / "eval" / f"{result}.json").read_text())["records"] for w in (clean, work))
+        assert [r["generated_ids"] for r in x] == [r["generated_ids"] for r in y]
+        assert [r["accept_counts"] for r in x] == [r["accept_counts"] for r in y]
+    x, y = (json.loads((w / "eval/heldout.json").read_text())["teacher_forced"] for w in (clean, work))
+    assert x["acc_per_step"] == y["acc_per_step"] and x["positions"] == y["positions"]
+
+    # A finished stage whose options change is refused, not redone.
+    changed = _recipe(tmp_path, str(tiny_llama_dir), name="changed.yaml",
+                      regenerate={"max_new_tokens": 7, "group_size": 3})
+    with pytest.raises(EyasError, match="regenerate stage finished earlier"):
+        run_recipe(changed, work)
+
+    # --stop-after ends the run once that stage is done; the state holds only the stages run.
+    assert run_recipe(recipe, tmp_path / "part", stop_after="prepare") is None
+    assert list(json.loads((tmp_path / "part/recipe-state.json").read_text())["done"]) == ["prepare"]
+    with pytest.raises(EyasError, match="this recipe's stages are prepare, regenerate, train, heldout"):
+        run_recipe(recipe, tmp_path / "part", stop_after="nothing")
