@@ -181,7 +181,7 @@ def main() -> None:
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from eyas.draft.mla import kv_cache_bytes_per_token
+    from eyas.draft.mla_config import kv_cache_bytes_per_token
     from eyas.paths import atomic_write_json
 
     drafts = {a: drafter_config(shape, a) for a in ("gqa", "mla")}

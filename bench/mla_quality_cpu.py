@@ -81,7 +81,7 @@ def run(args, work: Path) -> None:
 
     from eyas.capture.run import capture
     from eyas.data.prepare import prepare
-    from eyas.draft.mla import kv_cache_bytes_per_token
+    from eyas.draft.mla_config import kv_cache_bytes_per_token
     from eyas.paths import atomic_write_json
     from eyas.regenerate.run import regenerate
     from eyas.store.reader import Store

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from eyas.draft import mla as latent
+from eyas.draft import mla_config as latent
 from eyas.draft.rope import drafter_rope
 from eyas.errors import EyasError
 from eyas.models.identity import ModelIdentity, text_config

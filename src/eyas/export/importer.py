@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from eyas.draft import mla
+from eyas.draft import mla_config as mla
 from eyas.draft.checkpoint import save_drafter
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError

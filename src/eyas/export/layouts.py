@@ -42,7 +42,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from eyas.draft import mla
+from eyas.draft import mla_config as mla
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
 
