@@ -36,6 +36,7 @@ class DraftConfig:
     norm_before_residual: bool = False
     fc_norm: bool = False  # an RMSNorm (own weight) on each aux state before `fc` (EAGLE 3.1; vLLM `fc_norm`)
     norm_output: bool = False  # feed the post-norm output back between steps (EAGLE 3.1; vLLM `norm_output`)
+    norm_before_fc: bool = False  # one RMSNorm (own weight) over all aux states before `fc` (speculators' default)
     ttt_steps: int = 7
     ttt_decay: float = 0.8
     chat_template: dict[str, Any] | None = None  # the training data's (data/template.py ChatTemplate), for eval
@@ -46,6 +47,8 @@ class DraftConfig:
             raise EyasError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocabulary {self.vocab_size}.")
         if self.num_attention_heads % self.num_key_value_heads:
             raise EyasError("num_attention_heads must be a multiple of num_key_value_heads.")
+        if self.fc_norm and self.norm_before_fc:
+            raise EyasError("fc_norm and norm_before_fc both norm fc's input; a drafter has one or the other.")
 
     @property
     def identity(self) -> ModelIdentity:
@@ -106,6 +109,7 @@ class DraftConfig:
             "norm_before_residual": self.norm_before_residual,
             "fc_norm": self.fc_norm,
             "norm_output": self.norm_output,
+            "norm_before_fc": self.norm_before_fc,
             "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
             "num_aux_hidden_states": len(self.aux_layer_ids),  # vLLM sizes fc from this, not from the ids
             "eyas": {"config_version": CONFIG_VERSION, **{k: v for k, v in asdict(self).items()}},
