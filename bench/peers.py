@@ -205,13 +205,15 @@ def peer_batches(lengths: list[int], draft, device: torch.device, step_tokens: i
     g = torch.Generator().manual_seed(seed)
     L, H = len(draft.aux_layer_ids), draft.hidden_size
     collate = CollateFn(max(step_tokens, max(lengths)), H, num_target_layers=L, preprocess=shift_batch)
+    # Speed does not depend on values: every sample's states are views of one random tensor.
+    aux = torch.randn(max(lengths), L * H, generator=g).bfloat16()  # [T_max, L*H]
+    last = torch.randn(max(lengths), H, generator=g).bfloat16()  # [T_max, H]
     samples = []
     for n in lengths:
         mask = torch.ones(n, dtype=torch.long)
         mask[: n // 5] = 0
-        samples.append({"hidden_states": torch.randn(n, L * H, generator=g).bfloat16(),
-                        "input_ids": torch.randint(2, draft.vocab_size, (n,), generator=g),
-                        "verifier_last_hidden_states": torch.randn(n, H, generator=g).bfloat16(), "loss_mask": mask,
+        samples.append({"hidden_states": aux[:n], "input_ids": torch.randint(2, draft.vocab_size, (n,), generator=g),
+                        "verifier_last_hidden_states": last[:n], "loss_mask": mask,
                         "lengths": torch.tensor([n]), "position_ids": torch.arange(n)})
     rows, row, used = [], [], 0
     for s, n in zip(samples, lengths):
@@ -476,7 +478,7 @@ def add_quality_args(p) -> None:
     q.add_argument("--work", default=None, help="scratch folder (default: a temp folder)")
     q.add_argument("--limit", type=int, default=6000, help="conversations prepared")
     q.add_argument("--regen-minutes", type=float, default=0.4, help="0: train on the prepared answers as they are")
-    q.add_argument("--arm-minutes", type=float, default=0.8, help="wall-clock minutes of each training run")
+    q.add_argument("--arm-minutes", type=float, default=0.7, help="wall-clock minutes of each training run")
     q.add_argument("--batch-tokens", type=int, default=65536, help="eyas's recipe; the matched peer packs as many")
     q.add_argument("--max-len", type=int, default=1024)
     q.add_argument("--lr", type=float, default=1e-3)
@@ -501,7 +503,7 @@ def part_quality(args, record: Record) -> None:
         from tiny import build_model
 
         args.model = str(build_model(work / "tiny-target"))
-    ctx: dict[str, Any] = {"work": work}
+    ctx: dict[str, Any] = {"work": work, "left": record.left}
     record.data["tau_definition"] = "tau = 1 + accepted draft tokens per verification step (mean over all steps)"
     steps = [("data", 60, lambda: q_data(args, ctx)),
              ("eyas", 60 * args.arm_minutes + 20, lambda: q_eyas(args, ctx)),
@@ -858,13 +860,14 @@ def q_decode(args, ctx) -> dict[str, Any]:
     prompts.write_text("".join(json.dumps(p) + "\n" for p in mt[: args.questions] + second))
     ids = [str(p.get("question_id", p.get("id"))) for p in mt[: args.questions] + second]
     drafters = _drafters(ctx)
+    seconds = max(20.0, min(args.eval_seconds, ctx["left"]() - 30))  # the workers' load and the call's end
     procs, outs = [], []
     for w in range(min(args.workers, len(ids))):
         out = work / f"decode{w}.json"
         outs.append(out)
         cmd = [sys.executable, __file__, "decode-worker", "--model", args.model, "--prompts", str(prompts),
                "--ids", ",".join(ids[w :: args.workers]), "--out", str(out), "--device", args.device,
-               "--seconds", str(args.eval_seconds), "--max-new-tokens", str(args.max_new_tokens),
+               "--seconds", str(seconds), "--max-new-tokens", str(args.max_new_tokens),
                "--drafters", json.dumps({k: str(v) for k, v in drafters.items()})]
         procs.append(subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "2"}))
     codes = [p.wait() for p in procs]
@@ -881,7 +884,7 @@ def q_decode(args, ctx) -> dict[str, Any]:
             by_set[name] = {m: round(s.tau, 3) for m, s in summarize(rs, methods).items() if m != "plain"}
     return {"tau": by_set.get("all", {}), "tau_by_set": by_set, "identical_to_plain": identical,
             "answers": len(plain), "prompts_answered": len({r["prompt_id"] for r in records}),
-            "worker_exit_codes": codes, "max_new_tokens": args.max_new_tokens}
+            "worker_exit_codes": codes, "max_new_tokens": args.max_new_tokens, "worker_seconds": seconds}
 
 
 def _store_index(ctx) -> list[int]:
