@@ -181,14 +181,19 @@ def set_peer_vocab(model, draft_to_target: torch.Tensor, embed: torch.Tensor, no
             model.lm_head.weight.copy_(lm_head[draft_to_target])
 
 
+PEER_LOSS = ["fused"]  # the peer's --loss-implementation on a GPU, set from --peer-loss
+
+
 def trainer_config(save: Path, *, optimizer: str, lr: float, steps: int, ttt: int, decay: float, device: torch.device,
                    warmup: int | None = None, scheduler: str = "linear"):
-    """The peer's TrainerConfig as its cli builds it (loss kl_div, its default; its fused loss is a
-    Triton kernel, so the CPU takes its eager one)."""
+    """The peer's TrainerConfig as its cli builds it (loss kl_div, its default). Its fused loss is a
+    Triton kernel, so the CPU takes its eager one; on a GPU `--peer-loss` chooses (on torch 2.11
+    the fused kernel's backward fails inside torch.compile: "ListVariable ... already tracked for
+    mutation", seen on an H200)."""
     from speculators.losses import resolve_loss_config
     from speculators.train.trainer import TrainerConfig
 
-    loss = {"ttt_steps": ttt, "ttt_step_loss_decay": decay, "loss_config": resolve_loss_config("kl_div", "fused" if device.type == "cuda" else "eager")}
+    loss = {"ttt_steps": ttt, "ttt_step_loss_decay": decay, "loss_config": resolve_loss_config("kl_div", PEER_LOSS[0] if device.type == "cuda" else "eager")}
     return TrainerConfig(lr=lr, num_epochs=1, save_path=str(save), resume_from_checkpoint=False,
                          train_call_kwargs=loss, val_call_kwargs=loss, optimizer=optimizer, weight_decay=0.01,
                          muon_lr=lr, scheduler_type=scheduler, scheduler_warmup_steps=warmup,
@@ -436,12 +441,15 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="toy sizes on the CPU (both parts unless --part)")
     p.add_argument("--out", required=True, help="a folder: peers_<part>.json is written there")
     p.add_argument("--device", default=None)
+    p.add_argument("--peer-loss", choices=["fused", "eager"], default="fused",
+                   help="the peer's loss implementation on a GPU (its default, fused, fails to compile on torch 2.11)")
     p.add_argument("--minutes", type=float, default=8.5, help="the run's budget; parts that would not fit are skipped")
     p.add_argument("--warm-steps", type=int, default=3)
     p.add_argument("--train-seconds", type=float, default=10.0, help="eyas's timed seconds per shape")
     p.add_argument("--longest-seconds", type=float, default=75.0, help="per side, for the longest-sequence search")
     add_quality_args(p)
     args = p.parse_args()
+    PEER_LOSS[0] = args.peer_loss
     if not args.smoke and not args.part:
         p.error("give --part speed, --part quality, or --smoke")
     args.toy = args.smoke
@@ -662,6 +670,8 @@ def peer_command(args, ctx, save: Path, matched: bool) -> list[str]:
            "--num-workers", "2" if args.smoke else "4", "--hidden-states-dtype", "bfloat16", "--seed", "0"]
     if args.device == "cpu":
         cmd += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
+    else:
+        cmd += ["--loss-implementation", PEER_LOSS[0]]
     tokens = ctx["steps"] * args.batch_tokens  # eyas's planned tokens: the schedule's length for both
     train_tokens = sum(_lengths(ctx, ctx["train_pos"]))
     if matched:
