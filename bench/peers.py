@@ -418,11 +418,13 @@ def longest(args, side: str) -> dict[str, Any]:
 
 def part_speed(args, record: Record) -> None:
     parts = record.data["parts"]
-    record.run("speed_8b", 60, lambda: speed_shape(args, "8b"))
-    record.run("speed_seed_shape", 60, lambda: speed_shape(args, "seed"))
-    record.run("longest_eyas_8b", 40, lambda: longest(args, "eyas"))
-    record.run("longest_peer_8b", 40, lambda: longest(args, "peer"))
-    record.run("peer_defaults_8b", 40, lambda: speed_defaults(args))
+    runs = {"speed_8b": (60, lambda: speed_shape(args, "8b")),
+            "speed_seed_shape": (60, lambda: speed_shape(args, "seed")),
+            "longest_eyas_8b": (40, lambda: longest(args, "eyas")),
+            "longest_peer_8b": (40, lambda: longest(args, "peer")),
+            "peer_defaults_8b": (40, lambda: speed_defaults(args))}
+    for name in args.speed_parts.split(",") if args.speed_parts else runs:
+        record.run(name, *runs[name])
     for key, part in (("train_over_peer_8b", "speed_8b"), ("train_over_peer_seed_shape", "speed_seed_shape")):
         if (parts.get(part) or {}).get("ok"):
             record.data[key] = parts[part]["eyas_over_peer_tok_s"]
@@ -441,6 +443,9 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="toy sizes on the CPU (both parts unless --part)")
     p.add_argument("--out", required=True, help="a folder: peers_<part>.json is written there")
     p.add_argument("--device", default=None)
+    p.add_argument("--speed-parts", default=None,
+                   help="comma-separated subset of speed_8b, speed_seed_shape, longest_eyas_8b, longest_peer_8b, "
+                        "peer_defaults_8b (default: all, in that order), so one part can have a call of its own")
     p.add_argument("--peer-loss", choices=["fused", "eager"], default="fused",
                    help="the peer's loss implementation on a GPU (its default, fused, fails to compile on torch 2.11)")
     p.add_argument("--minutes", type=float, default=8.5, help="the run's budget; parts that would not fit are skipped")
