@@ -308,7 +308,9 @@ def edit(folder: Path, change) -> Path:
 REFUSALS = {
     "speculators without norm_before_residual": ("spec", lambda c: c.pop("norm_before_residual"), "norm_before_residual"),
     "fc_norm without its weights": ("specforge", lambda c: c.update(fc_norm=True), r"missing \['fc_norm.0.weight'"),
-    "one norm before fc": ("spec", lambda c: c.update(norm_before_fc=True), "norm_before_fc"),
+    "one norm before fc without its weight": ("spec", lambda c: c.update(norm_before_fc=True),
+                                              r"missing \['input_norm.weight'"),
+    "both norms before fc": ("spec", lambda c: c.update(norm_before_fc=True, fc_norm=True), "one or the other"),
     "no architectures": ("specforge", lambda c: c.pop("architectures"), "`architectures`"),
     "not a Llama EAGLE-3 head": ("specforge", lambda c: c.update(architectures=["Qwen3ForCausalLM"]), "architectures"),
     "two decoder layers": ("specforge", lambda c: c.update(num_hidden_layers=2), "num_hidden_layers"),

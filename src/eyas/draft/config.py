@@ -38,6 +38,7 @@ class DraftConfig:
     norm_before_residual: bool = False
     fc_norm: bool = False  # an RMSNorm (own weight) on each aux state before `fc` (EAGLE 3.1; vLLM `fc_norm`)
     norm_output: bool = False  # feed the post-norm output back between steps (EAGLE 3.1; vLLM `norm_output`)
+    norm_before_fc: bool = False  # one RMSNorm (own weight) over all aux states before `fc` (speculators' default)
     ttt_steps: int = 7
     ttt_decay: float = 0.8
     chat_template: dict[str, Any] | None = None  # the training data's (data/template.py ChatTemplate), for eval
@@ -63,6 +64,8 @@ class DraftConfig:
         if self.mla is not None:
             latent.check_sizes(self.mla)
             latent.check_rope(self.rope_parameters)
+        if self.fc_norm and self.norm_before_fc:
+            raise EyasError("fc_norm and norm_before_fc both norm fc's input; a drafter has one or the other.")
 
     @property
     def identity(self) -> ModelIdentity:
@@ -129,6 +132,7 @@ class DraftConfig:
             "norm_before_residual": self.norm_before_residual,
             "fc_norm": self.fc_norm,
             "norm_output": self.norm_output,
+            "norm_before_fc": self.norm_before_fc,
             "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
             "num_aux_hidden_states": len(self.aux_layer_ids),  # vLLM sizes fc from this, not from the ids
             "eyas": {"config_version": CONFIG_VERSION, **{k: v for k, v in asdict(self).items()}},

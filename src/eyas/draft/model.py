@@ -93,6 +93,8 @@ class Eagle3Drafter(nn.Module):
             self.embed_tokens.weight.data.copy_(embed_weight)
         if cfg.fc_norm:  # one RMSNorm per aux state: the target's layers differ in scale by 10x and more
             self.fc_norm = nn.ModuleList(LlamaRMSNorm(H, eps=cfg.rms_norm_eps) for _ in cfg.aux_layer_ids)
+        if cfg.norm_before_fc:  # one RMSNorm over the concatenated aux states (vLLM's and speculators' `input_norm`)
+            self.input_norm = LlamaRMSNorm(len(cfg.aux_layer_ids) * H, eps=cfg.rms_norm_eps)
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * H, H, bias=False)
         self.midlayer = DraftLayer(cfg)
         self.norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
@@ -118,7 +120,8 @@ class Eagle3Drafter(nn.Module):
         """aux_hidden [..., L_aux, H] (the target's aux states) -> [..., H]."""
         if self.config.fc_norm:
             aux_hidden = torch.stack([norm(aux_hidden[..., i, :]) for i, norm in enumerate(self.fc_norm)], dim=-2)
-        return self.fc(aux_hidden.flatten(-2))
+        flat = aux_hidden.flatten(-2)  # [..., L_aux * H]
+        return self.fc(self.input_norm(flat) if self.config.norm_before_fc else flat)
 
     def outputs(self, prenorm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """prenorm [..., H] (the layer's output) -> draft-vocab logits [..., Vd] and the hidden

