@@ -118,6 +118,11 @@ def _capture_cmd(prepared, out, *extra):
             "--dtype", "fp32", "--batch-tokens", "512", "--shard-mb", "0.5", *extra]
 
 
+def _torchrun_capture_cmd(prepared, out, nproc: int, port: int):
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
+            "-m", "eyas", *_capture_cmd(prepared, out)[3:]]
+
+
 def test_sigkill_mid_capture_resumes_to_the_same_store(tmp_path, smollm2_prepared, smollm2_store):
     out = tmp_path / "store"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -272,8 +277,7 @@ def test_two_rank_capture_equals_one_process_and_resumes_after_a_kill(tmp_path, 
     run resumed by a second torchrun duplicates nothing."""
     out = tmp_path / "dp"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29731",
-           "-m", "eyas", *_capture_cmd(smollm2_prepared, out)[3:]]
+    cmd = _torchrun_capture_cmd(smollm2_prepared, out, 2, 29731)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
@@ -288,6 +292,22 @@ def test_two_rank_capture_equals_one_process_and_resumes_after_a_kill(tmp_path, 
 
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
+    store = Store(out)
+    assert store.manifest["complete"] and len(store) == 16
+    assert store.sample_indices().unique().numel() == 16
+    store.verify()
+    _assert_same_store(out, smollm2_store, atol=ATOL)
+
+
+def test_four_rank_capture_equals_one_process(tmp_path, smollm2_prepared, smollm2_store):
+    """torchrun with 4 gloo processes (oversubscribed on two cores): each captures its quarter
+    of the samples, and together they write the one-process store (float32, up to batch shape)."""
+    out = tmp_path / "dp4"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(_torchrun_capture_cmd(smollm2_prepared, out, 4, 29733), env=env, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "over 4 processes" in done.stdout
     store = Store(out)
     assert store.manifest["complete"] and len(store) == 16
     assert store.sample_indices().unique().numel() == 16

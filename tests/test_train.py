@@ -356,20 +356,21 @@ def test_two_process_ddp_equals_one_process_over_the_same_global_batch(two_batch
 
 
 def test_torchrun_fsdp_cli_trains_like_one_process(two_batch_store, tmp_path):
-    """`torchrun -m eyas train --fsdp` (2 gloo processes, sharded weights and AdamW state)
-    ends 2 steps with the weights of one process accumulating both micro-batches (1e-6)."""
+    """`torchrun -m eyas train --fsdp` (4 gloo processes, oversubscribing two cores; sharded
+    weights and AdamW state) ends 2 steps with the weights of one process accumulating the 4
+    micro-batches of each step (1e-6). The DDP test above runs 2 processes."""
     args = ["train", "--store", str(two_batch_store), "--steps", "2", "--batch-tokens", "128", "--ttt-steps", "2",
             "--draft-vocab", "4096", "--eval-fraction", "0.25", "--log-every", "1", "--no-progress"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "eyas"]
     result = subprocess.run(torchrun + args + ["--out", str(tmp_path / "fsdp"), "--fsdp"], env=env,
                             capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stderr.startswith("eyas: 2 torchrun processes on the CPU (no CUDA device is visible)"), \
+    assert result.stderr.startswith("eyas: 4 torchrun processes on the CPU (no CUDA device is visible)"), \
         result.stderr[:500]
-    assert "2 process(es) on cpu, FSDP" in result.stdout and result.stdout.count("draft vocabulary:") == 1
+    assert "4 process(es) on cpu, FSDP" in result.stdout and result.stdout.count("draft vocabulary:") == 1
     assert "eval acc" in result.stdout and "tau_sim" in result.stdout
-    one = subprocess.run([sys.executable, "-m", "eyas"] + args + ["--out", str(tmp_path / "one"), "--grad-accum", "2"],
+    one = subprocess.run([sys.executable, "-m", "eyas"] + args + ["--out", str(tmp_path / "one"), "--grad-accum", "4"],
                          env=env, capture_output=True, text=True)
     assert one.returncode == 0, one.stderr[-3000:]
     for out in (tmp_path / "fsdp", tmp_path / "one"):
