@@ -39,6 +39,9 @@ class DraftConfig:
     ttt_steps: int = 7
     ttt_decay: float = 0.8
     chat_template: dict[str, Any] | None = None  # the training data's (data/template.py ChatTemplate), for eval
+    drafter: str = "eagle3"  # the kind (draft/kinds.py); dflash drafts ttt_steps tokens per block in one pass
+    num_hidden_layers: int = 1  # decoder layers (EAGLE-3 has one)
+    mask_token_id: int | None = None  # dflash: the token whose embedding marks the block's slots to fill
 
     def __post_init__(self) -> None:
         self.aux_layer_ids = tuple(int(k) for k in self.aux_layer_ids)
@@ -46,6 +49,9 @@ class DraftConfig:
             raise EyasError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocabulary {self.vocab_size}.")
         if self.num_attention_heads % self.num_key_value_heads:
             raise EyasError("num_attention_heads must be a multiple of num_key_value_heads.")
+        from eyas.draft.kinds import check_kind
+
+        check_kind(self)
 
     @property
     def identity(self) -> ModelIdentity:
@@ -84,7 +90,11 @@ class DraftConfig:
         return cls(**kwargs)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """config.json: vLLM's Eagle-3 Llama fields at top level, eyas's own under `eyas`."""
+        """config.json: the fields vLLM reads for the kind at top level, eyas's own under `eyas`."""
+        if self.drafter != "eagle3":
+            from eyas.draft.kinds import hf_config
+
+            return {**hf_config(self), "eyas": {"config_version": CONFIG_VERSION, **asdict(self)}}
         return {
             "architectures": ["LlamaForCausalLMEagle3"],
             "model_type": "llama",
