@@ -221,3 +221,45 @@ def test_dflash_greedy_equals_plain_greedy_on_the_toy(one_thread):
         drafted = generate(session, DFlash(DFlashSession(drafter), steps=2), prompt, 24, eos_ids=set())
         assert drafted.generated_ids == plain.generated_ids
         assert len(drafted.accept_counts) < len(plain.accept_counts) or sum(drafted.accept_counts) == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_data(tiny_llama_dir, tmp_path_factory):
+    from eyas.capture.run import capture
+    from eyas.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("dflash-data")
+    prepare(str(tiny_llama_dir), "packaged:chitchat", root / "prep", max_len=64, limit=8, progress=False)
+    capture(str(tiny_llama_dir), root / "prep", root / "store", dtype="fp32", progress=False)
+    return root / "prep", root / "store"
+
+
+def test_train_dflash_offline_equals_online_and_reloads(tiny_llama_dir, tiny_llama_data, tmp_path):
+    """`eyas train --drafter dflash` from a store and online from the same prepared data take
+    the same steps; the folder reloads as the same DFlash drafter, block size and layers kept."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from eyas.draft import load_drafter
+    from eyas.train import TrainConfig, train
+
+    prep, store = tiny_llama_data
+    common = dict(steps=3, batch_tokens=128, drafter="dflash", block_size=4, draft_layers=2, eval_fraction=0.25,
+                  progress=False, lr=1e-3)
+    offline = train(TrainConfig(out=str(tmp_path / "off"), store=str(store), **common))
+    online = train(TrainConfig(out=str(tmp_path / "on"), online=True, model=str(tiny_llama_dir), data=str(prep),
+                               **common))
+    assert len(offline["eval"]["acc_per_step"]) == 3  # one accuracy per drafted block position
+    assert online["eval"]["loss_per_step"] == pytest.approx(offline["eval"]["loss_per_step"], rel=1e-5)
+    a, b = load_file(tmp_path / "off" / "model.safetensors"), load_file(tmp_path / "on" / "model.safetensors")
+    assert {k.split(".")[0] for k in a} == {"fc", "hidden_norm", "layers", "norm", "lm_head", "d2t", "t2d"}
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=1e-4)
+    config = json.loads((tmp_path / "off" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
+    assert config["num_hidden_layers"] == 2 and config["dflash_config"]["mask_token_id"] == config["vocab_size"] - 1
+    drafter = load_drafter(tmp_path / "off")
+    assert type(drafter).__name__ == "DFlashDrafter" and drafter.block_size == 4
+    with pytest.raises(EyasError, match="--block-size"):
+        TrainConfig(out="x", store=str(store), block_size=4)
