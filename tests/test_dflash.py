@@ -24,8 +24,8 @@ from eyas.evaluate.generate import generate
 from eyas.evaluate.target import TargetSession
 from eyas.train.objective import TTTObjective, make_labels, step_counts
 from eyas.train.target_head import TargetHead
-from test_eval_sampling import SAMPLES, PROMPT, T as TEMPERATURE, V as TOY_V, build_toy, chi2_pvalue, exact_joint
-from test_ttt import K, V, H, VD, rope, tiny_config
+from test_eval_sampling import T as TEMPERATURE, V as TOY_V, build_toy, check_sampling
+from test_ttt import K, V, H, VD, reference_loss, rope, tiny_config
 
 LAYERS = 2
 
@@ -86,7 +86,7 @@ def reference_block(m, ids: list[int], ctx_aux: torch.Tensor) -> torch.Tensor:
     return torch.stack([m.lm_head.weight @ rms(xs, m.norm.weight) for xs in x])
 
 
-def reference_loss(m, input_ids, hidden, labels, decay: float):
+def reference_dflash(m, input_ids, hidden, labels, decay: float):
     """Logits [K][B, T, Vd] (valid pairs only) and the loss: anchor i+1, slot k+1 scored
     against the target's distribution at i+1+k, mean per slot over trained pairs."""
     B, T = input_ids.shape
@@ -96,19 +96,7 @@ def reference_loss(m, input_ids, hidden, labels, decay: float):
             block = reference_block(m, [int(input_ids[b, i + 1])] + [m.config.mask_token_id] * K, hidden[b, : i + 1, :3])
             for k in range(min(K, T - 1 - i)):
                 logits[k][b, i] = block[k + 1]
-    loss = torch.zeros(())
-    for k in range(K):
-        total, count = torch.zeros(()), 0
-        for b in range(B):
-            for i in range(T - 1 - k):
-                j = i + 1 + k
-                if labels.trained[b, j]:
-                    count += 1
-                    if labels.target_draft[b, j] >= 0:
-                        total = total - (labels.probs[b, j] * logits[k][b, i].log_softmax(-1)).sum()
-        if count:
-            loss = loss + decay ** k * total / count
-    return logits, loss
+    return logits, reference_loss(logits, labels, decay)
 
 
 def test_training_step_matches_plain_reference_forward_and_gradients():
@@ -122,7 +110,7 @@ def test_training_step_matches_plain_reference_forward_and_gradients():
     grads = torch.autograd.grad(loss, params)
     fast_logits = drafter.forward_ttt(input_ids, hidden[:, :, :3])
 
-    ref_logits, ref_loss = reference_loss(drafter, input_ids, hidden, labels, decay)
+    ref_logits, ref_loss = reference_dflash(drafter, input_ids, hidden, labels, decay)
     ref_grads = torch.autograd.grad(ref_loss, params)
     T = input_ids.shape[1]
     for k in range(K):
@@ -199,15 +187,7 @@ def test_dflash_sampling_preserves_the_target_distribution(one_thread):
     session = TargetSession(target, drafter.config.aux_layer_ids)
     g = torch.Generator().manual_seed(7)
     proposer = DFlash(DFlashSession(drafter), steps=2, temperature=TEMPERATURE, generator=g)
-    counts = torch.zeros(TOY_V, TOY_V, TOY_V)
-    accepted = []
-    for _ in range(SAMPLES):
-        out = generate(session, proposer, PROMPT, 4, eos_ids=set(), temperature=TEMPERATURE, generator=g)
-        counts[tuple(out.generated_ids[1:4])] += 1
-        accepted += out.accept_counts
-    assert 0.1 < sum(a >= 1 for a in accepted) / len(accepted) < 0.9
-    assert sum(a == 2 for a in accepted) >= 10
-    assert chi2_pvalue(counts, exact_joint(target)) > 1e-3
+    check_sampling(target, session, proposer, g)
 
 
 def test_dflash_greedy_equals_plain_greedy_on_the_toy(one_thread):

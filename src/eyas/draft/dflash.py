@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from eyas.draft.config import DraftConfig
-from eyas.draft.model import FLEX_PAD, Eagle3Drafter, _compiled_flex, _llama_config
+from eyas.draft.model import FLEX_PAD, Eagle3Drafter, _compiled_flex, _llama_config, frozen_embedding
 
 
 class DFlashAttention(nn.Module):
@@ -86,10 +86,7 @@ class DFlashDrafter(nn.Module):
         super().__init__()
         self.config = cfg
         H = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
-        self.embed_tokens.requires_grad_(False)
-        if embed_weight is not None:
-            self.embed_tokens.weight.data.copy_(embed_weight)
+        self.embed_tokens = frozen_embedding(cfg, embed_weight)
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * H, H, bias=False)
         self.hidden_norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))

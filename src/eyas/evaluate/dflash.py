@@ -88,6 +88,8 @@ class DFlash(Proposer):
             return DraftTree()
         assert self.session.length == len(sequence) - 1, "the context must end right before the last token"
         logits = self.session.block(sequence[-1])  # [K, Vd]
+        if self.temperature <= 0:  # one read of the device for the whole block
+            return DraftTree.chain(self.session.m.draft_to_target(logits[:depth].argmax(-1)).tolist())
         tree = DraftTree()
         for d in range(depth):
             draft_id, dense = pick(self.session.m, logits[d], self.temperature, self.generator)
