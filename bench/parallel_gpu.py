@@ -50,10 +50,12 @@ def main() -> None:
         if kind == "dflash" and args.dflash_layers:
             options = {**options, "draft_layers": args.dflash_layers}
         result = train_for(args, work / "regen", work / kind, 60 * args.arm_minutes, options, evals=2)
-        report["train"][kind] = {"steps": result["steps"], "seconds": result["seconds"], "options": options,
+        report["train"][kind] = {"steps": result["final"]["step"], "steps_planned": result["steps"],
+                                 "seconds": result["seconds"], "options": options,
                                  "heldout": result["final"].get("eval"), "train": result["final"].get("train")}
         _dump(out / "parallel_gpu.json", report)
-        print(f"{kind}: {result['steps']} steps in {result['seconds']} s; held-out acc per position "
+        print(f"{kind}: {result['final']['step']} of {result['steps']} planned steps in {result['seconds']} s; "
+              f"held-out acc per position "
               f"{(result['final'].get('eval') or {}).get('acc_per_step')}", flush=True)
     left = 60 * args.minutes - (time.monotonic() - t0)
     decode(args, work, report, min(60 * args.eval_minutes, left - 45))

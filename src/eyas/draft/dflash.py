@@ -50,14 +50,17 @@ class DFlashAttention(nn.Module):
         return x.view(B, T, n, self.head_dim).transpose(1, 2)
 
     def query(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, T, H] (normed) -> q [B, nH, T, d]"""
-        q = self.q_norm(self._heads(self.q_proj(x), self.n_heads))
-        return apply_rotary_pos_emb(q, q, cos, sin)[0]
+        """x [B, T, H] (normed) -> q [B, nH, T, d], in the projection's dtype (the norm's float32
+        weight would lift it out of bf16 under autocast, and attention wants one dtype)"""
+        q = self.q_proj(x)
+        q = self.q_norm(self._heads(q, self.n_heads)).to(q.dtype)
+        return apply_rotary_pos_emb(q, q, cos.to(q.dtype), sin.to(q.dtype))[0]
 
     def key_value(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """x [B, T, H] (normed block input or context states) -> k, v [B, nKV, T, d]"""
-        k = self.k_norm(self._heads(self.k_proj(x), self.n_kv))
-        return apply_rotary_pos_emb(k, k, cos, sin)[0], self._heads(self.v_proj(x), self.n_kv)
+        k = self.k_proj(x)
+        k = self.k_norm(self._heads(k, self.n_kv)).to(k.dtype)
+        return apply_rotary_pos_emb(k, k, cos.to(k.dtype), sin.to(k.dtype))[0], self._heads(self.v_proj(x), self.n_kv)
 
     def repeat(self, kv: torch.Tensor) -> torch.Tensor:
         """[B, nKV, T, d] -> [B, nH, T, d] (GQA)"""
