@@ -22,10 +22,10 @@ from eyas.errors import EyasError
 from eyas.evaluate.dflash import DFlash, DFlashSession
 from eyas.evaluate.generate import generate
 from eyas.evaluate.target import TargetSession
-from eyas.train.objective import TTTObjective, make_labels, step_counts
+from eyas.train.objective import TTTObjective, make_labels
 from eyas.train.target_head import TargetHead
 from test_eval_sampling import T as TEMPERATURE, V as TOY_V, build_toy, check_sampling
-from test_ttt import K, V, H, VD, reference_loss, rope, tiny_config
+from test_ttt import K, V, H, VD, check_against_reference, reference_loss, rope, tiny_config
 
 LAYERS = 2
 
@@ -100,26 +100,7 @@ def reference_dflash(m, input_ids, hidden, labels, decay: float):
 
 
 def test_training_step_matches_plain_reference_forward_and_gradients():
-    drafter, head, draft_ids, input_ids, hidden, loss_mask = make_setup()
-    labels = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids)
-    decay = 0.8
-    counts = step_counts(loss_mask, K)
-    weights = torch.tensor([decay ** k for k in range(K)]) / counts
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    loss, stats, _ = TTTObjective(drafter)(input_ids, hidden[:, :, :3], labels, weights)
-    grads = torch.autograd.grad(loss, params)
-    fast_logits = drafter.forward_ttt(input_ids, hidden[:, :, :3])
-
-    ref_logits, ref_loss = reference_dflash(drafter, input_ids, hidden, labels, decay)
-    ref_grads = torch.autograd.grad(ref_loss, params)
-    T = input_ids.shape[1]
-    for k in range(K):
-        torch.testing.assert_close(fast_logits[k][:, : T - 1 - k], ref_logits[k][:, : T - 1 - k], atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
-    for g, r in zip(grads, ref_grads):
-        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-4)
-    assert stats[:, 2].tolist() == counts.tolist()
-    assert loss.item() > 0 and all(g.abs().sum() > 0 for g in grads)
+    check_against_reference(*make_setup(), reference_dflash)
 
 
 def test_block_attention_sees_the_prefix_and_its_own_block():

@@ -136,7 +136,12 @@ def reference_loss(logits: list[torch.Tensor], labels, decay: float) -> torch.Te
 
 @pytest.mark.parametrize("options", list(OPTIONS))
 def test_objective_matches_reference_forward_and_gradients(options):
-    drafter, head, draft_ids, input_ids, hidden, loss_mask = make_setup(**OPTIONS[options])
+    check_against_reference(*make_setup(**OPTIONS[options]), reference_ttt)
+
+
+def check_against_reference(drafter, head, draft_ids, input_ids, hidden, loss_mask, reference) -> None:
+    """The objective's loss, the drafter's logits and the gradients equal `reference`'s
+    (drafter, input_ids, hidden, labels, decay) -> (logits, loss), in float32."""
     labels = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids)
     decay = 0.8
     counts = step_counts(loss_mask, K)
@@ -147,7 +152,7 @@ def test_objective_matches_reference_forward_and_gradients(options):
     grads = torch.autograd.grad(loss, params)
     fast_logits = drafter.forward_ttt(input_ids, hidden[:, :, :3], K)
 
-    ref_logits, ref_loss = reference_ttt(drafter, input_ids, hidden, labels, decay)
+    ref_logits, ref_loss = reference(drafter, input_ids, hidden, labels, decay)
     ref_grads = torch.autograd.grad(ref_loss, params)
 
     T = input_ids.shape[1]
