@@ -252,3 +252,30 @@ def test_train_dflash_offline_equals_online_and_reloads(tiny_llama_dir, tiny_lla
     assert type(drafter).__name__ == "DFlashDrafter" and drafter.block_size == 4
     with pytest.raises(EyasError, match="--block-size"):
         TrainConfig(out="x", store=str(store), block_size=4)
+
+
+def test_export_writes_vllms_dflash_layout_and_refuses_the_others(tmp_path):
+    """`--to vllm` writes DFlashDraftModel's config and weights under vLLM's own names; the
+    layouts vLLM 0.32 and SGLang do not serve for DFlash are refused with one line."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from eyas.draft import save_drafter
+    from eyas.export import export_drafter
+
+    drafter = make_setup()[0]
+    save_drafter(drafter, tmp_path / "ckpt")
+    summary = export_drafter(tmp_path / "ckpt", "vllm", tmp_path / "vllm")
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["block_size"] == K + 1 and config["num_hidden_layers"] == LAYERS
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert config["dflash_config"] == {"mask_token_id": V - 1, "target_layer_ids": [0, 2, 3]}
+    weights = load_file(tmp_path / "vllm" / "model.safetensors")
+    assert "layers.1.self_attn.k_norm.weight" in weights and "hidden_norm.weight" in weights
+    assert not any(k.startswith(("embed_tokens", "midlayer")) for k in weights)
+    assert f'"num_speculative_tokens": {K}' in summary["serve_command"] and '"method": "dflash"' in summary["serve_command"]
+    for layout in ("sglang", "speculators"):
+        with pytest.raises(EyasError, match="exports only --to vllm"):
+            export_drafter(tmp_path / "ckpt", layout, tmp_path / layout)

@@ -11,6 +11,10 @@ greedy token and a simulated acceptance length tau_sim = 1 + sum_k prod_{j<=k} a
 the training batches and on a held-out --eval-fraction of the samples: on the progress
 bar, in OUT/metrics.jsonl and, when tensorboard is installed, under OUT/tensorboard.
 
+With --drafter dflash it trains a DFlash drafter instead (vLLM's method dflash): a block of
+--block-size - 1 tokens drafted in one forward pass, every position an anchor, slot k+1 of a
+block scored like TTT step k (same labels, vocabulary, metrics and data paths).
+
 OUT ends up an HF-style drafter folder (config.json + model.safetensors) ready for eval
 and export; resumable checkpoints live in OUT/checkpoints (every --save-every steps and at
 the end). bf16 autocast on GPU, float32 on CPU. Under torchrun each process takes its
