@@ -92,6 +92,11 @@ def assert_sampling_keeps_the_distribution(target, drafter: Eagle3Drafter, tree:
     session = TargetSession(target, drafter.config.aux_layer_ids)
     g = torch.Generator().manual_seed(seed)
     proposer = Eagle3(DrafterSession(drafter), steps=2, tree=tree, top_k=2, max_nodes=4, temperature=T, generator=g)
+    check_sampling(target, session, proposer, g)
+
+
+def check_sampling(target, session: TargetSession, proposer, g: torch.Generator) -> None:
+    """SAMPLES generations of 4 tokens: tokens 2..4 follow the target's exact joint distribution."""
     counts = torch.zeros(V, V, V)
     accepted = []
     for _ in range(SAMPLES):

@@ -24,7 +24,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eyas.draft import DraftConfig, Eagle3Drafter, load_drafter, save_drafter
+from eyas.draft import DraftConfig, load_drafter, save_drafter
+from eyas.draft.kinds import new_drafter
 from eyas.export import export_drafter
 from vllm_util import vllm_engine
 
@@ -75,7 +76,7 @@ def fit_drafter(captured: dict, out: Path, steps: int = 30, **options) -> Path:
     cfg = DraftConfig.for_target(captured["config"], captured["identity"], captured["layer_ids"], len(vocab),
                                  ttt_steps=K, intermediate_size=256, **options)
     torch.manual_seed(0)
-    drafter = Eagle3Drafter(cfg, captured["embed"])
+    drafter = new_drafter(cfg, captured["embed"])  # a DFlash drafter's entry k at i predicts the same token
     drafter.set_vocab(vocab)
     if cfg.fc_norm:
         g = torch.Generator().manual_seed(1)
@@ -146,7 +147,7 @@ def served_with(drafter_dir: Path, prompt_ids: list[list[int]], **engine) -> dic
         }
 
 
-def eyas_eval(ckpt: Path, tmp: Path, model: str = SMOLLM2) -> dict[str, list[dict]]:
+def eyas_eval(ckpt: Path, tmp: Path, method: str = "eagle3-chain", model: str = SMOLLM2) -> dict[str, list[dict]]:
     """`eyas eval` of `ckpt` on PROMPTS: the records of each method."""
     from eyas.evaluate.run import EvalConfig, evaluate
 
@@ -154,10 +155,13 @@ def eyas_eval(ckpt: Path, tmp: Path, model: str = SMOLLM2) -> dict[str, list[dic
     results = evaluate(EvalConfig(model=model, draft=str(ckpt), prompts=str(tmp / "prompts.jsonl"),
                                   max_new_tokens=MAX_TOKENS, steps=K, baselines=(),
                                   output=str(tmp / f"results-{ckpt.name}.json")))
-    return {m: [r for r in results["records"] if r["method"] == m] for m in ("plain", "eagle3-chain")}
+    return {m: [r for r in results["records"] if r["method"] == m] for m in ("plain", method)}
 
 
-def serve_and_measure(tmp: Path, smollm2_dir: Path) -> dict:
+def plain_and_captured(smollm2_dir: Path) -> tuple[list[list[int]], list[list[int]], dict]:
+    """PROMPTS as token ids, vLLM's plain greedy answers, and the aux states a drafter is fitted
+    on: each prompt and the first half of its answer (memorised there, guessing after, so
+    acceptance varies from step to step and the step-by-step comparison means something)."""
     from eyas.evaluate.prompts import render
     from eyas.models import load_tokenizer
 
@@ -165,9 +169,11 @@ def serve_and_measure(tmp: Path, smollm2_dir: Path) -> dict:
     prompt_ids = [render(tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     with vllm_engine(model=str(smollm2_dir), **ENGINE) as llm:
         plain = [list(o.outputs[0].token_ids) for o in generate(llm, prompt_ids)]
-    # Fitted on each prompt and the first half of its answer: memorised there, guessing after,
-    # so acceptance varies from step to step and the step-by-step comparison means something.
-    captured = capture([p + a[: len(a) // 2] for p, a in zip(prompt_ids, plain)])
+    return prompt_ids, plain, capture([p + a[: len(a) // 2] for p, a in zip(prompt_ids, plain)])
+
+
+def serve_and_measure(tmp: Path, smollm2_dir: Path) -> dict:
+    prompt_ids, plain, captured = plain_and_captured(smollm2_dir)
     ckpts = {"eagle3": fit_drafter(captured, tmp / "drafter"),
              "eagle31": fit_drafter(captured, tmp / "drafter31", fc_norm=True, norm_output=True)}
     served = {}
@@ -207,14 +213,19 @@ def test_eyas_eval_decodes_what_vllm_serves(run, drafter):
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_vllm_acceptance_matches_eyas_eval(run, drafter):
-    vllm_steps = run[drafter]["steps"]
-    eyas_steps = [r["accept_counts"] for r in run["eyas"][drafter]["eagle3-chain"]]
+    check_acceptance(run[drafter], run["eyas"][drafter]["eagle3-chain"], drafter)
+
+
+def check_acceptance(served_run: dict, eyas_records: list[dict], drafter: str) -> None:
+    """vLLM's per-step acceptance equals eyas eval's (see the module docstring for the last step)."""
+    vllm_steps = served_run["steps"]
+    eyas_steps = [r["accept_counts"] for r in eyas_records]
     for served, measured in zip(vllm_steps, eyas_steps):
         assert len(served) == len(measured)
         assert served[:-1] == measured[:-1]
         assert measured[-1] <= served[-1]
     # vLLM's aggregate counters are the same numbers summed.
-    counters = run[drafter]["counters"]
+    counters = served_run["counters"]
     flat = [a for steps in vllm_steps for a in steps]
     assert counters["num_drafts"] == len(flat) and counters["num_draft_tokens"] == K * len(flat)
     assert counters["num_accepted_tokens"] == sum(flat)

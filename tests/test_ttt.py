@@ -94,7 +94,6 @@ def reference_ttt(m: Eagle3Drafter, input_ids, hidden, labels, decay: float, hea
     a = m.midlayer.self_attn
     B, T = input_ids.shape
     logits = [torch.zeros(B, T, VD) for _ in range(K)]
-    loss = torch.zeros(())
     for b in range(B):
         h_prev = [fuse(m, hidden[b, i, :3]) for i in range(T)]  # step 0's hidden input
         keys, values = {}, {}  # (step, position) -> [nH, d]
@@ -121,7 +120,16 @@ def reference_ttt(m: Eagle3Drafter, input_ids, hidden, labels, decay: float, hea
                 h_next[i] = m.norm(out) if m.config.norm_output else out  # what step k + 1 reads
                 logits[k][b, i] = m.lm_head(m.norm(out))
             h_prev = h_next
-    for k in range(K):
+    return logits, reference_loss(logits, labels, decay)
+
+
+def reference_loss(logits: list[torch.Tensor], labels, decay: float) -> torch.Tensor:
+    """Step k's logits at i [K][B, T, Vd] against the target's distribution at j = i+1+k: soft
+    cross-entropy, mean per step over its trained pairs (misses outside the draft vocab count
+    in the mean and add no loss), weighted decay^k."""
+    B, T = labels.trained.shape
+    loss = torch.zeros(())
+    for k in range(len(logits)):
         total, count = torch.zeros(()), 0
         for b in range(B):
             for i in range(T - 1 - k):
@@ -132,7 +140,7 @@ def reference_ttt(m: Eagle3Drafter, input_ids, hidden, labels, decay: float, hea
                         total = total - (labels.probs[b, j] * logits[k][b, i].log_softmax(-1)).sum()
         if count:
             loss = loss + decay ** k * total / count
-    return logits, loss
+    return loss
 
 
 @pytest.mark.parametrize("options", list(OPTIONS))
@@ -144,7 +152,14 @@ def test_objective_matches_reference_forward_and_gradients(options):
 
 
 def assert_objective_matches_reference(drafter, head, draft_ids, input_ids, hidden, loss_mask, heads=gqa_heads):
-    """The objective's loss, logits and gradients equal reference_ttt's (float32: 1e-5; gradients
+    """`check_against_reference` with reference_ttt over the attention `heads` (GQA's, or MLA's)."""
+    return check_against_reference(drafter, head, draft_ids, input_ids, hidden, loss_mask,
+                                   lambda m, ids, h, labels, decay: reference_ttt(m, ids, h, labels, decay, heads))
+
+
+def check_against_reference(drafter, head, draft_ids, input_ids, hidden, loss_mask, reference):
+    """The objective's loss, the drafter's logits and the gradients equal `reference`'s
+    (drafter, input_ids, hidden, labels, decay) -> (logits, loss), in float32 (1e-5; gradients
     1e-4 relative); returns the loss and the per-step statistics."""
     labels = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids)
     decay = 0.8
@@ -156,7 +171,7 @@ def assert_objective_matches_reference(drafter, head, draft_ids, input_ids, hidd
     grads = torch.autograd.grad(loss, params)
     fast_logits = drafter.forward_ttt(input_ids, hidden[:, :, :3], K)
 
-    ref_logits, ref_loss = reference_ttt(drafter, input_ids, hidden, labels, decay, heads)
+    ref_logits, ref_loss = reference(drafter, input_ids, hidden, labels, decay)
     ref_grads = torch.autograd.grad(ref_loss, params)
 
     T = input_ids.shape[1]

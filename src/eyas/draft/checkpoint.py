@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from eyas.draft.config import DraftConfig
+from eyas.draft.kinds import new_drafter
 from eyas.draft.model import Eagle3Drafter
 from eyas.errors import EyasError
 from eyas.paths import atomic_write_bytes
@@ -43,7 +44,7 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 def load_drafter(folder: str | Path, embed_weight: torch.Tensor | None = None) -> Eagle3Drafter:
     """Rebuild a drafter; pass the target's input embeddings [V, H] to make it usable."""
     cfg = DraftConfig.load(folder)
-    model = Eagle3Drafter(cfg, embed_weight)
+    model = new_drafter(cfg, embed_weight)
     state = read_safetensors(Path(folder) / WEIGHTS)
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith(_NOT_SAVED)]

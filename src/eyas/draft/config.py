@@ -44,6 +44,9 @@ class DraftConfig:
     chat_template: dict[str, Any] | None = None  # the training data's (data/template.py ChatTemplate), for eval
     attention: str = "gqa"  # the layer's attention: "gqa" (Llama) or "mla" (DeepSeek-V2 latent, draft/mla.py)
     mla: dict[str, Any] | None = None  # MLA's latent ranks and head dims (draft/mla.py MLA_FIELDS)
+    drafter: str = "eagle3"  # the kind (draft/kinds.py); dflash drafts ttt_steps tokens per block in one pass
+    num_hidden_layers: int = 1  # decoder layers (EAGLE-3 has one)
+    mask_token_id: int | None = None  # dflash: the token whose embedding marks the block's slots to fill
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -66,6 +69,11 @@ class DraftConfig:
             latent.check_rope(self.rope_parameters)
         if self.fc_norm and self.norm_before_fc:
             raise EyasError("fc_norm and norm_before_fc both norm fc's input; a drafter has one or the other.")
+        if self.drafter == "dflash" and self.attention == "mla":
+            raise EyasError("A DFlash drafter has its own Qwen3-style layers; MLA attention is an EAGLE-3 layer option.")
+        from eyas.draft.kinds import check_kind
+
+        check_kind(self)
 
     @property
     def identity(self) -> ModelIdentity:
@@ -110,7 +118,11 @@ class DraftConfig:
         return cls(**kwargs)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """config.json: vLLM's Eagle-3 Llama fields at top level, eyas's own under `eyas`."""
+        """config.json: the fields vLLM reads for the kind at top level, eyas's own under `eyas`."""
+        if self.drafter != "eagle3":
+            from eyas.draft.kinds import hf_config
+
+            return {**hf_config(self), "eyas": {"config_version": CONFIG_VERSION, **asdict(self)}}
         return {
             "architectures": ["LlamaForCausalLMEagle3"],
             "model_type": "llama",

@@ -82,15 +82,21 @@ class DraftLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+def frozen_embedding(cfg: DraftConfig, embed_weight: torch.Tensor | None) -> nn.Embedding:
+    """The target's input embeddings [V, H], never trained (nor saved: see draft/checkpoint.py)."""
+    embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+    embed.requires_grad_(False)
+    if embed_weight is not None:
+        embed.weight.data.copy_(embed_weight)
+    return embed
+
+
 class Eagle3Drafter(nn.Module):
     def __init__(self, cfg: DraftConfig, embed_weight: torch.Tensor | None = None):
         super().__init__()
         self.config = cfg
         H = cfg.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
-        self.embed_tokens.requires_grad_(False)
-        if embed_weight is not None:
-            self.embed_tokens.weight.data.copy_(embed_weight)
+        self.embed_tokens = frozen_embedding(cfg, embed_weight)
         if cfg.fc_norm:  # one RMSNorm per aux state: the target's layers differ in scale by 10x and more
             self.fc_norm = nn.ModuleList(LlamaRMSNorm(H, eps=cfg.rms_norm_eps) for _ in cfg.aux_layer_ids)
         if cfg.norm_before_fc:  # one RMSNorm over the concatenated aux states (vLLM's and speculators' `input_norm`)

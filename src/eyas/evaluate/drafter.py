@@ -78,15 +78,8 @@ class DrafterSession:
         keys, values = self.keys, self.values
         S = self.length
         for d in range(1, depth + 1):
-            if temperature > 0:
-                q = torch.softmax(logits.float() / temperature, dim=-1)  # [Vd]
-                draft_id = torch.multinomial(q, 1, generator=generator)
-                dense = torch.zeros(self.m.config.vocab_size, dtype=q.dtype, device=q.device)
-                dense[self.m.draft_to_target(torch.arange(len(q), device=q.device))] = q
-                tree.add(self._to_target(draft_id)[0], d - 2, dense)
-            else:
-                draft_id = logits.argmax(-1, keepdim=True)
-                tree.add(self._to_target(draft_id)[0], d - 2)
+            draft_id, dense = pick(self.m, logits, temperature, generator)
+            tree.add(self._to_target(draft_id)[0], d - 2, dense)
             if d == depth:
                 break
             visible = torch.ones(1, keys.shape[-2] + 1, dtype=torch.bool)
@@ -141,6 +134,18 @@ class DrafterSession:
         for n in order:
             out.add(tokens[n], index[parents[n]] if parents[n] >= 0 else -1)
         return out
+
+
+def pick(m, logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
+    """logits [Vd] -> the draft id [1]: the argmax (temperature 0, proposal None) or a sample of
+    the drafter's distribution at `temperature`, returned as the proposal over the target vocab [V]."""
+    if temperature <= 0:
+        return logits.argmax(-1, keepdim=True), None
+    q = torch.softmax(logits.float() / temperature, dim=-1)  # [Vd]
+    draft_id = torch.multinomial(q, 1, generator=generator)
+    dense = torch.zeros(m.config.vocab_size, dtype=q.dtype, device=q.device)
+    dense[m.draft_to_target(torch.arange(len(q), device=q.device))] = q
+    return draft_id, dense
 
 
 def _ancestors(parents: list[int], node: int) -> set[int]:

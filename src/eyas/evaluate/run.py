@@ -88,7 +88,7 @@ def check_drafter(identity: ModelIdentity, drafter_cfg, where: str) -> None:
                         f"{identity.num_layers}-layer model {identity.model}.")
 
 
-def load_checked_drafter(path: str, model, identity: ModelIdentity) -> Eagle3Drafter:
+def load_checked_drafter(path: str, model, identity: ModelIdentity) -> torch.nn.Module:
     from eyas.draft import DraftConfig
 
     check_drafter(identity, DraftConfig.load(path), f"The drafter {path}")
@@ -150,6 +150,19 @@ def run_methods(target: TargetSession, tokenizer, proposers: list[Proposer], pro
     return records
 
 
+def drafter_proposer(drafter, cfg: EvalConfig, generator: torch.Generator | None) -> Proposer:
+    """The drafter's kind decides how it drafts: EAGLE-3 a chain or tree step by step, DFlash
+    a block in one pass (verified as a chain)."""
+    if drafter.config.drafter == "dflash":
+        if cfg.tree:
+            raise EyasError("A DFlash drafter proposes one block, verified as a chain; drop --tree.")
+        from eyas.evaluate.dflash import DFlash, DFlashSession
+
+        return DFlash(DFlashSession(drafter), cfg.steps, temperature=cfg.temperature, generator=generator)
+    return Eagle3(DrafterSession(drafter), cfg.steps, tree=cfg.tree, top_k=cfg.top_k, max_nodes=cfg.draft_tokens,
+                  temperature=cfg.temperature, generator=generator)
+
+
 def _answer(cfg: EvalConfig, indices: list[int], progress: bool = True) -> tuple[list[dict], dict]:
     """Load the target (and drafter) and answer the prompts at `indices` with every method:
     (records, the target's identity)."""
@@ -167,8 +180,7 @@ def _answer(cfg: EvalConfig, indices: list[int], progress: bool = True) -> tuple
             ChatTemplate.from_dict(drafter.config.chat_template).apply(tokenizer)
         aux_ids = drafter.config.aux_layer_ids
         gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
-        proposers.append(Eagle3(DrafterSession(drafter), cfg.steps, tree=cfg.tree, top_k=cfg.top_k,
-                                max_nodes=cfg.draft_tokens, temperature=cfg.temperature, generator=gen))
+        proposers.append(drafter_proposer(drafter, cfg, gen))
     target = TargetSession(model, aux_ids)
     records = run_methods(target, tokenizer, proposers, [prompts[i] for i in indices], cfg.max_new_tokens,
                           eos_ids(model, tokenizer), cfg.temperature, cfg.seed, progress, indices=indices)

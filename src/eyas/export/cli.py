@@ -34,8 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="cast the weights (default: keep the checkpoint's dtype; engines cast at load anyway)")
     p.add_argument("--target", help="the target to serve, if not the one recorded in the drafter (checked to be "
                    "the same model and tokenizer)")
-    p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
-                   help="draft tokens per step in the serve command and the speculators config (default 3)")
+    p.add_argument("--num-speculative-tokens", type=int, metavar="K",
+                   help="draft tokens per step in the serve command and the speculators config (default 3; "
+                        "a DFlash drafter's block size - 1)")
     p.add_argument("--serve-command", action="store_true",
                    help="only print the command that serves the target with the drafter at --out; write nothing")
     p.add_argument("--force", action="store_true", help="replace the drafter files in a non-empty --out")

@@ -13,7 +13,7 @@ import torch
 from eyas.capture.vllm.serve import serve_launcher
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
-from eyas.export.layouts import Layout, get_layout
+from eyas.export.layouts import Layout, get_layout, layout_for
 from eyas.export.weights import build_drafter, owned_out, read_tensors, write_folder
 from eyas.models.load import parse_dtype
 from eyas.models.resolve import resolve_model
@@ -23,7 +23,7 @@ from eyas.validate import COUNT
 
 
 def export_drafter(ckpt: str | Path, to: str, out: str | Path, *, target: str | None = None, dtype: str = "keep",
-                   num_speculative_tokens: int = 3, force: bool = False) -> dict[str, Any]:
+                   num_speculative_tokens: int | None = None, force: bool = False) -> dict[str, Any]:
     """Export the drafter in `ckpt` as `to` (vllm, speculators or sglang) into `out`; return a summary."""
     layout = get_layout(to)
     COUNT.check("--num-speculative-tokens", num_speculative_tokens)
@@ -31,6 +31,8 @@ def export_drafter(ckpt: str | Path, to: str, out: str | Path, *, target: str | 
     if note := unfinished_note(ckpt):
         print(f"eyas export: {note}", file=sys.stderr, flush=True)
     cfg = DraftConfig.load(ckpt)
+    layout = layout_for(cfg, to)
+    num_speculative_tokens = speculative_tokens(cfg, num_speculative_tokens)
     state = read_tensors(ckpt)
     build_drafter(cfg, state, str(ckpt))
     layout.check(cfg)
@@ -45,18 +47,28 @@ def export_drafter(ckpt: str | Path, to: str, out: str | Path, *, target: str | 
     return {
         "format": layout.name, "out": str(out), "tensors": len(tensors), "bytes": size,
         "aux_layer_ids": written_layer_ids(config),
-        "serve_command": serve_command(layout.engine, serving["target"], out, num_speculative_tokens),
+        "serve_command": serve_command(layout.engine, serving["target"], out, num_speculative_tokens, cfg.drafter),
     }
 
 
 def planned_serve_command(ckpt: str | Path, to: str, out: str | Path, *, target: str | None = None,
-                          num_speculative_tokens: int = 3) -> str:
+                          num_speculative_tokens: int | None = None) -> str:
     """The serve command for exporting `ckpt` to `out`, without writing anything."""
-    cfg, layout = DraftConfig.load(ckpt), get_layout(to)
+    cfg = DraftConfig.load(ckpt)
+    layout = layout_for(cfg, to)
+    num_speculative_tokens = speculative_tokens(cfg, num_speculative_tokens)
     serving = serving_info(cfg, target, num_speculative_tokens)
     if layout.engine == "vllm":
         check_vllm_serves(cfg, serving["target"])
-    return serve_command(layout.engine, serving["target"], Path(out).resolve(), num_speculative_tokens)
+    return serve_command(layout.engine, serving["target"], Path(out).resolve(), num_speculative_tokens, cfg.drafter)
+
+
+def speculative_tokens(cfg: DraftConfig, asked: int | None) -> int:
+    """Draft tokens per step: as asked, else 3, or a DFlash drafter's whole block as trained."""
+    k = asked if asked is not None else cfg.ttt_steps if cfg.drafter == "dflash" else 3
+    if k < 1:
+        raise EyasError("--num-speculative-tokens must be at least 1.")
+    return k
 
 
 def check_vllm_serves(cfg: DraftConfig, target: str) -> None:
@@ -128,11 +140,13 @@ def written_layer_ids(config: dict[str, Any]) -> dict[str, list[int]]:
     return ids
 
 
-def serve_command(engine: str, target: str, drafter: str | Path, num_speculative_tokens: int) -> str:
-    """The command line that serves `target` with the exported drafter, chain drafting k tokens."""
+def serve_command(engine: str, target: str, drafter: str | Path, num_speculative_tokens: int,
+                  method: str = "eagle3") -> str:
+    """The command line that serves `target` with the exported drafter, chain drafting k tokens
+    (DFlash: a block of k in one pass)."""
     k = num_speculative_tokens
     if engine == "vllm":
-        spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k})
+        spec = json.dumps({"method": method, "model": str(drafter), "num_speculative_tokens": k})
         return shlex.join([*serve_launcher(target), "--speculative-config", spec])
     return shlex.join([
         "python", "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm", "EAGLE3",

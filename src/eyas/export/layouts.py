@@ -186,6 +186,23 @@ LAYOUTS: dict[str, Layout] = {
 }
 
 
+def dflash_vllm_config(cfg: DraftConfig, serving: dict[str, Any]) -> dict[str, Any]:
+    """vLLM 0.32's `DFlashDraftModel` (models/qwen3_dflash.py, config/speculative.py): the fields
+    draft/kinds.py writes; weights `layers.i.*`, `fc`, `hidden_norm`, `norm`, `lm_head`, `d2t`
+    under their own names; the target's embeddings shared, the mask token's among them."""
+    return cfg.to_hf_dict()
+
+
+def layout_for(cfg: DraftConfig, name: str) -> Layout:
+    """The layout `name` for this drafter's kind: a DFlash drafter has the one vLLM serves."""
+    if cfg.drafter == "eagle3":
+        return get_layout(name)
+    if name != "vllm":
+        raise EyasError(f"A {cfg.drafter} drafter exports only --to vllm (vLLM 0.32 serves method {cfg.drafter}; "
+                        f"neither SGLang nor the speculators format is written for it).")
+    return Layout("vllm", "vllm", "", False, dflash_vllm_config, _needs_silu)
+
+
 def get_layout(name: str) -> Layout:
     try:
         return LAYOUTS[name]

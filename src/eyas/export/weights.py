@@ -17,7 +17,7 @@ from safetensors.torch import save
 
 from eyas.draft.checkpoint import _NOT_SAVED, read_safetensors
 from eyas.draft.config import DraftConfig
-from eyas.draft.model import Eagle3Drafter
+from eyas.draft.kinds import new_drafter
 from eyas import __version__
 from eyas.errors import EyasError
 from eyas.lock import LOCK_FILE, output_lock
@@ -62,11 +62,11 @@ def _load_bin(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def build_drafter(cfg: DraftConfig, state: dict[str, torch.Tensor], what: str) -> Eagle3Drafter:
+def build_drafter(cfg: DraftConfig, state: dict[str, torch.Tensor], what: str) -> torch.nn.Module:
     """A drafter whose saved tensors are exactly `state` (shared, not copied; the target's
     embeddings stay on the meta device). Raises naming every missing, extra or misshapen tensor."""
     with torch.device("meta"):
-        model = Eagle3Drafter(cfg)
+        model = new_drafter(cfg)
     expected = {k: v.shape for k, v in model.state_dict().items() if not k.startswith(_NOT_SAVED)}
     missing = sorted(expected.keys() - state.keys())
     extra = sorted(state.keys() - expected.keys())

@@ -11,6 +11,10 @@ greedy token and a simulated acceptance length tau_sim = 1 + sum_k prod_{j<=k} a
 the training batches and on a held-out --eval-fraction of the samples: on the progress
 bar, in OUT/metrics.jsonl and, when tensorboard is installed, under OUT/tensorboard.
 
+With --drafter dflash it trains a DFlash drafter instead (vLLM's method dflash): a block of
+--block-size - 1 tokens drafted in one forward pass, every position an anchor, slot k+1 of a
+block scored like TTT step k (same labels, vocabulary, metrics and data paths).
+
 OUT ends up an HF-style drafter folder (config.json + model.safetensors) ready for eval
 and export; resumable checkpoints live in OUT/checkpoints (every --save-every steps and at
 the end). bf16 autocast on GPU, float32 on CPU. Under torchrun each process takes its
@@ -22,6 +26,7 @@ examples:
   eyas train --store store --out drafter --steps 200 --minutes 5 --batch-tokens 2048
   eyas train --store store --out drafter --resume          # continue an interrupted run
   eyas train --online --model packaged:smollm2-135m --data prepared --out drafter
+  eyas train --store store --out dflash --drafter dflash --block-size 8   # a block of 7 in one pass
   torchrun --nproc-per-node 8 -m eyas train --store store --out drafter --epochs 3
 """
 
@@ -31,7 +36,7 @@ import argparse
 
 from eyas.device import TORCHRUN_NOTE, add_device_argument
 
-HELP = "train an EAGLE-3 drafter (training-time test) from a store or online"
+HELP = "train an EAGLE-3 (training-time test) or DFlash (block) drafter from a store or online"
 ON_INTERRUPT = "interrupted; add --resume to the same command to continue from its last checkpoint."
 
 
@@ -49,9 +54,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="train on a store whose capture has not finished (refused otherwise, naming what is missing)")
 
     head = p.add_argument_group("drafter")
+    head.add_argument("--drafter", default="eagle3", choices=("eagle3", "dflash"),
+                      help="eagle3: K tokens, one forward pass each (default); dflash: a block of K in one pass")
+    head.add_argument("--block-size", type=int,
+                      help="dflash: the last token plus the K drafted ones (default --ttt-steps + 1 = 8)")
+    head.add_argument("--draft-layers", type=int, help="dflash: decoder layers (default: a tenth of the target's, >= 1)")
+    head.add_argument("--mask-token-id", type=int,
+                      help="dflash: the token whose (frozen) embedding marks the slots to fill (default: the last id)")
     head.add_argument("--draft-vocab", type=int, help="draft vocabulary size (default min(32000, target vocab))")
     head.add_argument("--ttt-steps", type=int, default=7, help="unrolled training-time-test steps (default 7)")
-    head.add_argument("--ttt-decay", type=float, default=0.8, help="loss weight decay^k of step k (default 0.8)")
+    head.add_argument("--ttt-decay", type=float, default=0.8,
+                      help="loss weight decay^k of step k (dflash: of block slot k+1) (default 0.8)")
     head.add_argument("--intermediate-size", type=int,
                       help="the drafter's MLP width (default: the target's); vLLM and SGLang read it from the "
                            "exported config")

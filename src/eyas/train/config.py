@@ -42,6 +42,10 @@ class TrainConfig:
     draft_attention: str = "auto"  # gqa, mla, or auto (the target's kind: draft/mla.py)
     fc_norm: bool = False
     norm_output: bool = False
+    drafter: str = "eagle3"  # the kind (draft/kinds.py)
+    block_size: int | None = None  # dflash: slot 0 plus the drafted tokens (sets ttt_steps = block_size - 1)
+    draft_layers: int | None = None  # dflash: decoder layers (default draft/dflash.py default_num_layers)
+    mask_token_id: int | None = None  # dflash: default the target vocabulary's last id
     epochs: float | None = None  # default 1 unless steps is given
     steps: int | None = None
     lr: float = 1e-4
@@ -84,6 +88,34 @@ class TrainConfig:
         check_options(self, OPTIONS)
         if self.steps is not None and self.epochs is not None:
             raise EyasError("give --steps or --epochs, not both.")
+        self._check_kind()
+
+    def _check_kind(self) -> None:
+        from eyas.draft.kinds import DRAFTERS
+
+        if self.drafter not in DRAFTERS:
+            raise EyasError(f"--drafter must be one of {', '.join(DRAFTERS)}, not {self.drafter!r}.")
+        if self.drafter != "dflash":
+            if (self.block_size, self.draft_layers, self.mask_token_id) != (None, None, None):
+                raise EyasError("--block-size, --draft-layers and --mask-token-id are for --drafter dflash.")
+            return
+        if self.fc_norm or self.norm_output:
+            raise EyasError("--fc-norm and --norm-output are EAGLE-3 options; drop them with --drafter dflash.")
+        if self.block_size is not None:
+            if self.block_size < 2:
+                raise EyasError("--block-size must be at least 2 (the last token and one to draft).")
+            self.ttt_steps = self.block_size - 1
+        if self.draft_layers is not None and self.draft_layers < 1:
+            raise EyasError("--draft-layers must be at least 1.")
+
+    def kind_options(self, identity) -> dict[str, Any]:
+        """The DraftConfig fields of the kind, given the target's identity."""
+        if self.drafter != "dflash":
+            return {}
+        from eyas.draft.dflash import default_num_layers
+
+        return {"drafter": "dflash", "num_hidden_layers": self.draft_layers or default_num_layers(identity.num_layers),
+                "mask_token_id": identity.vocab_size - 1 if self.mask_token_id is None else self.mask_token_id}
 
     @property
     def crop(self) -> int:

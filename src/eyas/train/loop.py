@@ -19,6 +19,7 @@ from tqdm import tqdm
 
 from eyas.draft.checkpoint import load_drafter
 from eyas.draft.config import DraftConfig
+from eyas.draft.kinds import new_drafter
 from eyas.draft.model import Eagle3Drafter
 from eyas.draft.vocab import TokenCounter, build_draft_vocab, coverage, default_draft_vocab_size
 from eyas.errors import EyasError
@@ -123,7 +124,7 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device) -> Run:
         draft, draft_ids = _new_draft_config(cfg, source, folder, train_pos, d)
         _check_fits(draft, d, device)
         torch.manual_seed(cfg.seed)
-        drafter = Eagle3Drafter(draft, head.embed_weight)
+        drafter = new_drafter(draft, head.embed_weight)
         drafter.set_vocab(draft_ids)
     model = distributed.wrap(TTTObjective(drafter).to(device), d, device)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
@@ -210,7 +211,8 @@ def _new_draft_config(cfg: TrainConfig, source, folder: str, train_pos: list[int
     draft = DraftConfig.for_target(AutoConfig.from_pretrained(folder), source.identity, source.layer_ids, size,
                                    ttt_steps=cfg.ttt_steps, ttt_decay=cfg.ttt_decay, fc_norm=cfg.fc_norm,
                                    norm_output=cfg.norm_output, chat_template=source.chat_template,
-                                   attention=cfg.draft_attention, **width)
+                                   attention=cfg.draft_attention if cfg.drafter == "eagle3" else "gqa", **width,
+                                   **cfg.kind_options(source.identity))
     return draft, draft_ids
 
 
@@ -401,7 +403,7 @@ def save(run: Run) -> None:
     model_state, optim_state = ckpt.full_states(run.model, run.optimizer)
     if run.d.main:
         with torch.device("meta"):
-            cpu = Eagle3Drafter(run.draft)
+            cpu = new_drafter(run.draft)
         cpu.load_state_dict({k.removeprefix("drafter."): v for k, v in model_state.items()}, assign=True)
         trainer = {"config": run.cfg.to_dict(), "total_steps": run.total_steps}
         ckpt.save_checkpoint(Path(run.cfg.out), run.step, cpu, optim_state, trainer, run.cfg.keep)

@@ -1,0 +1,271 @@
+"""A parallel drafter against the EAGLE-3 chain, from the same data for the same minutes, in
+one GPU call: regenerate a small set of packaged conversations with SmolLM2-135M-Instruct,
+train an EAGLE-3 drafter and a DFlash drafter online on it for equal minutes each, then on
+MT-bench (both turns, T=0, one decoding process) decode plain, prompt lookup (7), the EAGLE-3
+chain (7) and DFlash (a block of 7 in one pass) interleaved per question, in eyas's lossless
+loop. Reports held-out accuracy per block position (training's own held-out pass), tau, the
+wall-clock speed-ups, every answer against plain decoding, and in a separate synchronised
+pass the draft's time per step against the target's verification pass.
+
+The regenerate and train stages are quality_gpu.py's (regenerate, then `train_for`: a short
+probe sizes each cosine schedule to its minutes); the EAGLE-3 arm is its main recipe.
+
+  PYTHONPATH=src:bench python3 bench/parallel_gpu.py --model /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf \\
+      --conversations .carry/bench/b/conversations.jsonl.gz --mt-bench /tmp/m/mt_bench.jsonl --out $OUT
+  PYTHONPATH=src:bench python3 bench/parallel_gpu.py --smoke --out /tmp/parallel-smoke   # CPU, minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from quality_gpu import RECIPE, _device_name, _dump, _stratified, train_for  # noqa: E402
+
+CHAIN = 7  # the EAGLE-3 chain's depth and DFlash's block of drafted tokens (block size 8)
+ARMS = {"eagle3": RECIPE, "dflash": {"drafter": "dflash", "block_size": CHAIN + 1}}
+
+
+def main() -> None:
+    args = parse_args()
+    t0 = time.monotonic()
+    work, out = Path(args.work), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    report: dict = {"command": " ".join(sys.argv), "commit": _commit(), "device": _device_name(args.device),
+                    "settings": {k: v for k, v in vars(args).items()}}
+    regenerate_set(args, work, report)
+    _dump(out / "parallel_gpu.json", report)
+    report["train"] = {}
+    for kind, options in ARMS.items():
+        if kind == "dflash" and args.dflash_layers:
+            options = {**options, "draft_layers": args.dflash_layers}
+        result = train_for(args, work / "regen", work / kind, 60 * args.arm_minutes, options, evals=2)
+        report["train"][kind] = {"steps": result["final"]["step"], "steps_planned": result["steps"],
+                                 "seconds": result["seconds"], "options": options,
+                                 "heldout": result["final"].get("eval"), "train": result["final"].get("train")}
+        _dump(out / "parallel_gpu.json", report)
+        print(f"{kind}: {result['final']['step']} of {result['steps']} planned steps in {result['seconds']} s; "
+              f"held-out acc per position "
+              f"{(result['final'].get('eval') or {}).get('acc_per_step')}", flush=True)
+    left = 60 * args.minutes - (time.monotonic() - t0)
+    decode(args, work, report, min(60 * args.eval_minutes, left - 45))
+    _dump(out / "parallel_gpu.json", report)
+    print_summary(report)
+
+
+def regenerate_set(args, work: Path, report: dict) -> None:
+    """The first --conversations-limit packed conversations, prepared and regenerated greedily."""
+    from eyas.data.prepare import prepare
+    from eyas.regenerate.run import regenerate
+
+    source = args.conversations
+    if source.endswith(".gz"):
+        source = str(work / "conversations.jsonl")
+        with gzip.open(args.conversations, "rt", encoding="utf-8") as f, open(source, "w", encoding="utf-8") as g:
+            for n, line in enumerate(f):
+                if n >= args.conversations_limit:
+                    break
+                g.write(line)
+    t0 = time.monotonic()
+    prepared = prepare(args.model, source, work / "prepared", max_len=args.max_len, limit=args.conversations_limit,
+                       progress=False)
+    summary = regenerate(args.model, work / "prepared", work / "regen", max_new_tokens=args.regen_tokens,
+                         group_size=args.regen_group, device=args.device, progress=False, minutes=args.regen_minutes)
+    report["regenerate"] = {"prepared": prepared.get("kept"), "conversations": summary.get("kept"),
+                            "tokens": summary.get("tokens"), "seconds": round(time.monotonic() - t0, 1)}
+    print("regenerated:", json.dumps(report["regenerate"]), flush=True)
+
+
+def proposers_for(work: Path, model, identity):
+    """plain, prompt lookup, the EAGLE-3 chain and DFlash, all drafting CHAIN tokens."""
+    from eyas.evaluate.dflash import DFlash, DFlashSession
+    from eyas.evaluate.drafter import DrafterSession
+    from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
+    from eyas.evaluate.run import load_checked_drafter
+
+    eagle = load_checked_drafter(str(work / "eagle3"), model, identity)
+    dflash = load_checked_drafter(str(work / "dflash"), model, identity)
+    if eagle.config.aux_layer_ids != dflash.config.aux_layer_ids:
+        raise SystemExit("both drafters must read the same aux layers (one target session serves both)")
+    return [Proposer(), PromptLookup(CHAIN), Eagle3(DrafterSession(eagle), CHAIN),
+            DFlash(DFlashSession(dflash), CHAIN)], eagle.config.aux_layer_ids
+
+
+def decode(args, work: Path, report: dict, seconds: float) -> None:
+    """Every method on whole MT-bench questions (stratified by category), interleaved per
+    question, until `seconds` are spent; then the timing pass."""
+    from eyas.evaluate.prompts import load_prompts
+    from eyas.evaluate.report import TAU_DEFINITION, summarize
+    from eyas.evaluate.run import eos_ids, run_methods
+    from eyas.evaluate.target import TargetSession
+    from eyas.models import load_target, model_identity
+
+    t0 = time.monotonic()
+    model, tok = load_target(args.model, dtype="float32", device=args.device)
+    identity = model_identity(args.model, model.config, tok)
+    proposers, aux_ids = proposers_for(work, model, identity)
+    target = TargetSession(model, aux_ids)
+    eos = eos_ids(model, tok)
+    prompts = {p.id: p for p in load_prompts(args.mt_bench)}
+    order = _stratified(_categories(args.mt_bench))[: args.questions]
+    records, per_question = [], 0.0
+    for i, pid in enumerate(order):
+        if i and time.monotonic() - t0 + per_question + 60 > seconds:  # the timing pass needs its minute
+            break
+        q0 = time.monotonic()
+        records += run_methods(target, tok, proposers, [prompts[pid]], args.max_new_tokens, eos, progress=False,
+                               warmup=i == 0)
+        per_question = max(per_question, time.monotonic() - q0)
+        print(f"question {pid}: {time.monotonic() - q0:.1f} s", flush=True)
+    positions = {p.name: CHAIN for p in proposers[1:]}
+    summaries = summarize(records, positions)
+    plain = {(r["prompt_id"], r["turn"]): r["generated_ids"] for r in records if r["method"] == "plain"}
+    identical = {m: f"{sum(plain.get((r['prompt_id'], r['turn'])) == r['generated_ids'] for r in records if r['method'] == m)}"
+                    f"/{sum(r['method'] == m for r in records)}" for m in summaries}
+    by_turn = {str(t): {m: round(s.tau, 3) for m, s in summarize([r for r in records if r["turn"] == t],
+                                                                  positions).items()}
+               for t in sorted({r["turn"] for r in records})}
+    par, chain, lookup = summaries.get("dflash"), summaries.get("eagle3-chain"), summaries.get("prompt-lookup")
+    report.update({
+        "parallel_kind": "dflash",
+        "speedup_parallel_over_chain": _ratio(par and par.speedup, chain and chain.speedup),
+        "tau_parallel_over_chain": _ratio(par and par.tau, chain and chain.tau),
+        "speedup_parallel_over_prompt_lookup": _ratio(par and par.speedup, lookup and lookup.speedup),
+        "identical_to_plain": identical,
+        "tau_definition": TAU_DEFINITION,
+        "mt_bench": {"questions": len({r["prompt_id"] for r in records}), "answers_per_method": len(plain),
+                     "max_new_tokens": args.max_new_tokens, "dtype": "float32", "decoding_processes": 1,
+                     "summary": {k: s.to_dict() for k, s in summaries.items()}, "tau_by_turn": by_turn},
+        "heldout_acc_per_position": {k: (v.get("heldout") or {}).get("acc_per_step") for k, v in report["train"].items()},
+    })
+    report["draft_vs_verify"] = timing_pass(target, tok, proposers, [prompts[pid] for pid in order[: args.timing_questions]],
+                                            args.max_new_tokens, eos)
+    target.close()
+
+
+def timing_pass(target, tok, proposers, prompts, max_new_tokens: int, eos: set[int]) -> dict:
+    """Per method, milliseconds per verification step spent drafting (propose + the drafter's
+    context update) and in the target's verification pass, each timed between device
+    synchronisations: apart from the headline run, since the synchronisations cost time."""
+    from eyas.device import synchronize
+    from eyas.evaluate.run import run_methods
+
+    clock = {"verify": 0.0}
+    verify = target.verify
+
+    def timed(fn, key, into):
+        def wrapper(*a, **k):
+            synchronize(target.device)
+            t = time.perf_counter()
+            result = fn(*a, **k)
+            synchronize(target.device)
+            into[key] += time.perf_counter() - t
+            return result
+        return wrapper
+
+    target.verify = timed(verify, "verify", clock)
+    out = {}
+    try:
+        for p in proposers:
+            spent = {"draft": 0.0}
+            inner_propose, inner_update = p.propose, p.update
+            p.propose, p.update = timed(inner_propose, "draft", spent), timed(inner_update, "draft", spent)
+            clock["verify"] = 0.0
+            records = run_methods(target, tok, [p], prompts, max_new_tokens, eos, progress=False, warmup=False)
+            p.propose, p.update = inner_propose, inner_update
+            steps = sum(len(r["accept_counts"]) for r in records)
+            out[p.name] = {"steps": steps, "draft_ms_per_step": round(1e3 * spent["draft"] / max(steps, 1), 3),
+                           "verify_ms_per_step": round(1e3 * clock["verify"] / max(steps, 1), 3),
+                           "wall_ms_per_step": round(1e3 * sum(r["seconds"] for r in records) / max(steps, 1), 3)}
+    finally:
+        target.verify = verify
+    return out
+
+
+def print_summary(report: dict) -> None:
+    from eyas.evaluate.report import Summary, format_table
+
+    mt = report.get("mt_bench") or {}
+    summaries = {k: Summary(**v) for k, v in mt.get("summary", {}).items()}
+    print(format_table(summaries))
+    print(f"\nMT-bench: {mt.get('questions')} questions, both turns, {mt.get('max_new_tokens')} new tokens, one process")
+    for key in ("speedup_parallel_over_chain", "tau_parallel_over_chain", "speedup_parallel_over_prompt_lookup"):
+        print(f"{key}: {report.get(key)}")
+    print(f"identical to plain (answers equal / answers): {report.get('identical_to_plain')}")
+    print(f"held-out accuracy per block position: {json.dumps(report.get('heldout_acc_per_position'))}")
+    for m, t in (report.get("draft_vs_verify") or {}).items():
+        print(f"  {m:<15} draft {t['draft_ms_per_step']:.2f} ms/step, verify {t['verify_ms_per_step']:.2f} ms/step, "
+              f"wall {t['wall_ms_per_step']:.2f} ms/step")
+
+
+def _categories(mt_bench: str) -> dict[str, str]:
+    from eyas.evaluate.prompts import _mt_bench_file
+
+    path = _mt_bench_file() if mt_bench == "mt-bench" else Path(mt_bench)
+    return {str(q["question_id"]): q.get("category", "?") for q in map(json.loads, path.read_text().splitlines()) if q}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 4) if a is not None and b else None
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                              cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", help="the SmolLM2 GGUF or model folder (any model eyas loads)")
+    p.add_argument("--conversations", help="pack's conversations.jsonl.gz, a JSONL file or a packaged: source")
+    p.add_argument("--conversations-limit", type=int, default=8192, help="conversations prepared (default 8192)")
+    p.add_argument("--mt-bench", default="mt-bench", help="MT-bench question.jsonl (default: the packaged one)")
+    p.add_argument("--work", default="/tmp/parallel-work")
+    p.add_argument("--out", required=True)
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--minutes", type=float, default=8.4, help="the whole call's budget (decoding takes what is left)")
+    p.add_argument("--regen-minutes", type=float, default=1.0)
+    p.add_argument("--regen-tokens", type=int, default=256)
+    p.add_argument("--regen-group", type=int, default=4096)
+    p.add_argument("--arm-minutes", type=float, default=1.6, help="training minutes per drafter (equal for both)")
+    p.add_argument("--eval-minutes", type=float, default=3.0, help="MT-bench decoding, timing pass included")
+    p.add_argument("--questions", type=int, default=80)
+    p.add_argument("--timing-questions", type=int, default=2)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-len", type=int, default=1024)
+    p.add_argument("--batch-tokens", type=int, default=65536)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--probe-steps", type=int, default=10)
+    p.add_argument("--dflash-layers", type=int, help="DFlash decoder layers (default: eyas's, a tenth of the target's)")
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU end to end in minutes: the packaged SmolLM2, 12 chitchat dialogues, 32-token answers, "
+                        "tiny batches, one question")
+    args = p.parse_args()
+    if args.smoke:
+        args.model = args.model or "packaged:smollm2-135m"
+        args.conversations = args.conversations or "packaged:chitchat"
+        args.device = "cpu"
+        args.conversations_limit, args.regen_tokens, args.regen_group, args.max_len = 12, 24, 12, 128
+        args.batch_tokens, args.probe_steps, args.arm_minutes = 512, 2, 0.4
+        args.questions, args.timing_questions, args.max_new_tokens = 1, 1, 24
+        args.eval_minutes = args.minutes = 20.0
+        args.regen_minutes = None
+    elif not (args.model and args.conversations):
+        p.error("--model and --conversations are needed (or --smoke)")
+    return args
+
+
+if __name__ == "__main__":
+    main()

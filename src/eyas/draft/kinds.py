@@ -1,0 +1,64 @@
+"""The drafter kinds eyas trains, from the same store and the same objective: `eagle3` drafts
+its K tokens one forward pass each, `dflash` drafts a block of K in one pass. A kind names
+its module class and the config.json vLLM loads it with."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from eyas.errors import EyasError
+
+DRAFTERS = ("eagle3", "dflash")
+
+
+def check_kind(cfg) -> None:
+    """Refuse settings the kind cannot hold (called by DraftConfig itself)."""
+    if cfg.drafter not in DRAFTERS:
+        raise EyasError(f"Unknown drafter kind {cfg.drafter!r}; choose from {', '.join(DRAFTERS)}.")
+    if cfg.num_hidden_layers < 1:
+        raise EyasError("A drafter needs at least one layer.")
+    if cfg.drafter == "eagle3" and cfg.num_hidden_layers != 1:
+        raise EyasError("An EAGLE-3 drafter has exactly one layer.")
+    if cfg.drafter == "dflash":
+        if cfg.mask_token_id is None or not 0 <= cfg.mask_token_id < cfg.vocab_size:
+            raise EyasError(f"A DFlash drafter needs a mask token id in 0..{cfg.vocab_size - 1}, "
+                            f"not {cfg.mask_token_id}.")
+        if cfg.fc_norm or cfg.norm_output or cfg.norm_before_residual:
+            raise EyasError("fc_norm, norm_output and norm_before_residual are EAGLE-3 options; "
+                            "a DFlash drafter has none of them.")
+
+
+def drafter_class(cfg):
+    if cfg.drafter == "dflash":
+        from eyas.draft.dflash import DFlashDrafter
+
+        return DFlashDrafter
+    from eyas.draft.model import Eagle3Drafter
+
+    return Eagle3Drafter
+
+
+def new_drafter(cfg, embed_weight: torch.Tensor | None = None) -> torch.nn.Module:
+    return drafter_class(cfg)(cfg, embed_weight)
+
+
+def hf_config(cfg) -> dict[str, Any]:
+    """config.json of a DFlash drafter as vLLM 0.32 loads it (models/qwen3_dflash.py): the
+    Qwen3 layer fields, `block_size`, the aux layer ids in vLLM's convention and
+    `dflash_config` (mask token; `target_layer_ids` count one lower, as z-lab's heads do)."""
+    d = replace(cfg, drafter="eagle3", num_hidden_layers=1, mask_token_id=None).to_hf_dict()
+    for key in ("eyas", "fc_norm", "norm_output", "norm_before_residual", "num_aux_hidden_states"):
+        d.pop(key)
+    return {
+        **d,
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "num_hidden_layers": cfg.num_hidden_layers,
+        "attention_bias": False,
+        "block_size": cfg.ttt_steps + 1,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id,
+                          "target_layer_ids": [k - 1 for k in cfg.aux_layer_ids]},
+    }

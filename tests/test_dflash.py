@@ -1,0 +1,281 @@
+"""The DFlash drafter: its training step against a plain reference, decoding against training,
+and decoding that loses nothing (T = 0) and keeps the target's distribution (T > 0).
+
+The reference recomputes every (anchor row i, block slot s) pair on its own with loops: the
+block [token i+1, mask x K] at positions i+1..i+1+K, each layer's keys from the context states
+at 0..i and from the block's own slots, a softmax over exactly those, the MLP, the logits and
+the soft cross-entropy weighted decay^(s-1). Both run in float32 and agree to 1e-5 (logits,
+loss) and 1e-4 relative (gradients).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eyas.draft.dflash import block_attention, block_mask_dense
+from eyas.draft.kinds import new_drafter
+from eyas.errors import EyasError
+from eyas.evaluate.dflash import DFlash, DFlashSession
+from eyas.evaluate.generate import generate
+from eyas.evaluate.target import TargetSession
+from eyas.train.objective import TTTObjective, make_labels
+from eyas.train.target_head import TargetHead
+from test_eval_sampling import T as TEMPERATURE, V as TOY_V, build_toy, check_sampling
+from test_ttt import K, V, H, VD, check_against_reference, reference_loss, rope, tiny_config
+
+LAYERS = 2
+
+
+def make_setup():
+    torch.manual_seed(0)
+    cfg = tiny_config(drafter="dflash", num_hidden_layers=LAYERS, mask_token_id=V - 1)
+    drafter = new_drafter(cfg, torch.randn(V, H))
+    for p in drafter.parameters():  # larger than the default init (norm weights too), so every term matters
+        if p.requires_grad:
+            p.data.normal_(0, 0.3)
+    draft_ids = torch.randperm(V)[:VD].sort().values
+    drafter.set_vocab(draft_ids)
+    head = TargetHead(torch.randn(V, H), torch.nn.RMSNorm(H, eps=1e-5), torch.randn(V, H) * 0.5)
+    B, T = 3, 10
+    input_ids = torch.randint(0, V - 1, (B, T))
+    hidden = torch.randn(B, T, 4, H)  # three aux states and id N
+    loss_mask = torch.rand(B, T) < 0.7
+    loss_mask[2, 7:] = False  # row 2 is padding after 7 tokens
+    input_ids[2, 7:] = 0
+    return drafter, head, draft_ids, input_ids, hidden, loss_mask
+
+
+def rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
+    return w * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def reference_block(m, ids: list[int], ctx_aux: torch.Tensor) -> torch.Tensor:
+    """The block's slot logits [S, Vd], one query at a time: ids [S] at positions C..C+S-1
+    after the context aux states ctx_aux [C, 3, H]."""
+    C, S = ctx_aux.shape[0], len(ids)
+    ctx = [rms(m.fc.weight @ ctx_aux[c].reshape(-1), m.hidden_norm.weight) for c in range(C)]
+    x = [m.embed_tokens.weight[t] for t in ids]
+    for layer in m.layers:
+        a = layer.self_attn
+        nH, nKV, d = a.n_heads, a.n_kv, a.head_dim
+
+        def keys_values(z, pos):
+            k = rope(rms((a.k_proj.weight @ z).view(nKV, d), a.k_norm.weight), pos)
+            return k, (a.v_proj.weight @ z).view(nKV, d)
+
+        kv = [keys_values(ctx[c], c) for c in range(C)]
+        h = [rms(xs, layer.input_layernorm.weight) for xs in x]
+        kv += [keys_values(h[s], C + s) for s in range(S)]
+        out = []
+        for s in range(S):
+            q = rope(rms((a.q_proj.weight @ h[s]).view(nH, d), a.q_norm.weight), C + s)
+            heads = []
+            for hd in range(nH):
+                g = hd // (nH // nKV)
+                w = torch.stack([q[hd] @ k[g] for k, _ in kv]).div(math.sqrt(d)).softmax(0)
+                heads.append(sum(w[j] * v[g] for j, (_, v) in enumerate(kv)))
+            y = x[s] + a.o_proj.weight @ torch.cat(heads)
+            z = rms(y, layer.post_attention_layernorm.weight)
+            mlp = layer.mlp
+            out.append(y + mlp.down_proj.weight @ (F.silu(mlp.gate_proj.weight @ z) * (mlp.up_proj.weight @ z)))
+        x = out
+    return torch.stack([m.lm_head.weight @ rms(xs, m.norm.weight) for xs in x])
+
+
+def reference_dflash(m, input_ids, hidden, labels, decay: float):
+    """Logits [K][B, T, Vd] (valid pairs only) and the loss: anchor i+1, slot k+1 scored
+    against the target's distribution at i+1+k, mean per slot over trained pairs."""
+    B, T = input_ids.shape
+    logits = [torch.zeros(B, T, VD) for _ in range(K)]
+    for b in range(B):
+        for i in range(T - 1):
+            block = reference_block(m, [int(input_ids[b, i + 1])] + [m.config.mask_token_id] * K, hidden[b, : i + 1, :3])
+            for k in range(min(K, T - 1 - i)):
+                logits[k][b, i] = block[k + 1]
+    return logits, reference_loss(logits, labels, decay)
+
+
+def test_training_step_matches_plain_reference_forward_and_gradients():
+    check_against_reference(*make_setup(), reference_dflash)
+
+
+def test_block_attention_sees_the_prefix_and_its_own_block():
+    """The mask: query (slot s, row t) sees context keys 0..t and the S block keys of row t."""
+    T, S = 4, 3
+    mask = block_mask_dense(T, S, torch.device("cpu"))
+    for s in range(S):
+        for t in range(T):
+            seen = mask[s * T + t].nonzero().flatten().tolist()
+            assert seen == list(range(t + 1)) + [T + j * T + t for j in range(S)]
+    torch.manual_seed(2)
+    q, k, v = torch.randn(1, 2, S * T, 5), torch.randn(1, 2, (1 + S) * T, 5), torch.randn(1, 2, (1 + S) * T, 5)
+    out = block_attention(q, k, v, T, S)
+    w = (q @ k.transpose(-1, -2) / math.sqrt(5)).masked_fill(~mask, float("-inf")).softmax(-1)
+    torch.testing.assert_close(out, w @ v, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled flex path runs only on CUDA")
+def test_compiled_flex_block_attention_on_cuda_equals_dense_across_lengths():
+    """Training on CUDA runs the block attention as compiled flex attention, its mask cached per
+    padded length. Values and gradients equal the dense path's for each length in turn
+    (float32; 1e-4), and a bf16 training step of the whole drafter runs."""
+    from eyas.draft.dflash import _block_attention_flex
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    for T, S in ((300, 8), (1000, 8), (130, 4), (64, 8)):
+        leaves = [torch.randn(2, 3, n * T, 64, device="cuda", generator=g, requires_grad=True) for n in (S, 1 + S, 1 + S)]
+        weight = torch.linspace(-1, 1, S * T, device="cuda")[:, None]
+        out = {}
+        for name, fn in (("flex", _block_attention_flex), ("dense", None)):
+            y = fn(*leaves, T, S) if fn else F.scaled_dot_product_attention(
+                *leaves, attn_mask=block_mask_dense(T, S, leaves[0].device))
+            out[name] = (y.detach(), torch.autograd.grad((y * weight).sum(), leaves))
+        torch.testing.assert_close(out["flex"][0], out["dense"][0], atol=1e-4, rtol=1e-4)
+        for a, b in zip(out["flex"][1], out["dense"][1]):
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    drafter, head, draft_ids, input_ids, hidden, loss_mask = make_setup()
+    drafter, head = drafter.cuda(), head.to("cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        labels = make_labels(head, hidden[:, :, -1].cuda(), loss_mask.cuda(), draft_ids.cuda())
+        loss = TTTObjective(drafter)(input_ids.cuda(), hidden[:, :, :3].cuda(), labels, torch.ones(K, device="cuda"))[0]
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in drafter.parameters() if p.requires_grad)
+
+
+def test_decoding_block_equals_the_training_rows():
+    """DFlashSession (cached context, one pass per block) proposes what training scored at
+    the same anchor, row by row, also after extending the context in pieces."""
+    drafter, _, _, input_ids, hidden, _ = make_setup()
+    drafter.eval()
+    with torch.no_grad():
+        logits = drafter.forward_ttt(input_ids, hidden[:, :, :3])
+    session = DFlashSession(drafter)
+    T = input_ids.shape[1]
+    for i in range(T - 1):
+        session.reset()
+        session.extend(hidden[0, : i // 2 + 1, :3])
+        if i // 2 + 1 < i + 1:
+            session.extend(hidden[0, i // 2 + 1 : i + 1, :3])
+        block = session.block(int(input_ids[0, i + 1]))
+        torch.testing.assert_close(block, torch.stack([lg[0, i] for lg in logits]), atol=1e-5, rtol=1e-5)
+
+
+def test_a_dflash_config_refuses_what_it_cannot_hold():
+    with pytest.raises(EyasError, match="mask token id"):
+        tiny_config(drafter="dflash", num_hidden_layers=1)
+    with pytest.raises(EyasError, match="EAGLE-3 options"):
+        tiny_config(drafter="dflash", mask_token_id=3, fc_norm=True)
+    with pytest.raises(EyasError, match="exactly one layer"):
+        tiny_config(num_hidden_layers=2)
+
+
+def toy_dflash(draft_std: float):
+    """The sampling test's toy target with a random DFlash drafter that disagrees with it."""
+    from eyas.draft import DraftConfig
+    from eyas.models import ModelIdentity
+
+    target, _ = build_toy(0.3, 0.1)
+    cfg = DraftConfig.for_target(target.config, ModelIdentity("toy", "c", "t", 3, 16, TOY_V), (0, 1, 2, 3), TOY_V - 1,
+                                 drafter="dflash", num_hidden_layers=2, mask_token_id=TOY_V - 1, ttt_steps=2)
+    torch.manual_seed(3)
+    drafter = new_drafter(cfg, target.get_input_embeddings().weight.detach()).eval()
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() > 1 and p.requires_grad:
+                p.normal_(0, draft_std)
+    drafter.set_vocab(torch.tensor([0, 1, 2, 3, 5]))  # token 4 can never be drafted
+    return target, drafter
+
+
+def test_dflash_sampling_preserves_the_target_distribution(one_thread):
+    target, drafter = toy_dflash(0.1)
+    session = TargetSession(target, drafter.config.aux_layer_ids)
+    g = torch.Generator().manual_seed(7)
+    proposer = DFlash(DFlashSession(drafter), steps=2, temperature=TEMPERATURE, generator=g)
+    check_sampling(target, session, proposer, g)
+
+
+def test_dflash_greedy_equals_plain_greedy_on_the_toy(one_thread):
+    """At T = 0 the block's drafts change only the speed: the same tokens as plain decoding."""
+    from eyas.evaluate.proposers import Proposer
+
+    target, drafter = toy_dflash(0.6)
+    session = TargetSession(target, drafter.config.aux_layer_ids)
+    for prompt in ([1, 4, 2], [3, 3, 0, 5, 1]):
+        plain = generate(session, Proposer(), prompt, 24, eos_ids=set())
+        drafted = generate(session, DFlash(DFlashSession(drafter), steps=2), prompt, 24, eos_ids=set())
+        assert drafted.generated_ids == plain.generated_ids
+        assert len(drafted.accept_counts) < len(plain.accept_counts) or sum(drafted.accept_counts) == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_data(tiny_llama_dir, tmp_path_factory):
+    from eyas.capture.run import capture
+    from eyas.data.prepare import prepare
+
+    root = tmp_path_factory.mktemp("dflash-data")
+    prepare(str(tiny_llama_dir), "packaged:chitchat", root / "prep", max_len=64, limit=8, progress=False)
+    capture(str(tiny_llama_dir), root / "prep", root / "store", dtype="fp32", progress=False)
+    return root / "prep", root / "store"
+
+
+def test_train_dflash_offline_equals_online_and_reloads(tiny_llama_dir, tiny_llama_data, tmp_path):
+    """`eyas train --drafter dflash` from a store and online from the same prepared data take
+    the same steps; the folder reloads as the same DFlash drafter, block size and layers kept."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from eyas.draft import load_drafter
+    from eyas.train import TrainConfig, train
+
+    prep, store = tiny_llama_data
+    common = dict(steps=3, batch_tokens=128, drafter="dflash", block_size=4, draft_layers=2, eval_fraction=0.25,
+                  progress=False, lr=1e-3)
+    offline = train(TrainConfig(out=str(tmp_path / "off"), store=str(store), **common))
+    online = train(TrainConfig(out=str(tmp_path / "on"), online=True, model=str(tiny_llama_dir), data=str(prep),
+                               **common))
+    assert len(offline["eval"]["acc_per_step"]) == 3  # one accuracy per drafted block position
+    assert online["eval"]["loss_per_step"] == pytest.approx(offline["eval"]["loss_per_step"], rel=1e-5)
+    a, b = load_file(tmp_path / "off" / "model.safetensors"), load_file(tmp_path / "on" / "model.safetensors")
+    assert {k.split(".")[0] for k in a} == {"fc", "hidden_norm", "layers", "norm", "lm_head", "d2t", "t2d"}
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-5, rtol=1e-4)
+    config = json.loads((tmp_path / "off" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 4
+    assert config["num_hidden_layers"] == 2 and config["dflash_config"]["mask_token_id"] == config["vocab_size"] - 1
+    drafter = load_drafter(tmp_path / "off")
+    assert type(drafter).__name__ == "DFlashDrafter" and drafter.block_size == 4
+    with pytest.raises(EyasError, match="--block-size"):
+        TrainConfig(out="x", store=str(store), block_size=4)
+
+
+def test_export_writes_vllms_dflash_layout_and_refuses_the_others(tmp_path):
+    """`--to vllm` writes DFlashDraftModel's config and weights under vLLM's own names; the
+    layouts vLLM 0.32 and SGLang do not serve for DFlash are refused with one line."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from eyas.draft import save_drafter
+    from eyas.export import export_drafter
+
+    drafter = make_setup()[0]
+    save_drafter(drafter, tmp_path / "ckpt")
+    summary = export_drafter(tmp_path / "ckpt", "vllm", tmp_path / "vllm")
+    config = json.loads((tmp_path / "vllm" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["block_size"] == K + 1 and config["num_hidden_layers"] == LAYERS
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert config["dflash_config"] == {"mask_token_id": V - 1, "target_layer_ids": [0, 2, 3]}
+    weights = load_file(tmp_path / "vllm" / "model.safetensors")
+    assert "layers.1.self_attn.k_norm.weight" in weights and "hidden_norm.weight" in weights
+    assert not any(k.startswith(("embed_tokens", "midlayer")) for k in weights)
+    assert f'"num_speculative_tokens": {K}' in summary["serve_command"] and '"method": "dflash"' in summary["serve_command"]
+    for layout in ("sglang", "speculators"):
+        with pytest.raises(EyasError, match="exports only --to vllm"):
+            export_drafter(tmp_path / "ckpt", layout, tmp_path / layout)
