@@ -266,3 +266,19 @@ def test_regenerate_runs_on_a_shallow_target(tmp_path, tiny_tokenizer_dir):
     answers = [m["content"] for c in data.conversations() for m in c if m["role"] == "assistant"]
     originals = [m["content"] for c in before.conversations() for m in c if m["role"] == "assistant"]
     assert answers and answers != originals[: len(answers)]
+
+
+def test_progress_keeps_answers_holding_unicode_line_separators(tmp_path):
+    """An answer may hold U+2028, U+2029 or U+0085 (a SmolLM2 answer did), which json.dumps
+    writes as they are: the progress file is split at newlines only, so such a run resumes."""
+    from eyas.regenerate.run import _append, read_progress
+
+    path = tmp_path / "regenerated.jsonl"
+    answers = {0: "a\u2028b", 1: "c\u2029d\x85e\x0bf\x1cg", 2: "plain"}
+    with open(path, "w", encoding="utf-8") as log:
+        _append(log, {"fingerprint": "fp", "data": "prepared"})
+        for i, text in answers.items():
+            _append(log, {"index": i, "messages": [{"role": "user", "content": "q"},
+                                                   {"role": "assistant", "content": text}]})
+    done = read_progress(path, "fp")
+    assert {i: m[1]["content"] for i, m in done.items()} == answers

@@ -171,16 +171,18 @@ def _next_assistant(messages: list[dict[str, str]], start: int) -> int | None:
 
 def read_progress(path: Path, fingerprint: str) -> dict[int, list[dict[str, str]]]:
     """Conversations finished by an earlier run. A torn last line (a run killed mid-write)
-    is cut off, so the next append starts on a fresh line."""
+    is cut off, so the next append starts on a fresh line. Records are split at b"\n" only:
+    str.splitlines would also split inside an answer holding U+2028, U+0085 and the like,
+    which json.dumps(ensure_ascii=False) writes as they are (seen in a SmolLM2 answer)."""
     if not path.exists():
         return {}
     done: dict[int, list[dict[str, str]]] = {}
     data = path.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]
-    for n, line in enumerate(complete.decode("utf-8").splitlines()):
+    for n, line in enumerate(complete.split(b"\n")[:-1]):
         try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
+            record = json.loads(line.decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError):
             raise EyasError(f"{path} line {n + 1} is corrupt; delete it to start over.") from None
         if "fingerprint" in record and record["fingerprint"] != fingerprint:
             raise EyasError(f"{path.parent} holds a regeneration of other prepared data ({record['data']}); "
