@@ -65,9 +65,9 @@ def iter_records(source: str) -> Iterator[Any]:
         path = Path(source)
         if path.is_dir():
             if (path / "prepared.json").is_file():
-                raise EyasError(f"--data {source} is a prepared folder, the input of capture, train --online and "
-                                f"regenerate; prepare reads conversations (.json, .jsonl, parquet, Arrow, or a "
-                                f"save_to_disk folder).")
+                raise EyasError(f"--data {source} is a folder of prepared data (a prepared folder is the input of "
+                                f"capture, train --online and regenerate); prepare reads conversations: .json, "
+                                f".jsonl, parquet, Arrow, or a save_to_disk folder.")
             yield from _arrow_rows(_table_files(path))
         elif not path.is_file():
             raise EyasError(f"Data file {source} does not exist.")
@@ -113,12 +113,18 @@ def _table_files(folder: Path) -> list[Path]:
     state = folder / "state.json"
     if state.is_file():
         try:
-            return [folder / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
+            files = [folder / f["filename"] for f in json.loads(state.read_text())["_data_files"]]
         except (ValueError, KeyError, TypeError):
             raise EyasError(f"{state} is not a datasets save_to_disk state (no _data_files list).") from None
+        outside = [f for f in files if folder.resolve() not in f.resolve().parents]
+        if outside:
+            raise EyasError(f"{state} names {outside[0].name}, outside {folder}; a save_to_disk folder holds its files.")
+        return files
     files = sorted(f for f in folder.iterdir() if f.suffix in ARROW_SUFFIXES)
     if not files:
-        raise EyasError(f"{folder} holds no .parquet or .arrow file (nor a datasets save_to_disk state.json).")
+        raise EyasError(f"--data {folder} is a folder; give a .json or .jsonl file of conversations, or a folder "
+                        f"of tables: this one holds no .parquet or .arrow file (nor a datasets save_to_disk "
+                        f"state.json).")
     return files
 
 
