@@ -73,7 +73,9 @@ def train_stage(args) -> None:
             shutil.copy(folder / "metrics.jsonl", out / ("metrics.jsonl" if arm == "main" else f"metrics.{arm}.jsonl"))
             print(f"arm {arm}:", json.dumps(result["final"], default=str), flush=True)
         best = _best_arm(report["arms"])
-        shutil.copytree(work / _arm_folder(best), out / "drafter", dirs_exist_ok=True)
+        # The drafter whole (config and weights), without the resumable checkpoints.
+        shutil.copytree(work / _arm_folder(best), out / "drafter", dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("checkpoints"))
         print(f"best arm by held-out tau_sim: {best} (written to {out / 'drafter'})", flush=True)
 
 
