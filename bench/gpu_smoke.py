@@ -3,7 +3,7 @@ bench spends device time on them: the static-cache greedy path against `model.ge
 the compiled TTT step loss against the eager one, a few online training steps through the
 real trainer (compiled loss, flex attention) and every decoding method of `eyas eval`.
 
-  PYTHONPATH=src:tests python3 bench/gpu_smoke.py --work /tmp/smoke --texts /tmp/m/mt_bench.jsonl
+  PYTHONPATH=src:tests python3 bench/gpu_smoke.py --work /tmp/smoke
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A parallel drafter against the EAGLE-3 chain, from the same data for the same minutes, in
-one GPU call: regenerate a small set of packaged conversations with SmolLM2-135M-Instruct,
+one GPU run: regenerate a small set of conversations with the target (e.g. SmolLM2-135M-Instruct),
 train an EAGLE-3 drafter and a DFlash drafter online on it for equal minutes each, then on
 MT-bench (both turns, T=0, one decoding process) decode plain, prompt lookup (7), the EAGLE-3
 chain (7) and DFlash (a block of 7 in one pass) interleaved per question, in eyas's lossless
@@ -10,16 +10,15 @@ pass the draft's time per step against the target's verification pass.
 The regenerate and train stages are quality_gpu.py's (regenerate, then `train_for`: a short
 probe sizes each cosine schedule to its minutes); the EAGLE-3 arm is its main recipe.
 
-  PYTHONPATH=src:bench python3 bench/parallel_gpu.py --model /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf \\
-      --conversations .carry/bench/b/conversations.jsonl.gz --mt-bench /tmp/m/mt_bench.jsonl --out $OUT
+  PYTHONPATH=src:bench python3 bench/parallel_gpu.py --model MODEL --out OUT
   PYTHONPATH=src:bench python3 bench/parallel_gpu.py --smoke --out /tmp/parallel-smoke   # CPU, minutes
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -28,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from quality_gpu import RECIPE, _device_name, _dump, _stratified, train_for  # noqa: E402
+from quality_gpu import MIX, RECIPE, _device_name, _dump, _stratified, train_for  # noqa: E402
 
 CHAIN = 7  # the EAGLE-3 chain's depth and DFlash's block of drafted tokens (block size 8)
 ARMS = {"eagle3": RECIPE, "dflash": {"drafter": "dflash", "block_size": CHAIN + 1}}
@@ -63,21 +62,15 @@ def main() -> None:
 
 
 def regenerate_set(args, work: Path, report: dict) -> None:
-    """The first --conversations-limit packed conversations, prepared and regenerated greedily."""
+    """The first --conversations-limit two-user-turn windows of --conversations (MT-bench kept
+    out), prepared and regenerated greedily."""
     from eyas.data.prepare import prepare
     from eyas.regenerate.run import regenerate
 
-    source = args.conversations
-    if source.endswith(".gz"):
-        source = str(work / "conversations.jsonl")
-        with gzip.open(args.conversations, "rt", encoding="utf-8") as f, open(source, "w", encoding="utf-8") as g:
-            for n, line in enumerate(f):
-                if n >= args.conversations_limit:
-                    break
-                g.write(line)
     t0 = time.monotonic()
-    prepared = prepare(args.model, source, work / "prepared", max_len=args.max_len, limit=args.conversations_limit,
-                       progress=False)
+    shutil.rmtree(work / "prepared", ignore_errors=True)
+    prepared = prepare(args.model, args.conversations, work / "prepared", max_len=args.max_len,
+                       limit=args.conversations_limit, window=2, exclude=["mt-bench"], progress=False)
     summary = regenerate(args.model, work / "prepared", work / "regen", max_new_tokens=args.regen_tokens,
                          group_size=args.regen_group, device=args.device, progress=False, minutes=args.regen_minutes)
     report["regenerate"] = {"prepared": prepared.get("kept"), "conversations": summary.get("kept"),
@@ -228,9 +221,10 @@ def _commit() -> str | None:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", help="the SmolLM2 GGUF or model folder (any model eyas loads)")
-    p.add_argument("--conversations", help="pack's conversations.jsonl.gz, a JSONL file or a packaged: source")
-    p.add_argument("--conversations-limit", type=int, default=8192, help="conversations prepared (default 8192)")
+    p.add_argument("--model", help="the target: any model eyas loads (folder, .gguf, packaged:...)")
+    p.add_argument("--conversations", nargs="+", default=MIX,
+                   help="any source(s) eyas prepare reads, mixed as SRC@WEIGHT (default: the SmolLM2 recipe's mix)")
+    p.add_argument("--conversations-limit", type=int, default=8192, help="windows prepared (default 8192)")
     p.add_argument("--mt-bench", default="mt-bench", help="MT-bench question.jsonl (default: the packaged one)")
     p.add_argument("--work", default="/tmp/parallel-work")
     p.add_argument("--out", required=True)
@@ -255,15 +249,15 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.smoke:
         args.model = args.model or "packaged:smollm2-135m"
-        args.conversations = args.conversations or "packaged:chitchat"
+        args.conversations = ["packaged:chitchat"]
         args.device = "cpu"
         args.conversations_limit, args.regen_tokens, args.regen_group, args.max_len = 12, 24, 12, 128
         args.batch_tokens, args.probe_steps, args.arm_minutes = 512, 2, 0.4
         args.questions, args.timing_questions, args.max_new_tokens = 1, 1, 24
         args.eval_minutes = args.minutes = 20.0
         args.regen_minutes = None
-    elif not (args.model and args.conversations):
-        p.error("--model and --conversations are needed (or --smoke)")
+    elif not args.model:
+        p.error("--model is needed (or --smoke)")
     return args
 
 

@@ -23,12 +23,12 @@
                   prompt set, chain 7 and tree, every answer compared with plain decoding).
   --smoke         both parts at toy sizes on the CPU (the peer on sdpa attention).
 
-The peer is imported from PYTHONPATH (its wheels installed --no-deps; bench/README.md).
+The peer is imported from PYTHONPATH (speculators and its dependencies installed --no-deps
+into a folder PEER; bench/README.md lists them).
 
-  PYTHONPATH=src:/tmp/peer python3 -u bench/peers.py --part speed --out $OUT --minutes 8.5
-  PYTHONPATH=src:/tmp/peer python3 -u bench/peers.py --part quality --model M.gguf --mt-bench q.jsonl \\
-      --out $OUT --minutes 8.5
-  PYTHONPATH=src:/work/peer-site python bench/peers.py --smoke --out /tmp/peers
+  PYTHONPATH=src:PEER python3 -u bench/peers.py --part speed --out OUT --minutes 8.5
+  PYTHONPATH=src:PEER python3 -u bench/peers.py --part quality --model MODEL --out OUT --minutes 8.5
+  PYTHONPATH=src:PEER python bench/peers.py --smoke --out /tmp/peers
 """
 
 from __future__ import annotations
@@ -484,9 +484,9 @@ def _device_name(device: str) -> str:
 
 def add_quality_args(p) -> None:
     q = p.add_argument_group("--part quality")
-    q.add_argument("--model", help="the target: SmolLM2's GGUF (or any model eyas loads)")
-    q.add_argument("--conversations", help="conversations.jsonl.gz written by `quality_gpu.py pack` (or any source "
-                                           "`eyas prepare` reads)")
+    q.add_argument("--model", help="the target: any model eyas loads (folder, .gguf, packaged:...)")
+    q.add_argument("--conversations", nargs="+", default=["packaged:chitchat"],
+                   help="any source(s) eyas prepare reads, mixed as SRC@WEIGHT")
     q.add_argument("--mt-bench", help="MT-bench question.jsonl (default: the packaged one)")
     q.add_argument("--work", default=None, help="scratch folder (default: a temp folder)")
     q.add_argument("--limit", type=int, default=6000, help="conversations prepared")
@@ -553,12 +553,7 @@ def q_data(args, ctx) -> dict[str, Any]:
     from eyas.train.data import split
 
     work = ctx["work"]
-    source = args.conversations or "packaged:chitchat"
-    if source.endswith(".gz"):
-        import gzip
-
-        (work / "conversations.jsonl").write_text(gzip.open(source, "rt", encoding="utf-8").read(), encoding="utf-8")
-        source = str(work / "conversations.jsonl")
+    source = args.conversations
     for old in ("prepared", "regen", "store"):
         shutil.rmtree(work / old, ignore_errors=True)
     t0 = time.monotonic()

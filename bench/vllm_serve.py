@@ -10,7 +10,7 @@ is shown for the figures eyas reports, not only for a toy:
      folder, as the tests do) plainly, then with
      speculative_config={"method": "eagle3", "model": <export>, "num_speculative_tokens": K},
      greedy, on N MT-bench first turns (one per category, round-robin over the sorted
-     categories, as acceptance_gap.py and mtbench_gap.py pick them);
+     categories);
   3. `eyas eval` (chain, K steps, float32) decodes the same prompts.
 
 It prints and writes (--out) per prompt whether vLLM's speculative tokens, vLLM's plain
@@ -230,10 +230,21 @@ def versions() -> dict[str, str]:
             "python": sys.version.split()[0]}
 
 
+def mtbench_prompts(per_category: int) -> list[tuple[Any, str]]:
+    """(first-turn EvalPrompt, category), round-robin over the sorted categories, so any prefix
+    covers every category."""
+    from eyas.evaluate.prompts import EvalPrompt, _mt_bench_file, load_prompts
+
+    category = {str(q["question_id"]): q["category"] for q in map(json.loads, open(_mt_bench_file()))}
+    by_cat: dict[str, list] = {}
+    for prompt in load_prompts("mt-bench"):
+        by_cat.setdefault(category[prompt.id], []).append(prompt)
+    return [(EvalPrompt(p.id, p.turns[:1]), c) for k in range(per_category) for c in sorted(by_cat)
+            for p in by_cat[c][k:k + 1]]
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Export, serve plain and speculative, run eyas eval; every comparison in one dict."""
-    from mtbench_gap import mtbench_prompts  # bench/: the round-robin MT-bench first turns
-
     from eyas.data.template import ChatTemplate
     from eyas.draft import DraftConfig
     from eyas.errors import EyasError
