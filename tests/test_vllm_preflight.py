@@ -14,6 +14,7 @@ hf_to_vllm_mapper, has no place for), and layer id 0 on DeepSeek's own aux path.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from safetensors import safe_open
 import torch
 
 from eyas.capture.run import capture
+from eyas.capture.vllm.serve import serve_launcher
 from eyas.cli import main
 from eyas.draft import DraftConfig, Eagle3Drafter, save_drafter
 from eyas.errors import EyasError
@@ -156,7 +158,7 @@ def test_a_printed_command_notes_a_head_size_only_this_platform_lacks(models, tm
         main(["capture", "--backend", "vllm", "--model", str(models["qwen3_moe_head_16"]), "--spool", str(tmp_path),
               "--print-serve-command"])
     out, err = capsys.readouterr()
-    assert e.value.code == 0 and out.startswith("vllm serve")
+    assert e.value.code == 0 and out.startswith(shlex.join(serve_launcher(str(models["qwen3_moe_head_16"]))))
     assert "eyas: note: vLLM's CPU_ATTN attention on cpu takes attention head sizes" in err
     assert "is 16 (head_dim)" in err
 

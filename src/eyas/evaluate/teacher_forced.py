@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from eyas.device import resolve_device
 from eyas.errors import EyasError
 
 
@@ -46,7 +47,7 @@ def teacher_forced(model: str, draft: str | Path, data: str | Path, held_out: bo
     if held_out:
         trained = training_settings(draft)
         batch_tokens, max_len, seed = trained["batch_tokens"], trained["max_len"], trained["seed"]
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = resolve_device(device)
     config = DraftConfig.load(draft)
     crop = min(max_len or batch_tokens, batch_tokens)
     source = OnlineSource(model, data, ",".join(map(str, config.aux_layer_ids)), crop, dev)
