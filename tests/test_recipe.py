@@ -6,6 +6,7 @@ ends with what an uninterrupted run makes; finished stages are never silently re
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from eyas.capture.vllm.serve import serve_launcher
 from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
 from eyas.recipe import run_recipe
@@ -51,7 +53,7 @@ def test_smollm2_recipe_runs_every_stage_to_a_report(smollm2_dir, tmp_path, caps
     assert len(data["heldout"]["acc_per_step"]) == 2 and data["heldout"]["samples"] >= 1
     assert {"plain", "prompt-lookup", "eagle3-chain", "eagle3-tree"} <= set(data["summary"])
     assert set(data["tau_by"]["category"]["eagle3-tree"]) == {"writing", "math"}
-    assert "vllm serve" in data["exports"]["vllm"]["serve"] and (tmp_path / "work/export/vllm/config.json").is_file()
+    assert shlex.join(serve_launcher("")[:-1]) in data["exports"]["vllm"]["serve"] and (tmp_path / "work/export/vllm/config.json").is_file()
     assert "Held-out accuracy per TTT step" in text and "tau by category" in text and ".png" in text
     capsys.readouterr()
     run_recipe(recipe, tmp_path / "work", dry_run=True)  # everything done, nothing runs
