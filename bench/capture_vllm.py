@@ -25,7 +25,7 @@ from pathlib import Path
 
 
 def start_plain(model: str, dtype: str, engine_args: dict):
-    from eyas.capture.vllm.engine import base_kwargs, start_llm
+    from eyas.vllm.engine import base_kwargs, start_llm
     from eyas.models import resolve_model
 
     kwargs = {**base_kwargs(resolve_model(model), dtype, extra=engine_args), "enable_prefix_caching": False}
@@ -36,7 +36,7 @@ def run(args) -> dict:
     from vllm import SamplingParams
 
     from eyas.capture import run as capture_run
-    from eyas.capture.vllm.engine import parse_engine_args, stop_llm
+    from eyas.vllm.engine import parse_engine_args, stop_llm
     from eyas.data.prepare import prepare
     from eyas.data.prepared import PreparedData
     from eyas.store import Store

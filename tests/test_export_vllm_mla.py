@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from eyas.capture.vllm.engine import text_only, with_native_cpu_rotary
 from eyas.export import export_drafter
+from eyas.vllm.engine import text_only, with_native_cpu_rotary
 from test_export_vllm import ENGINE, K, PROMPTS, capture, eyas_eval, fit_drafter, generate, served_with
 from tiny import build_model
 from vllm_util import vllm_engine

@@ -14,10 +14,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from eyas.capture.vllm.serve import serve_launcher
 from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
 from eyas.recipe import run_recipe
+from eyas.vllm.serve import serve_launcher
 
 
 @pytest.fixture(autouse=True, scope="module")

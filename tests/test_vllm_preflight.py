@@ -22,12 +22,12 @@ from safetensors import safe_open
 import torch
 
 from eyas.capture.run import capture
-from eyas.capture.vllm.serve import serve_launcher
 from eyas.cli import main
 from eyas.draft import DraftConfig, Eagle3Drafter, save_drafter
 from eyas.errors import EyasError
 from eyas.export import export_drafter
 from eyas.models import load_target, model_identity, resolve_layer_ids
+from eyas.vllm.serve import serve_launcher
 from tiny import KIMI_TEXT, build_model
 from vllm_util import require_vllm
 
@@ -165,7 +165,7 @@ def test_a_printed_command_notes_a_head_size_only_this_platform_lacks(models, tm
 
 def test_kimi_layout_passes_with_aux_ids_from_1(models, no_engine):
     """The Kimi-K2.5 layout (MLA head 576, router stated, SupportsEagle3) passes every check."""
-    from eyas.capture.vllm.preflight import preflight
+    from eyas.vllm.preflight import preflight
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(models["kimi_k25"])
@@ -198,7 +198,7 @@ def test_export_to_vllm_refuses_a_target_vllm_cannot_serve(models, tmp_path, cap
 
 def test_without_vllm_here_the_command_is_said_to_be_unchecked(models, tmp_path, capsys, monkeypatch):
     """Export on a training machine without vLLM: the folder is written, the command flagged."""
-    from eyas.capture.vllm import engine
+    from eyas.vllm import engine
 
     def missing():
         raise EyasError("The vLLM backend needs vLLM")
@@ -214,7 +214,7 @@ def test_head_size_check_follows_vllm_mla_disable(models, monkeypatch, no_engine
     longer applies; the plain attention backend judges the unabsorbed head size instead."""
     from transformers import AutoConfig
 
-    from eyas.capture.vllm.preflight import check_head_size
+    from eyas.vllm.preflight import check_head_size
 
     config = AutoConfig.from_pretrained(models["deepseek_head_24"])
     with pytest.raises(EyasError, match="takes MLA head sizes"):

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from eyas.capture.run import capture
-from eyas.capture.vllm import engine
-from eyas.capture.vllm.spool import spool_file, write_hidden
 from eyas.errors import EyasError
 from eyas.store.reader import Store
+from eyas.vllm import engine
+from eyas.vllm.spool import spool_file, write_hidden
 
 TESTS = Path(__file__).parent
 
@@ -62,7 +62,7 @@ def test_engine_args_parse_and_cannot_override_extraction():
     kwargs = engine.engine_kwargs("/m", (2, 4, 8), "/spool", "bf16", extra=args)
     assert kwargs["dtype"] == "bfloat16" and kwargs["enable_prefix_caching"] is False
     assert kwargs["speculative_config"]["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 4, 8]
-    assert kwargs["kv_transfer_config"]["kv_connector_module_path"] == "eyas.capture.vllm.connector"
+    assert kwargs["kv_transfer_config"]["kv_connector_module_path"] == "eyas.vllm.connector"
     for key in ("speculative_config", "enable_prefix_caching", "model"):
         with pytest.raises(EyasError, match=f"cannot set {key}"):
             engine.engine_kwargs("/m", (2, 4, 8), "/spool", "bf16", extra={key: 1})
@@ -226,7 +226,7 @@ def test_endpoint_failures_are_retried_then_reported_never_written(tmp_path, tin
 def test_connector_reads_a_prompts_rows_from_its_blocks(device):
     """The rows of a prompt whose 10 tokens sit in blocks 4, 1, 3 (block size 4) of the
     hidden-state cache, in vLLM's cache-only layout [blocks, L, block_size, H]."""
-    from eyas.capture.vllm.rows import copy_rows
+    from eyas.vllm.rows import copy_rows
 
     cache = torch.randn(6, 3, 4, 5, device=device)
     rows, event = copy_rows(cache, [4, 1, 3], 10)
@@ -242,7 +242,7 @@ def test_connector_reads_a_prompts_rows_from_its_blocks(device):
 def test_print_serve_command(tmp_path, tiny_llama_dir, capsys):
     import shlex
 
-    from eyas.capture.vllm.serve import serve_launcher
+    from eyas.vllm.serve import serve_launcher
     from eyas.cli import main
 
     with pytest.raises(SystemExit) as done:
@@ -263,7 +263,7 @@ def test_print_serve_command(tmp_path, tiny_llama_dir, capsys):
     assert spec["method"] == "extract_hidden_states"
     assert spec["draft_model_config"]["hf_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 8]
     kv = json.loads(flags["--kv-transfer-config"])
-    assert kv["kv_connector_module_path"] == "eyas.capture.vllm.connector"
+    assert kv["kv_connector_module_path"] == "eyas.vllm.connector"
     assert kv["kv_connector_extra_config"]["spool_dir"] == str(tmp_path) and "owner_pid" not in kv["kv_connector_extra_config"]
     with pytest.raises(SystemExit) as done:
         main(["capture", "--backend", "vllm", "--model", str(tiny_llama_dir), "--print-serve-command"])

@@ -40,8 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat-template", metavar="FILE",
                    help="not needed: the template `prepare` used is recorded with --data; if given, it must be that one")
     p.add_argument("--shard-mb", type=float, default=1024, help="target shard size in MiB (default 1024)")
-    # --- vLLM backend: flags defined in src/eyas/capture/vllm/options.py ---
-    from eyas.capture.vllm import add_vllm_arguments
+    # --- vLLM backend: flags defined in src/eyas/vllm/options.py ---
+    from eyas.vllm import add_vllm_arguments
 
     add_vllm_arguments(p)
 
@@ -52,10 +52,10 @@ def run(args: argparse.Namespace) -> int:
     from eyas.store import Store
     from eyas.store.cli import summary
 
-    # --- vLLM backend (src/eyas/capture/vllm): serve command, options, vLLM's own dtype default ---
+    # --- vLLM backend (src/eyas/vllm): serve command, options, vLLM's own dtype default ---
     options, model_dtype = {}, args.model_dtype
     if args.backend == "vllm":
-        from eyas.capture.vllm import print_serve_command, vllm_options
+        from eyas.vllm import print_serve_command, vllm_options
 
         if args.print_serve_command:
             print_serve_command(args)

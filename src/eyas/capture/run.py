@@ -11,7 +11,6 @@ from tqdm import tqdm
 
 from eyas.capture.batching import token_budget_batches
 from eyas.capture.staging import HostStager
-from eyas.capture.vllm import make_vllm_backend  # light: vLLM itself is imported only when used
 from eyas.data.prepared import PreparedData
 from eyas.data.template import check_same_template
 from eyas.device import default_model_dtype
@@ -22,6 +21,7 @@ from eyas.paths import check_confined
 from eyas.store import StoreWriter
 from eyas.store.reader import read_manifest
 from eyas.validate import COUNT, Number, check_options
+from eyas.vllm import make_vllm_backend  # light: vLLM itself is imported only when used
 
 
 def make_hf_backend(model: str, layers: str, model_dtype: str, device: str, **_: Any):

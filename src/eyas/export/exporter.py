@@ -10,7 +10,6 @@ from typing import Any
 
 import torch
 
-from eyas.capture.vllm.serve import serve_launcher
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
 from eyas.export.layouts import Layout, get_layout, layout_for
@@ -20,6 +19,7 @@ from eyas.models.resolve import resolve_model
 from eyas.paths import check_confined
 from eyas.train.checkpoint import unfinished_note
 from eyas.validate import COUNT
+from eyas.vllm.serve import serve_launcher
 
 
 def export_drafter(ckpt: str | Path, to: str, out: str | Path, *, target: str | None = None, dtype: str = "keep",
@@ -72,11 +72,11 @@ def speculative_tokens(cfg: DraftConfig, asked: int | None) -> int:
 
 
 def check_vllm_serves(cfg: DraftConfig, target: str) -> None:
-    """Refuse a drafter the installed vLLM cannot serve with its target (see capture/vllm/preflight.py);
+    """Refuse a drafter the installed vLLM cannot serve with its target (see vllm/preflight.py);
     without vLLM or the target's config here, say that the command is unchecked."""
     from transformers import AutoConfig
 
-    from eyas.capture.vllm.preflight import preflight_where_installed
+    from eyas.vllm.preflight import preflight_where_installed
 
     try:
         config = AutoConfig.from_pretrained(target)

@@ -36,13 +36,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device_argument(p, "hf backend only (vLLM places the model itself)")
     p.add_argument("--model-dtype", default=None,
                    help="dtype the target runs in (hf: float32 on cpu, bf16 on cuda; vllm: the checkpoint's)")
-    from eyas.capture.vllm.options import add_engine_arguments
+    from eyas.vllm.options import add_engine_arguments
 
     add_engine_arguments(p.add_argument_group("vLLM backend (--backend vllm)"), data_parallel=False)
 
 
 def run(args: argparse.Namespace) -> int:
-    from eyas.capture.vllm.engine import parse_engine_args
+    from eyas.vllm.engine import parse_engine_args
     from eyas.data.prepare import format_summary
     from eyas.regenerate.run import regenerate
 

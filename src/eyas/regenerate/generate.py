@@ -80,7 +80,7 @@ class VLLMGenerator:
 
     def __init__(self, model: str, dtype: str = "auto", max_len: int = 2048, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, engine_args: dict[str, Any] | None = None):
-        from eyas.capture.vllm.engine import base_kwargs, check_vllm_version, start_llm
+        from eyas.vllm.engine import base_kwargs, check_vllm_version, start_llm
         from eyas.models import load_tokenizer, resolve_model
 
         check_vllm_version()
@@ -100,7 +100,7 @@ class VLLMGenerator:
         return [cut_at_stop(list(o.outputs[0].token_ids), self.stops) for o in outputs]
 
     def close(self) -> None:
-        from eyas.capture.vllm.engine import stop_llm
+        from eyas.vllm.engine import stop_llm
 
         stop_llm(self.llm)
         self.llm = None

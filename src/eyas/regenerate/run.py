@@ -60,7 +60,7 @@ def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf
                **vllm: Any) -> dict[str, Any]:
     """Regenerate every conversation of `data` not yet in `out` (or as many as `minutes`
     allow), then prepare `out` from the finished ones; return prepare's summary."""
-    from eyas.capture.vllm.target import read_target
+    from eyas.vllm.target import read_target
     from eyas.data.prepare import prepare_into
     from eyas.models import load_tokenizer
 

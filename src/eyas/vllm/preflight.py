@@ -25,7 +25,7 @@ def preflight(config: Any, model: str, layer_ids: tuple[int, ...] | None, dtype:
     `model` (transformers `config`, read from `folder`, by default `model` itself) with
     EAGLE-3 aux states at `layer_ids` (aux ids then N). `here`: the engine runs on this
     machine's platform (not a command printed to run on another)."""
-    from eyas.capture.vllm.engine import installed_vllm_version, vllm_environment
+    from eyas.vllm.engine import installed_vllm_version, vllm_environment
 
     if (engine_args or {}).get("model_impl", "auto") not in ("auto", "vllm"):
         return  # the user chose vLLM's transformers backend (or another): let vLLM judge
@@ -49,7 +49,7 @@ def preflight_where_installed(config: Any, model: str, layer_ids: tuple[int, ...
                               engine_args: dict[str, Any] | None = None, folder: str | None = None) -> None:
     """`preflight` for a command printed here and run elsewhere: without vLLM on this machine
     (a training or client machine), say that the command is unchecked instead of refusing."""
-    from eyas.capture.vllm.engine import installed_vllm_version
+    from eyas.vllm.engine import installed_vllm_version
 
     try:
         installed_vllm_version()
