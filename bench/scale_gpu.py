@@ -145,7 +145,7 @@ def pure_forward(model_dir: Path, prepared: Path, device: str, batch_tokens: int
 def forward_rate(model, prepared: Path, device: str, batch_tokens: int, max_tokens: int | None = None) -> float:
     """tok/s of `model`'s decoder (up to its final norm) over the capture's own batches of
     `prepared` (the first batches holding `max_tokens`, if given), after two warm-up batches."""
-    from eyas.capture.batching import token_budget_batches
+    from eyas.data.batching import token_budget_batches
     from eyas.data.prepared import PreparedData
 
     data = PreparedData(prepared)

@@ -353,7 +353,7 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 def _batches_share(lengths: list[int], batch_tokens: int) -> tuple[int, int, int]:
     """(batches, real tokens, computed tokens) of token-budget batches over `lengths`."""
-    from eyas.capture.batching import token_budget_batches
+    from eyas.data.batching import token_budget_batches
 
     batches = token_budget_batches(list(range(len(lengths))), lengths, batch_tokens)
     return len(batches), sum(lengths), sum(len(b) * max(lengths[i] for i in b) for b in batches)

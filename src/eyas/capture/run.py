@@ -9,8 +9,8 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from eyas.capture.batching import token_budget_batches
 from eyas.capture.staging import HostStager
+from eyas.data.batching import token_budget_batches
 from eyas.data.prepared import PreparedData
 from eyas.data.template import check_same_template
 from eyas.device import default_model_dtype

@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from eyas.capture.batching import token_budget_batches
+from eyas.data.batching import token_budget_batches
 from eyas.errors import EyasError
 from eyas.models.identity import ModelIdentity
 from eyas.store.format import dequantize
