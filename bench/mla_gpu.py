@@ -76,7 +76,7 @@ def drafter_config(shape: str, attention: str):
 def make_run(draft, lengths: list[int], batch_tokens: int, device: torch.device):
     """speed_gpu's in-memory trainer run for `draft` over samples of `lengths`."""
     from eyas.train.config import TrainConfig
-    from eyas.train.target_head import TargetHead
+    from eyas.models.target_head import TargetHead
 
     H, V = draft.hidden_size, draft.vocab_size
     cfg = TrainConfig(out="(in memory)", store="(in memory)", draft_vocab=draft.draft_vocab_size, steps=1_000_000,

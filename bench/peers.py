@@ -323,7 +323,7 @@ def eyas_rate(draft, V: int, lengths: list[int], device: torch.device, *, warm: 
     """eyas's loop.train_step over in-memory batches (the speed bench's own setup)."""
     from eyas.train.config import TrainConfig
     from eyas.train.loop import train_step
-    from eyas.train.target_head import TargetHead
+    from eyas.models.target_head import TargetHead
     from speed_gpu import _timed_steps
 
     H = draft.hidden_size

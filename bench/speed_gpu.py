@@ -848,7 +848,7 @@ def _eight_b_draft(ctx: Context):
 
 def part_plain(ctx: Context) -> dict[str, Any]:
     from eyas.draft.model import Eagle3Drafter
-    from eyas.train.target_head import load_target_head
+    from eyas.models.target_head import load_target_head
 
     device = ctx.device
     draft = _eight_b_draft(ctx)
@@ -921,7 +921,7 @@ def part_seed(ctx: Context) -> dict[str, Any]:
 
     from eyas.draft.config import DraftConfig
     from eyas.models.identity import ModelIdentity
-    from eyas.train.target_head import TargetHead
+    from eyas.models.target_head import TargetHead
 
     shape = SEED_SHAPES[ctx.args.shape]
     config = DeepseekV3Config(**shape, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})

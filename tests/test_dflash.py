@@ -22,8 +22,8 @@ from eyas.errors import EyasError
 from eyas.evaluate.dflash import DFlash, DFlashSession
 from eyas.evaluate.generate import generate
 from eyas.evaluate.target import TargetSession
+from eyas.models.target_head import TargetHead
 from eyas.train.objective import TTTObjective, make_labels
-from eyas.train.target_head import TargetHead
 from test_eval_sampling import T as TEMPERATURE, V as TOY_V, build_toy, check_sampling
 from test_ttt import K, V, H, VD, check_against_reference, reference_loss, rope, tiny_config
 

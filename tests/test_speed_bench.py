@@ -14,9 +14,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 speed = pytest.importorskip("speed_gpu")
 
 from eyas.draft.config import DraftConfig  # noqa: E402
+from eyas.models.target_head import TargetHead  # noqa: E402
 from eyas.train.config import TrainConfig  # noqa: E402
 from eyas.train.objective import TTTObjective, make_labels, step_counts  # noqa: E402
-from eyas.train.target_head import TargetHead  # noqa: E402
 
 V, H, K = 64, 32, 3
 

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 
 from eyas.draft import DraftConfig, Eagle3Drafter, ttt_attention
+from eyas.models.target_head import TargetHead
 from eyas.train.objective import TTTObjective, make_labels, step_counts, trained_positions
-from eyas.train.target_head import TargetHead
 
 V, H, VD, K = 97, 32, 41, 4
 

@@ -20,8 +20,8 @@ from eyas.capture.run import capture
 from eyas.cli import main
 from eyas.data.prepare import prepare
 from eyas.models import decoder_parts
+from eyas.models.target_head import load_target_head
 from eyas.train import TrainConfig, train
-from eyas.train.target_head import load_target_head
 from test_capture import ATOL, RTOL, _samples, reference_states
 from tiny import MEDIA_VOCAB, WRAPPERS, build_model
 

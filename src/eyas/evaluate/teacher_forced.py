@@ -41,7 +41,7 @@ def teacher_forced(model: str, draft: str | Path, data: str | Path, held_out: bo
     from eyas.train.data import OnlineSource, split
     from eyas.train.loop import score
     from eyas.train.objective import TTTObjective
-    from eyas.train.target_head import load_target_head
+    from eyas.models.target_head import load_target_head
 
     seed = 0
     if held_out:

@@ -312,7 +312,7 @@ def vocab_tables(state: dict[str, torch.Tensor], cfg: DraftConfig, src: Path) ->
 def check_embeddings(embed: torch.Tensor, target: str, src: Path) -> None:
     """A drafter may ship a copy of the target's input embeddings (vLLM then shares the target's);
     eyas always uses the target's, so a different table would make every score untrue."""
-    from eyas.train.target_head import load_target_head
+    from eyas.models.target_head import load_target_head
 
     reference = load_target_head(resolve_model(target)).embed_weight  # [V, H] float32
     # Equal up to one bfloat16 rounding (relative 2^-7): a copy of the table in any dtype passes,

@@ -1,13 +1,16 @@
-"""Target models: where they come from (`resolve`), how they load (`load`), what identifies
-them across stages (`identity`) and where their decoder layers are (`layers`)."""
+"""Target models, and what every stage needs of one: where it comes from (`resolve`), how it
+loads (`load`), what identifies it across stages (`identity`), where its decoder layers are
+(`layers`) and its embeddings, final norm and lm_head (`target_head`)."""
 
 from eyas.lazy import lazy_exports
 
 __all__ = [
     "DecoderParts",
     "ModelIdentity",
+    "TargetHead",
     "decoder_parts",
     "load_target",
+    "load_target_head",
     "load_tokenizer",
     "model_identity",
     "resolve_layer_ids",
@@ -18,4 +21,5 @@ __getattr__ = lazy_exports(__name__, {
     "eyas.models.layers": ("DecoderParts", "decoder_parts", "resolve_layer_ids"),
     "eyas.models.load": ("load_target", "load_tokenizer"),
     "eyas.models.resolve": ("resolve_model",),
+    "eyas.models.target_head": ("TargetHead", "load_target_head"),
 })

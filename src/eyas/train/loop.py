@@ -25,6 +25,7 @@ from eyas.draft.vocab import TokenCounter, build_draft_vocab, coverage, default_
 from eyas.errors import EyasError
 from eyas.device import check_fits
 from eyas.lock import output_lock, reading_lock
+from eyas.models.target_head import TargetHead, load_target_head
 from eyas.paths import check_confined
 from eyas.store.format import first_nonfinite
 from eyas.train import budget
@@ -34,7 +35,6 @@ from eyas.train.config import TrainConfig
 from eyas.train.data import Batch, BatchStream, OnlineSource, StoreSource, split
 from eyas.train.metrics import MetricsLog, format_table, summarize
 from eyas.train.objective import TTTObjective, make_labels, step_counts
-from eyas.train.target_head import TargetHead, load_target_head
 
 
 @dataclass

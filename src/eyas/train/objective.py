@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from eyas.draft.model import Eagle3Drafter
-from eyas.train.target_head import TargetHead
+from eyas.models.target_head import TargetHead
 
 # Columns of the per-step statistics: summed over trained positions.
 LOSS, CORRECT, COUNT, IN_VOCAB = range(4)

@@ -1,5 +1,6 @@
-"""The three pieces of the target that training needs: input embeddings (the drafter's,
-frozen), final norm and lm_head (which turn the stored id-N state into labels).
+"""The three pieces of the target that training (and teacher-forced eval, and the import's
+embedding check) need: input embeddings (the drafter's, frozen), final norm and lm_head
+(which turn the stored id-N state into labels).
 
 They are read straight from the model folder's safetensors, never by building the whole
 target: the module names come from a weightless (meta-device) copy of the model, so any
