@@ -75,7 +75,8 @@ def train_and_eval(folder: Path, work: Path, dev: str, texts: list[str]) -> dict
     from eyas.evaluate.prompts import EvalPrompt
     from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
     from eyas.evaluate.report import summarize
-    from eyas.evaluate.run import eos_ids, load_checked_drafter, run_methods
+    from eyas.evaluate.run import load_checked_drafter, run_methods
+    from eyas.models.eos import eos_ids
     from eyas.evaluate.target import TargetSession
     from eyas.models import load_target, model_identity
     from eyas.train import TrainConfig, train
@@ -93,7 +94,7 @@ def train_and_eval(folder: Path, work: Path, dev: str, texts: list[str]) -> dict
     target = TargetSession(model, drafter.config.aux_layer_ids)
     proposers = [Proposer(), PromptLookup(7), Eagle3(DrafterSession(drafter), 7),
                  Eagle3(DrafterSession(drafter), 7, tree=True, top_k=10, max_nodes=60)]
-    records = run_methods(target, tok, proposers, [EvalPrompt("0", [texts[0], texts[1]])], 24, eos_ids(model, tok),
+    records = run_methods(target, tok, proposers, [EvalPrompt("0", [texts[0], texts[1]])], 24, set(eos_ids(model.generation_config, tok)),
                           progress=False)
     plain = [r["generated_ids"] for r in records if r["method"] == "plain"]
     identical = all(r["generated_ids"] == plain[r["turn"]] for r in records)

@@ -98,7 +98,8 @@ def decode(args, work: Path, report: dict, seconds: float) -> None:
     question, until `seconds` are spent; then the timing pass."""
     from eyas.evaluate.prompts import load_prompts
     from eyas.evaluate.report import TAU_DEFINITION, summarize
-    from eyas.evaluate.run import eos_ids, run_methods
+    from eyas.evaluate.run import run_methods
+    from eyas.models.eos import eos_ids
     from eyas.evaluate.target import TargetSession
     from eyas.models import load_target, model_identity
 
@@ -107,7 +108,7 @@ def decode(args, work: Path, report: dict, seconds: float) -> None:
     identity = model_identity(args.model, model.config, tok)
     proposers, aux_ids = proposers_for(work, model, identity)
     target = TargetSession(model, aux_ids)
-    eos = eos_ids(model, tok)
+    eos = set(eos_ids(model.generation_config, tok))
     prompts = {p.id: p for p in load_prompts(args.mt_bench)}
     order = _stratified(_categories(args.mt_bench))[: args.questions]
     records, per_question = [], 0.0

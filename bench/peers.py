@@ -943,7 +943,8 @@ def decode_worker(argv: list[str]) -> None:
     from eyas.evaluate.drafter import DrafterSession
     from eyas.evaluate.prompts import load_prompts
     from eyas.evaluate.proposers import Eagle3, Proposer
-    from eyas.evaluate.run import eos_ids, load_checked_drafter, run_methods
+    from eyas.evaluate.run import load_checked_drafter, run_methods
+    from eyas.models.eos import eos_ids
     from eyas.evaluate.target import TargetSession
     from eyas.models import load_target, model_identity
 
@@ -971,7 +972,7 @@ def decode_worker(argv: list[str]) -> None:
         if i and time.monotonic() - t0 + longest > args.seconds:
             break
         q0 = time.monotonic()
-        records += run_methods(target, tok, proposers, [prompts[pid]], args.max_new_tokens, eos_ids(model, tok),
+        records += run_methods(target, tok, proposers, [prompts[pid]], args.max_new_tokens, set(eos_ids(model.generation_config, tok)),
                                progress=False, warmup=i == 0)
         longest = max(longest, time.monotonic() - q0)
         Path(args.out).write_text(json.dumps(records))

@@ -293,7 +293,8 @@ def eval_worker(args) -> None:
     from eyas.evaluate.drafter import DrafterSession
     from eyas.evaluate.prompts import load_prompts
     from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
-    from eyas.evaluate.run import eos_ids, load_checked_drafter, run_methods
+    from eyas.evaluate.run import load_checked_drafter, run_methods
+    from eyas.models.eos import eos_ids
     from eyas.evaluate.target import TargetSession
     from eyas.models import load_target, model_identity
 
@@ -303,7 +304,7 @@ def eval_worker(args) -> None:
     target = TargetSession(model, drafter.config.aux_layer_ids)
     proposers = [Proposer(), PromptLookup(7), Eagle3(DrafterSession(drafter), 7),
                  Eagle3(DrafterSession(drafter), 7, tree=True, top_k=10, max_nodes=60)]
-    eos = eos_ids(model, tok)
+    eos = set(eos_ids(model.generation_config, tok))
     wanted = args.ids.split(",")
     prompts = {p.id: p for p in load_prompts(args.mt_bench)}
     records, per_question = [], None

@@ -15,9 +15,10 @@ from eyas.evaluate.drafter import DrafterSession
 from eyas.evaluate.generate import generate
 from eyas.evaluate.prompts import render
 from eyas.evaluate.proposers import Eagle3, PromptLookup
-from eyas.evaluate.run import eos_ids, load_checked_drafter
+from eyas.evaluate.run import load_checked_drafter
 from eyas.evaluate.target import TargetSession
 from eyas.models import load_target, model_identity, resolve_layer_ids
+from eyas.models.eos import eos_ids
 
 SMOLLM2 = "packaged:smollm2-135m"
 MAX_NEW = 32
@@ -37,7 +38,7 @@ def smollm2(smollm2_dir):
 def references(smollm2):
     """Greedy answers from transformers' generate: the ground truth."""
     model, tokenizer, _ = smollm2
-    eos = eos_ids(model, tokenizer)
+    eos = set(eos_ids(model.generation_config, tokenizer))
     out = {}
     for name, text in PROMPTS.items():
         ids = render(tokenizer, [{"role": "user", "content": text}])
@@ -91,7 +92,7 @@ def test_speculative_greedy_equals_greedy(smollm2, references, drafters, which, 
     proposer = Eagle3(DrafterSession(drafter), steps=5, tree=tree, top_k=4, max_nodes=12)
     accepted = 0
     for name, (ids, expected) in references.items():
-        g = generate(target, proposer, ids, MAX_NEW, eos_ids(model, tokenizer))
+        g = generate(target, proposer, ids, MAX_NEW, set(eos_ids(model.generation_config, tokenizer)))
         assert g.generated_ids == expected, name
         if name == "length":  # every step emits its accepted tokens plus one of the target's
             assert len(g.generated_ids) == 1 + sum(c + 1 for c in g.accept_counts)
@@ -104,5 +105,5 @@ def test_prompt_lookup_greedy_equals_greedy(smollm2, references):
     model, tokenizer, _ = smollm2
     target = TargetSession(model)
     for name, (ids, expected) in references.items():
-        g = generate(target, PromptLookup(5), ids, MAX_NEW, eos_ids(model, tokenizer))
+        g = generate(target, PromptLookup(5), ids, MAX_NEW, set(eos_ids(model.generation_config, tokenizer)))
         assert g.generated_ids == expected, name

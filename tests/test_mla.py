@@ -209,7 +209,8 @@ def test_mla_drafter_decodes_losslessly_chain_and_tree(tmp_path, tiny_tokenizer_
     from eyas.evaluate.generate import generate
     from eyas.evaluate.prompts import render
     from eyas.evaluate.proposers import Eagle3
-    from eyas.evaluate.run import eos_ids, load_checked_drafter
+    from eyas.evaluate.run import load_checked_drafter
+    from eyas.models.eos import eos_ids
     from eyas.evaluate.target import TargetSession
     from eyas.models import load_target, model_identity
 
@@ -225,7 +226,7 @@ def test_mla_drafter_decodes_losslessly_chain_and_tree(tmp_path, tiny_tokenizer_
     target = TargetSession(model, drafter.config.aux_layer_ids)
     for tree in (False, True):
         session = DrafterSession(drafter)
-        g = generate(target, Eagle3(session, steps=3, tree=tree, top_k=3, max_nodes=8), ids, 24, eos_ids(model, tokenizer))
+        g = generate(target, Eagle3(session, steps=3, tree=tree, top_k=3, max_nodes=8), ids, 24, set(eos_ids(model.generation_config, tokenizer)))
         assert g.generated_ids == expected, tree
         assert sum(g.accept_counts) >= 6, g.accept_counts
         assert session.keys.shape[1] == 1  # the latent cache: [1, 1, S, kv_lora_rank + qk_rope_head_dim]

@@ -134,7 +134,8 @@ def test_a_peer_saved_drafter_decodes_losslessly(smollm2_dir, tmp_path):
     from eyas.evaluate.generate import generate
     from eyas.evaluate.prompts import render
     from eyas.evaluate.proposers import Eagle3
-    from eyas.evaluate.run import eos_ids, load_checked_drafter
+    from eyas.evaluate.run import load_checked_drafter
+    from eyas.models.eos import eos_ids
     from eyas.evaluate.target import TargetSession
     from eyas.models import load_target, model_identity
 
@@ -143,7 +144,7 @@ def test_a_peer_saved_drafter_decodes_losslessly(smollm2_dir, tmp_path):
     folder = peer_saved_drafter(smollm2_dir, tmp_path / "peer", draft_vocab=4096)
     import_drafter(folder, tmp_path / "back", target="packaged:smollm2-135m")
     drafter = load_checked_drafter(str(tmp_path / "back"), model, identity)
-    eos = eos_ids(model, tokenizer)
+    eos = set(eos_ids(model.generation_config, tokenizer))
     ids = render(tokenizer, [{"role": "user", "content": "Name three colours of the rainbow."}])
     with torch.inference_mode():
         expected = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=sorted(eos),

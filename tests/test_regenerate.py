@@ -71,13 +71,13 @@ def greedy_continuation(model, tokenizer, prompt: list[int], text: str, budget: 
 
 def assert_greedy_turns(folder: Path, source: Path, model) -> None:
     from eyas.models import load_tokenizer, resolve_model
-    from eyas.regenerate.generate import stop_ids
+    from eyas.models.eos import eos_ids, saved_generation_config
 
     data, before = PreparedData(folder), PreparedData(source)
     assert data.identity == before.identity and data.meta["max_len"] == before.meta["max_len"]
     assert len(data) == len(before) and data.loss_mask.any()
     tokenizer = load_tokenizer(SMOLLM2)
-    stops = stop_ids(resolve_model(SMOLLM2), tokenizer)
+    stops = eos_ids(saved_generation_config(resolve_model(SMOLLM2)), tokenizer)
     max_len = data.meta["max_len"]
     conversations, originals = data.conversations(), before.conversations()
     assert max(sum(m["role"] == "assistant" for m in c) for c in conversations) >= 2  # a turn after a regenerated one

@@ -41,11 +41,6 @@ def resolve_device(name: str | None = AUTO) -> torch.device:
     return dev
 
 
-def default_model_dtype(device_type: str) -> str:
-    """The dtype a target runs in when none is given: float32 on the CPU, bf16 on a GPU."""
-    return "float32" if device_type == "cpu" else "bf16"
-
-
 def synchronize(device: torch.device) -> None:
     """Wait for `device`'s queued work (a no-op off CUDA): timings that must not run ahead."""
     import torch

@@ -13,10 +13,10 @@ from eyas.capture.staging import HostStager
 from eyas.data.batching import token_budget_batches
 from eyas.data.prepared import PreparedData
 from eyas.data.template import check_same_template
-from eyas.device import default_model_dtype
 from eyas.errors import EyasError
 from eyas.device import parse_device
 from eyas.lock import output_lock
+from eyas.models.load import default_model_dtype
 from eyas.paths import check_confined
 from eyas.store import StoreWriter
 from eyas.store.reader import read_manifest

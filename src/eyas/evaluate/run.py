@@ -31,6 +31,7 @@ from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
 from eyas.evaluate.report import RATE_DEFINITION, TAU_DEFINITION, format_breakdown, format_table, summarize, tau_by
 from eyas.evaluate.target import TargetSession
 from eyas.models import ModelIdentity, load_target, model_identity
+from eyas.models.eos import eos_ids
 from eyas.paths import atomic_write_json, check_confined, check_writable
 from eyas.train.checkpoint import unfinished_note
 from eyas.validate import COUNT, Number, check_options
@@ -98,16 +99,6 @@ def load_checked_drafter(path: str, model, identity: ModelIdentity) -> torch.nn.
     for weight in drafter.parameters():  # weights only: rotary frequencies stay float32, as in the target
         weight.data = weight.data.to(param.dtype)
     return drafter
-
-
-def eos_ids(model, tokenizer) -> set[int]:
-    ids = model.generation_config.eos_token_id
-    ids = set(ids if isinstance(ids, list) else [] if ids is None else [ids])
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    if not ids:
-        raise EyasError("The model defines no end-of-sequence token; eyas eval cannot tell when an answer ends.")
-    return ids
 
 
 def run_prompt(target: TargetSession, tokenizer, proposer: Proposer, prompt: EvalPrompt, max_new_tokens: int,
@@ -182,8 +173,9 @@ def _answer(cfg: EvalConfig, indices: list[int], progress: bool = True) -> tuple
         gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
         proposers.append(drafter_proposer(drafter, cfg, gen))
     target = TargetSession(model, aux_ids)
+    eos = set(eos_ids(model.generation_config, tokenizer))
     records = run_methods(target, tokenizer, proposers, [prompts[i] for i in indices], cfg.max_new_tokens,
-                          eos_ids(model, tokenizer), cfg.temperature, cfg.seed, progress, indices=indices)
+                          eos, cfg.temperature, cfg.seed, progress, indices=indices)
     target.close()
     return records, identity.to_dict()
 

@@ -4,7 +4,7 @@ that verifies a whole draft tree in one forward pass and keeps only the accepted
 The tree goes in as a custom 4D attention mask (transformers passes a 4D mask through
 unchanged, to sdpa and eager alike): each drafted token sees the cached prefix, its
 ancestors and itself, at position prefix + depth. The aux hidden states the drafter
-needs are read with forward pre-hooks on the decoder layers (vLLM's layer-id convention:
+needs are read with `eyas.models.states`' forward pre-hooks (vLLM's layer-id convention:
 id k is the input of layer k).
 
 Sliding-window layers (Gemma-2/3's mix, Mistral's or Qwen2's windows) keep the cache
@@ -24,7 +24,7 @@ from transformers import DynamicCache
 
 from eyas.errors import EyasError
 from eyas.evaluate.tree import DraftTree
-from eyas.models import decoder_parts
+from eyas.models.states import hook_layer_inputs
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -39,20 +39,15 @@ class TargetSession:
         self.aux_layer_ids = tuple(aux_layer_ids)
         self.capture_aux = False  # proposers that need no hidden states leave the hooks idle
         self._aux: list[torch.Tensor | None] = [None] * len(self.aux_layer_ids)
-        self._handles = []
-        layers = decoder_parts(model).layers
-        for slot, k in enumerate(self.aux_layer_ids):
-            self._handles.append(layers[k].register_forward_pre_hook(self._hook(slot), with_kwargs=True))
+        self._handles = hook_layer_inputs(model, self.aux_layer_ids, self._keep)
         self.windows = attention_windows(model.config)
         self.cache: DynamicCache | None = None
         self.length = 0  # tokens seen (a sliding layer caches only its window's last ones)
         self._pending = 0  # rows of the last verification pass, not yet committed
 
-    def _hook(self, slot: int):
-        def hook(module, args, kwargs):
-            if self.capture_aux:
-                self._aux[slot] = args[0] if args else kwargs["hidden_states"]  # [1, T, H]
-        return hook
+    def _keep(self, slot: int, hidden: torch.Tensor) -> None:
+        if self.capture_aux:
+            self._aux[slot] = hidden  # [1, T, H]
 
     def close(self) -> None:
         for h in self._handles:

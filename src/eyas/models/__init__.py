@@ -1,6 +1,7 @@
 """Target models, and what every stage needs of one: where it comes from (`resolve`), how it
-loads (`load`), what identifies it across stages (`identity`), where its decoder layers are
-(`layers`) and its embeddings, final norm and lm_head (`target_head`)."""
+loads and in which dtype (`load`), what identifies it across stages (`identity`), where its
+decoder layers are (`layers`), its states at the layer ids (`states`), its embeddings, final
+norm and lm_head (`target_head`) and the ids that end an answer (`eos`)."""
 
 from eyas.lazy import lazy_exports
 
@@ -8,7 +9,9 @@ __all__ = [
     "DecoderParts",
     "ModelIdentity",
     "TargetHead",
+    "TargetStates",
     "decoder_parts",
+    "default_model_dtype",
     "load_target",
     "load_target_head",
     "load_tokenizer",
@@ -19,7 +22,8 @@ __all__ = [
 __getattr__ = lazy_exports(__name__, {
     "eyas.models.identity": ("ModelIdentity", "model_identity"),
     "eyas.models.layers": ("DecoderParts", "decoder_parts", "resolve_layer_ids"),
-    "eyas.models.load": ("load_target", "load_tokenizer"),
+    "eyas.models.load": ("default_model_dtype", "load_target", "load_tokenizer"),
     "eyas.models.resolve": ("resolve_model",),
+    "eyas.models.states": ("TargetStates",),
     "eyas.models.target_head": ("TargetHead", "load_target_head"),
 })

@@ -21,6 +21,11 @@ def parse_dtype(name: str) -> torch.dtype:
         raise EyasError(f"Unknown dtype {name!r}; choose one of {', '.join(DTYPES)}.") from None
 
 
+def default_model_dtype(device_type: str) -> str:
+    """The dtype a target runs in when none is given: float32 on the CPU, bf16 on a GPU."""
+    return "float32" if device_type == "cpu" else "bf16"
+
+
 def load_tokenizer(spec: str):
     """The target's tokenizer; a chat template is required later, not here."""
     from transformers import AutoTokenizer

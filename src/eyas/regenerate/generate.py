@@ -7,28 +7,11 @@ from typing import Any
 
 import torch
 
-from eyas.errors import EyasError
-
-
-def stop_ids(folder: str, tokenizer) -> list[int]:
-    from transformers import GenerationConfig
-
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    try:
-        eos = GenerationConfig.from_pretrained(folder).eos_token_id
-    except OSError:  # no generation_config.json
-        eos = None
-    ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    if not ids:
-        raise EyasError("The target defines no end-of-sequence token; eyas cannot tell where an answer ends.")
-    return sorted(ids)
-
-
-def cut_at_stop(ids: list[int], stops: list[int]) -> list[int]:
-    for i, t in enumerate(ids):
-        if t in stops:
-            return ids[:i]
-    return ids
+from eyas.models.eos import cut_at_stop, eos_ids, saved_generation_config
+from eyas.models.load import load_target, load_tokenizer
+from eyas.models.resolve import resolve_model
+from eyas.regenerate.static import StaticGreedy, supports_static
+from eyas.vllm.engine import base_kwargs, check_vllm_version, start_llm, stop_llm
 
 
 class HFGenerator:
@@ -37,12 +20,9 @@ class HFGenerator:
     sampling, and models with sliding-window layers, take batched `model.generate`."""
 
     def __init__(self, model: str, dtype: str = "float32", device: str = "cpu", cache_tokens: int | None = None):
-        from eyas.models import load_target, resolve_model
-        from eyas.regenerate.static import StaticGreedy, supports_static
-
         self.model, self.tokenizer = load_target(model, dtype=dtype, device=device)
         self.device = torch.device(device)
-        self.stops = stop_ids(resolve_model(model), self.tokenizer)
+        self.stops = eos_ids(saved_generation_config(resolve_model(model)), self.tokenizer)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stops[0]
         # 2M slots of a 135M model's cache are ~46 GiB in bf16: a GPU's worth; a CPU batch stays small.
         slots = cache_tokens or (1 << 21 if self.device.type == "cuda" else 1 << 14)
@@ -80,13 +60,10 @@ class VLLMGenerator:
 
     def __init__(self, model: str, dtype: str = "auto", max_len: int = 2048, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, engine_args: dict[str, Any] | None = None):
-        from eyas.vllm.engine import base_kwargs, check_vllm_version, start_llm
-        from eyas.models import load_tokenizer, resolve_model
-
         check_vllm_version()
         folder = resolve_model(model)
         self.tokenizer = load_tokenizer(model)
-        self.stops = stop_ids(folder, self.tokenizer)
+        self.stops = eos_ids(saved_generation_config(folder), self.tokenizer)
         kwargs = base_kwargs(folder, dtype, tensor_parallel_size, pipeline_parallel_size, 1,
                              {"max_model_len": max_len, **(engine_args or {})})
         self.llm = start_llm(kwargs, model)
@@ -100,7 +77,5 @@ class VLLMGenerator:
         return [cut_at_stop(list(o.outputs[0].token_ids), self.stops) for o in outputs]
 
     def close(self) -> None:
-        from eyas.vllm.engine import stop_llm
-
         stop_llm(self.llm)
         self.llm = None

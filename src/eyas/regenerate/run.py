@@ -42,7 +42,8 @@ CONVERSATIONS = "regenerated-conversations.jsonl"  # the input handed to `prepar
 
 def make_generator(backend: str, model: str, model_dtype: str | None, device: str, max_len: int, **vllm: Any):
     if backend == "hf":
-        from eyas.device import default_model_dtype, resolve_device
+        from eyas.device import resolve_device
+        from eyas.models.load import default_model_dtype
         from eyas.regenerate.generate import HFGenerator
 
         dev = resolve_device(device)

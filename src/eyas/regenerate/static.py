@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from eyas.device import synchronize
+from eyas.models.eos import cut_at_stop
 
 ATTENTION = "eyas_grouped_sdpa"
 # `kv_limit` reads are rounded up to a multiple of this many slots (the extra slots are
@@ -116,8 +117,6 @@ class StaticGreedy:
     @torch.inference_mode()
     def _batch(self, prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
         from transformers import StaticCache
-
-        from eyas.regenerate.generate import cut_at_stop
 
         dev = self.device
         started = time.monotonic()

@@ -14,14 +14,18 @@ import random
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Protocol
 
 import torch
 
 from eyas.data.batching import token_budget_batches
+from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
 from eyas.models.identity import ModelIdentity
+from eyas.models.load import default_model_dtype
+from eyas.models.states import TargetStates
 from eyas.store.format import dequantize
+from eyas.store.reader import Store
 
 
 @dataclass
@@ -108,12 +112,39 @@ class Prefetch:
                 pass
 
 
+class SampleSource(Protocol):
+    """Where training reads its samples, addressed by position 0..len(sample_index) - 1:
+    a store (`StoreSource`, offline) or the target itself (`OnlineSource`)."""
+
+    identity: ModelIdentity  # the target the states come from
+    chat_template: dict | None  # how the samples were rendered, passed on to the drafter
+    layer_ids: tuple[int, ...]  # the aux ids, then id N
+    hidden_size: int
+    sample_index: list[int]  # prepared-data index of each position
+    lengths: list[int]  # tokens of each position, after the crop
+    cropped: int  # samples longer than the crop
+
+    def tokens(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids [T] long, loss_mask [T] bool) of one position, cropped."""
+        ...
+
+    def load(self, positions: list[int], device: torch.device) -> Batch:
+        """The batch of `positions`, hidden states included, on `device`."""
+        ...
+
+    def read_ahead(self, items: Iterable[list[int]], device: torch.device) -> None:
+        """Start preparing the batches `items`, in that order, in the background (once)."""
+        ...
+
+    def close(self) -> None:
+        """Stop what `read_ahead` started."""
+        ...
+
+
 class StoreSource:
     """Offline: samples from a hidden-state store, cropped to `crop` tokens."""
 
     def __init__(self, path: str | Path, crop: int):
-        from eyas.store import Store
-
         self.store = Store(path)
         self.store.check()  # structure only: the sha256 and NaN/inf scan are `eyas inspect --verify`'s
         if len(self.store) == 0:
@@ -156,9 +187,10 @@ class StoreSource:
                          [self.sample_index[p] for p in positions])
 
     def read_ahead(self, items: Iterable[list[int]], device: torch.device) -> None:
-        """Read the batches `items` (in that order) in the background, for `load` to take."""
-        self.close()
-        self.ahead = Prefetch(lambda positions: self.read(positions, pin=device.type == "cuda"), items)
+        """Read the batches `items` (in that order) in the background, for `load` to take; a
+        source already reading ahead keeps its reader."""
+        if self.ahead is None:
+            self.ahead = Prefetch(lambda positions: self.read(positions, pin=device.type == "cuda"), items)
 
     def close(self) -> None:
         if self.ahead is not None:
@@ -176,18 +208,14 @@ class OnlineSource:
     """Online: prepared samples whose hidden states the target computes when a batch is loaded."""
 
     def __init__(self, model: str, data: str | Path, layers: str, crop: int, device: torch.device):
-        from eyas.capture.hf import HFCapturer
-        from eyas.device import default_model_dtype
-        from eyas.data.prepared import PreparedData
-
         self.prepared = PreparedData(data)
-        self.capturer = HFCapturer(model, layers=layers, dtype=default_model_dtype(device.type), device=str(device))
-        self.capturer.identity.check_same(self.prepared.identity, f"The prepared data in {data}")
+        self.target = TargetStates(model, layers=layers, dtype=default_model_dtype(device.type), device=str(device))
+        self.target.identity.check_same(self.prepared.identity, f"The prepared data in {data}")
         self.crop = crop
-        self.identity: ModelIdentity = self.capturer.identity
+        self.identity: ModelIdentity = self.target.identity
         self.chat_template: dict | None = self.prepared.meta.get("chat_template")
-        self.layer_ids = self.capturer.layer_ids
-        self.hidden_size = self.capturer.hidden_size
+        self.layer_ids = self.target.layer_ids
+        self.hidden_size = self.target.hidden_size
         self.sample_index = list(range(len(self.prepared)))
         self.lengths = [min(self.prepared.length(i), crop) for i in range(len(self.prepared))]
         self.cropped = sum(self.prepared.length(i) > crop for i in range(len(self.prepared)))
@@ -202,10 +230,16 @@ class OnlineSource:
         input_ids = _pad([ids for ids, _ in rows], T)
         loss_mask = _pad([mask for _, mask in rows], T)
         attention = _pad([torch.ones(len(ids), dtype=torch.long) for ids, _ in rows], T)
-        hidden = self.capturer.capture_padded(input_ids, attention)  # [B, T, L, H] on the device
-        # The capture ran in inference mode; a clone is an ordinary tensor autograd may save.
+        hidden = self.target.states(input_ids, attention)  # [B, T, L, H] on the device
+        # The forward ran in inference mode; a clone is an ordinary tensor autograd may save.
         return Batch(input_ids.to(device), loss_mask.to(device), hidden.to(device).clone(),
                      [self.sample_index[p] for p in positions])
+
+    def read_ahead(self, items: Iterable[list[int]], device: torch.device) -> None:
+        """Nothing to read: the target computes a batch's states when it is loaded."""
+
+    def close(self) -> None:
+        """Nothing runs in the background."""
 
 
 def split(sample_index: list[int], eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:

@@ -32,7 +32,7 @@ from eyas.train import budget
 from eyas.train import checkpoint as ckpt
 from eyas import distributed
 from eyas.train.config import TrainConfig
-from eyas.train.data import Batch, BatchStream, OnlineSource, StoreSource, split
+from eyas.train.data import Batch, BatchStream, OnlineSource, SampleSource, StoreSource, split
 from eyas.train.metrics import MetricsLog, format_table, summarize
 from eyas.train.objective import TTTObjective, make_labels, step_counts
 
@@ -42,7 +42,7 @@ class Run:
     cfg: TrainConfig
     d: distributed.Dist
     device: torch.device
-    source: Any  # StoreSource | OnlineSource
+    source: SampleSource
     head: TargetHead
     draft: DraftConfig
     model: torch.nn.Module  # TTTObjective, wrapped for DDP/FSDP
@@ -307,8 +307,7 @@ def accumulate(run: Run) -> tuple[torch.Tensor, list[tuple[list[int], torch.Tens
     the step's gradient in `.grad`; returns the statistics [K, 4] and, per micro-batch, its
     prepared indices with [B] device flags: NaN/inf hidden states, a loss that is not finite.
     The flags are read on the host once per step (`train_step`), so nothing here waits for the GPU."""
-    if isinstance(run.source, StoreSource) and run.source.ahead is None:
-        run.source.read_ahead(_upcoming(run), run.device)  # the host side of the next batches, in a thread
+    run.source.read_ahead(_upcoming(run), run.device)  # a store's next batches, read on the host in a thread
     micro = run.train_stream.for_step(run.step, run.group, run.d.rank, run.d.world)
     weights = _weights(run, micro)
     stats, checks = torch.zeros(run.draft.ttt_steps, 4, device=run.device), []
@@ -479,8 +478,7 @@ def fit(run: Run, stop_at: int | None = None) -> dict[str, Any]:
         raise
     finally:
         bar.close()
-        if isinstance(run.source, StoreSource):
-            run.source.close()  # the batches read ahead are not needed any more
+        run.source.close()  # the batches read ahead are not needed any more
     if (m := evaluate(run, run.eval_positions)) is not None:
         last["eval"] = m
         _write(log, run, "eval", m, None, None)
