@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from eyas.device import AUTO, DEVICE_HELP, resolve_device
+from eyas.device import resolve_device
+from eyas.device_flag import AUTO, DEVICE_HELP
 from eyas.errors import EyasError
 
 SRC = Path(__file__).resolve().parents[1] / "src"

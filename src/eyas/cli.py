@@ -1,9 +1,9 @@
 """The `eyas` command: one subcommand per pipeline stage.
 
 Each stage's CLI module exposes `HELP` (one line), `add_arguments(parser)` and
-`run(args) -> int`, and imports its heavy dependencies inside `run`; the packages re-export
-lazily (`eyas.lazy`), so building this parser imports neither torch nor transformers and
-`eyas --help` returns at once (tests/test_cli.py). A stage that can continue after Ctrl-C
+`run(args) -> int`, and `run` loads the stage's code by name (`importlib.import_module`);
+the packages re-export lazily (`eyas.lazy`), so building this parser imports neither torch
+nor transformers and `eyas --help` returns at once (tests/test_cli.py). A stage that can continue after Ctrl-C
 says how in `ON_INTERRUPT`.
 """
 

@@ -1,38 +1,25 @@
 """Which device a stage runs on, decided in one place for every stage.
 
-`--device auto`, every stage's default, is CUDA when a GPU is visible and the CPU otherwise.
-Under torchrun each process takes its own LOCAL_RANK's GPU, whatever index was named.
-torch is imported inside the functions: the CLI's parser uses only the option below.
+`--device auto`, every stage's default (eyas.device_flag), is CUDA when a GPU is visible and
+the CPU otherwise. Under torchrun each process takes its own LOCAL_RANK's GPU, whatever index
+was named.
 """
 
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
+import torch
+
+from eyas.device_flag import AUTO
 from eyas.errors import EyasError
 
-if TYPE_CHECKING:
-    import argparse
-
-    import torch
-
-AUTO = "auto"
-DEVICE_HELP = "auto (default): CUDA when a GPU is visible, else the CPU; or cpu, cuda, cuda:I"
-TORCHRUN_NOTE = "under torchrun each process takes its LOCAL_RANK's GPU"
 GIB = 1 << 30
-
-
-def add_device_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup, note: str = "") -> None:
-    """Every stage's `--device`: same name, default and help (`note` says what it applies to)."""
-    p.add_argument("--device", default=AUTO, help=DEVICE_HELP + (f"; {note}" if note else ""))
 
 
 def resolve_device(name: str | None = AUTO) -> torch.device:
     """`name` (auto, cpu, cuda, cuda:I; None means auto) as the device this process uses, checked
     by `parse_device`; under torchrun a GPU is the local rank's."""
-    import torch
-
     dev = parse_device(name)
     if dev.type == "cuda":
         world, local_rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
@@ -43,8 +30,6 @@ def resolve_device(name: str | None = AUTO) -> torch.device:
 
 def synchronize(device: torch.device) -> None:
     """Wait for `device`'s queued work (a no-op off CUDA): timings that must not run ahead."""
-    import torch
-
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -54,8 +39,6 @@ def parse_device(name: str | None, option: str = "--device") -> torch.device:
     first GPU when one is visible, else the CPU. torch parses the name; a device it knows but
     this machine lacks (a GPU index past the last, `cuda` without a GPU, `mps` off a Mac) is
     refused in one line, as is a name torch does not know (`tpu`, `gpu0`)."""
-    import torch
-
     if name is None or name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
@@ -78,8 +61,6 @@ def parse_device(name: str | None, option: str = "--device") -> torch.device:
 
 def memory_bytes(device: torch.device) -> int:
     """All the memory of `device`: a GPU's total, or the machine's physical memory."""
-    import torch
-
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device.index or 0).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

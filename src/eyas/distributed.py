@@ -12,8 +12,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.nn.parallel import DistributedDataParallel
 
-from eyas.device import AUTO, resolve_device
+from eyas.device import resolve_device
+from eyas.device_flag import AUTO
 from eyas.errors import EyasError
 
 
@@ -54,17 +58,12 @@ def wrap(module: nn.Module, d: Dist, device: torch.device) -> nn.Module:
     group). The frozen target embeddings stay whole on every device: never updated, they
     need no sharded optimizer state, and re-gathering them each TTT step would cost more."""
     if d.fsdp:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
         if not d.enabled:
             raise EyasError("--fsdp shards across processes: start with torchrun --nproc-per-node N (N > 1).")
         mesh = init_device_mesh(device.type, (d.world,))
         fully_shard(module, mesh=mesh, ignored_params={module.drafter.embed_tokens.weight})
         return module
     if d.enabled:
-        from torch.nn.parallel import DistributedDataParallel
-
         # The buffers (d2t, t2d) never change: no broadcast per forward.
         return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
                                        broadcast_buffers=False)

@@ -16,9 +16,13 @@ examples:
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 
-from eyas.device import TORCHRUN_NOTE, add_device_argument
+from eyas.device_flag import TORCHRUN_NOTE, add_device_argument
+from eyas.errors import EyasError
+from eyas.store.cli import summary
+from eyas.vllm import add_vllm_arguments, print_serve_command, vllm_options
 
 HELP = "run the target and store its hidden states (transformers or vLLM)"
 ON_INTERRUPT = "interrupted; run the same command again to resume."
@@ -41,22 +45,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="not needed: the template `prepare` used is recorded with --data; if given, it must be that one")
     p.add_argument("--shard-mb", type=float, default=1024, help="target shard size in MiB (default 1024)")
     # --- vLLM backend: flags defined in src/eyas/vllm/options.py ---
-    from eyas.vllm import add_vllm_arguments
-
     add_vllm_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:
-    from eyas.capture.run import capture
-    from eyas.errors import EyasError
-    from eyas.store import Store
-    from eyas.store.cli import summary
-
+    capture = importlib.import_module("eyas.capture.run").capture  # torch: loaded to run, never for --help
+    Store = importlib.import_module("eyas.store.reader").Store
     # --- vLLM backend (src/eyas/vllm): serve command, options, vLLM's own dtype default ---
     options, model_dtype = {}, args.model_dtype
     if args.backend == "vllm":
-        from eyas.vllm import print_serve_command, vllm_options
-
         if args.print_serve_command:
             print_serve_command(args)
             return 0

@@ -20,7 +20,10 @@ examples:
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
+
+from eyas.errors import EyasError
 
 HELP = "conversations -> token ids + assistant-only loss mask"
 ON_INTERRUPT = "interrupted; nothing was written, run the same command again to start over."
@@ -47,19 +50,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eyas.data.prepare import format_summary, prepare, show_sample
-    from eyas.errors import EyasError
-
+    stage = importlib.import_module("eyas.data.prepare")  # transformers: loaded to run, never for --help
     if args.show is not None:
         if not args.dir:
             raise EyasError("--show N needs the prepared folder: eyas prepare --show N DIR")
-        print(show_sample(args.dir, args.show, color=sys.stdout.isatty()))
+        print(stage.show_sample(args.dir, args.show, color=sys.stdout.isatty()))
         return 0
     missing = [f"--{k}" for k in ("model", "data", "out") if not getattr(args, k)]
     if missing:
         raise EyasError(f"missing {', '.join(missing)} (see eyas prepare --help)")
-    summary = prepare(args.model, args.data, args.out, max_len=args.max_len, limit=args.limit,
+    summary = stage.prepare(args.model, args.data, args.out, max_len=args.max_len, limit=args.limit,
                       strict=args.strict, chat_template=args.chat_template, workers=args.workers,
                       window=args.window, exclude=args.exclude_prompts)
-    print(format_summary(summary, args.out))
+    print(stage.format_summary(summary, args.out))
     return 0

@@ -23,8 +23,10 @@ examples:
 from __future__ import annotations
 
 import argparse
+import importlib
 
-from eyas.device import add_device_argument
+from eyas.device_flag import add_device_argument
+from eyas.errors import EyasError
 
 HELP = "lossless speculative decoding: acceptance length tau, speed-up, per-position acceptance"
 
@@ -65,23 +67,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eyas.errors import EyasError
-    from eyas.evaluate.run import EvalConfig, evaluate
-
     if args.teacher_forced:
-        from eyas.evaluate.teacher_forced import format_result, teacher_forced, write
-
+        forced = importlib.import_module("eyas.evaluate.teacher_forced")  # torch: loaded to run, never for --help
         if not args.draft:
             raise EyasError("--teacher-forced scores a drafter: give --draft.")
-        result = teacher_forced(args.model, args.draft, args.teacher_forced, held_out=args.held_out,
+        result = forced.teacher_forced(args.model, args.draft, args.teacher_forced, held_out=args.held_out,
                                 limit=args.limit, device=args.device)
-        write(result, args.output)
-        print(format_result(result) + f"\nwrote {args.output}")
+        forced.write(result, args.output)
+        print(forced.format_result(result) + f"\nwrote {args.output}")
         return 0
     if args.held_out:
         raise EyasError("--held-out goes with --teacher-forced PREPARED.")
     baselines = tuple(b.strip() for b in args.baseline.split(",") if b.strip() and b.strip() != "none")
-    evaluate(EvalConfig(
+    stage = importlib.import_module("eyas.evaluate.run")
+    stage.evaluate(stage.EvalConfig(
         model=args.model, draft=args.draft, prompts=args.prompts, limit=args.limit,
         max_new_tokens=args.max_new_tokens, steps=args.steps, tree=args.tree, top_k=args.top_k,
         draft_tokens=args.draft_tokens, temperature=args.temperature, baselines=baselines, dtype=args.dtype,

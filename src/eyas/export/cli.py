@@ -20,13 +20,14 @@ examples:
 from __future__ import annotations
 
 import argparse
+import importlib
+
+from eyas.export.layouts import LAYOUTS
 
 HELP = "drafter checkpoint -> a folder vLLM or SGLang serves"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from eyas.export.layouts import LAYOUTS
-
     p.add_argument("ckpt", help="the eyas drafter checkpoint folder (from eyas train or eyas import)")
     p.add_argument("--to", required=True, choices=sorted(LAYOUTS), help="the serving layout to write")
     p.add_argument("--out", required=True, help="output folder (created; must be empty unless --force)")
@@ -43,13 +44,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eyas.export.exporter import export_drafter, planned_serve_command
-
+    exporter = importlib.import_module("eyas.export.exporter")  # torch: loaded to run, never for --help
     if args.serve_command:
-        print(planned_serve_command(args.ckpt, args.to, args.out, target=args.target,
+        print(exporter.planned_serve_command(args.ckpt, args.to, args.out, target=args.target,
                                     num_speculative_tokens=args.num_speculative_tokens))
         return 0
-    summary = export_drafter(args.ckpt, args.to, args.out, target=args.target, dtype=args.dtype,
+    summary = exporter.export_drafter(args.ckpt, args.to, args.out, target=args.target, dtype=args.dtype,
                              num_speculative_tokens=args.num_speculative_tokens, force=args.force)
     print(f"exported {args.ckpt} as {summary['format']} to {summary['out']}: "
           f"{summary['tensors']} tensors, {summary['bytes'] / 2**20:.1f} MiB")

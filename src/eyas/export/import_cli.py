@@ -16,6 +16,7 @@ examples:
 from __future__ import annotations
 
 import argparse
+import importlib
 
 HELP = "EAGLE-3 drafter from elsewhere -> an eyas checkpoint"
 
@@ -28,8 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eyas.export.importer import import_drafter
-
+    import_drafter = importlib.import_module("eyas.export.importer").import_drafter  # torch: loaded to run, not for --help
     s = import_drafter(args.dir, args.out, target=args.target, force=args.force)
     print(f"imported {args.dir} ({s['layout']}) to {s['out']}: target {s['target']}, "
           f"aux layer ids {s['aux_layer_ids']} (input of layer k), draft vocabulary {s['draft_vocab_size']}, "

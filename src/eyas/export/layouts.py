@@ -41,11 +41,13 @@ and keeps the un-normed residual. speculators has no MLA layer.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from eyas.draft import mla_config as mla
-from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
+
+if TYPE_CHECKING:  # annotations only: `eyas export --help` lists the layouts without torch
+    from eyas.draft.config import DraftConfig
 
 EYAS_PREFIX = "midlayer."  # eyas's (and vLLM's, SGLang's, EAGLE's) name for the decoder layer
 # The drafter options vLLM 0.32 serves and SGLang does not: field -> what it means.

@@ -16,6 +16,7 @@ examples:
 from __future__ import annotations
 
 import argparse
+import importlib
 
 HELP = "the whole pipeline from a recipe file, resumable, ending with a report"
 ON_INTERRUPT = "interrupted; run the same command again to continue where it stopped."
@@ -32,7 +33,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eyas.recipe.run import run_recipe
-
+    run_recipe = importlib.import_module("eyas.recipe.run").run_recipe  # loaded to run, never for --help
     run_recipe(args.recipe, args.work, dry_run=args.dry_run, stop_after=args.stop_after)
     return 0

@@ -13,8 +13,11 @@ examples:
 from __future__ import annotations
 
 import argparse
+import importlib
 
-from eyas.device import add_device_argument
+from eyas.device_flag import add_device_argument
+from eyas.vllm.engine import parse_engine_args
+from eyas.vllm.options import add_engine_arguments
 
 HELP = "replace assistant turns with the target's own answers (hf or vLLM)"
 ON_INTERRUPT = "interrupted; run the same command again to resume."
@@ -36,16 +39,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_device_argument(p, "hf backend only (vLLM places the model itself)")
     p.add_argument("--model-dtype", default=None,
                    help="dtype the target runs in (hf: float32 on cpu, bf16 on cuda; vllm: the checkpoint's)")
-    from eyas.vllm.options import add_engine_arguments
-
     add_engine_arguments(p.add_argument_group("vLLM backend (--backend vllm)"), data_parallel=False)
 
 
 def run(args: argparse.Namespace) -> int:
-    from eyas.vllm.engine import parse_engine_args
-    from eyas.data.prepare import format_summary
-    from eyas.regenerate.run import regenerate
-
+    regenerate = importlib.import_module("eyas.regenerate.run").regenerate  # torch: loaded to run, never for --help
+    format_summary = importlib.import_module("eyas.data.prepare").format_summary
     vllm = {}
     if args.backend == "vllm":
         vllm = {"tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,

@@ -18,6 +18,7 @@ examples:
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 EXIT_INCOMPLETE = 3  # sound but unfinished; a damaged store exits 2, as every eyas error does
@@ -48,12 +49,9 @@ def summary(store) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eyas.store import Store
-
+    Store = importlib.import_module("eyas.store.reader").Store  # torch: loaded to run, never for --help
     if args.repair:
-        from eyas.store.repair import repair_store
-
-        kept, dropped = repair_store(args.store)
+        kept, dropped = importlib.import_module("eyas.store.repair").repair_store(args.store)
         print(f"repair     kept {len(kept)} shard(s)" + "".join(
             f"\n           dropped {name} (renamed {name}.dropped): {reason}" for name, reason in dropped))
     store = Store(args.store)

@@ -33,8 +33,9 @@ examples:
 from __future__ import annotations
 
 import argparse
+import importlib
 
-from eyas.device import TORCHRUN_NOTE, add_device_argument
+from eyas.device_flag import TORCHRUN_NOTE, add_device_argument
 
 HELP = "train an EAGLE-3 (training-time test) or DFlash (block) drafter from a store or online"
 ON_INTERRUPT = "interrupted; add --resume to the same command to continue from its last checkpoint."
@@ -103,9 +104,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eyas.train.config import TrainConfig
-    from eyas.train.loop import train
-
+    TrainConfig = importlib.import_module("eyas.train.config").TrainConfig  # torch: loaded to run, never for --help
+    train = importlib.import_module("eyas.train.loop").train
     options = {k: v for k, v in vars(args).items() if not k.startswith("_") and k != "command"}
     train(TrainConfig(**options))
     return 0
