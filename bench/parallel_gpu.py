@@ -202,9 +202,9 @@ def print_summary(report: dict) -> None:
 
 
 def _categories(mt_bench: str) -> dict[str, str]:
-    from eyas.evaluate.prompts import _mt_bench_file
+    from eyas.data.sources import mt_bench_file
 
-    path = _mt_bench_file() if mt_bench == "mt-bench" else Path(mt_bench)
+    path = mt_bench_file() if mt_bench == "mt-bench" else Path(mt_bench)
     return {str(q["question_id"]): q.get("category", "?") for q in map(json.loads, path.read_text().splitlines()) if q}
 
 

@@ -904,9 +904,9 @@ def _store_index(ctx) -> list[int]:
 
 
 def load_mt_bench(args) -> list[dict]:
-    from eyas.evaluate.prompts import _mt_bench_file
+    from eyas.data.sources import mt_bench_file
 
-    path = Path(args.mt_bench) if args.mt_bench else _mt_bench_file()
+    path = Path(args.mt_bench) if args.mt_bench else mt_bench_file()
     rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
     categories: dict[str, list[dict]] = {}
     for r in rows:

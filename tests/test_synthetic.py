@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 import eyas.data.synthetic as sp
+from eyas.data.sources import mt_bench_turns, packaged_synthetic
 
 PASSAGES = [
     "The harbour town of Eldmoor was founded in 1642 by fishing families from the north. By 1800 it had "
@@ -63,7 +64,7 @@ def test_impossible_n():
 
 
 def test_no_mtbench_contamination():
-    refs = sp.mt_bench_turns()
+    refs = mt_bench_turns()
     assert len(refs) == 160
     grams = sp.ngram_set(refs, 8)
     bad = [t for c in sp.synthetic_conversations(20000, 0, PASSAGES) for t in (c[0]["content"], c[2]["content"])
@@ -75,10 +76,10 @@ def test_packaged_source_is_deterministic_sized_and_free_of_mt_bench():
     """`packaged:synthetic:N:SEED` gives exactly N conversations, the same for a seed (and a
     larger N extends a smaller one), other ones for another seed, none sharing an 8-word run
     with MT-bench; its extraction prompts quote the packaged ShareGPT answers."""
-    a = sp.packaged_synthetic(400, 5)
-    assert len(a) == 400 and a == sp.packaged_synthetic(400, 5) and a[:100] == sp.packaged_synthetic(100, 5)
-    assert a != sp.packaged_synthetic(400, 6)
-    grams = sp.ngram_set(sp.mt_bench_turns(), 8)
+    a = packaged_synthetic(400, 5)
+    assert len(a) == 400 and a == packaged_synthetic(400, 5) and a[:100] == packaged_synthetic(100, 5)
+    assert a != packaged_synthetic(400, 6)
+    grams = sp.ngram_set(mt_bench_turns(), 8)
     assert not [m for c in a for m in c if m["role"] == "user" and sp.contaminated(m["content"], grams)]
     assert any("extract" in c[0]["content"].lower() or "passage" in c[0]["content"].lower() for c in a)
 

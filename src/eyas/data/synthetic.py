@@ -7,8 +7,9 @@ module writes user turns of those kinds from hand-written tables (stdlib only, d
 given a seed); the target model answers them later, replacing the "." placeholders.
 
 `contaminated` lets the caller drop prompts that share an n-word span with the benchmark's own
-questions, so that training never sees benchmark text: `packaged_synthetic` always leaves out
-those that share eight words in a row with MT-bench (the eval prompts eyas ships).
+questions, so that training never sees benchmark text: `packaged_synthetic` (eyas.data.sources,
+where the packaged texts are read) always leaves out those that share eight words in a row with
+MT-bench (the eval prompts eyas ships).
 
 On SmolLM2 these prompts were the data kind that mattered most (+0.3 MT-bench chain tau over
 regenerated ShareGPT and chitchat alone; docs/train.md).
@@ -16,7 +17,6 @@ regenerated ShareGPT and chitchat alone; docs/train.md).
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from typing import Callable
@@ -722,36 +722,3 @@ def clean_conversations(n: int, seed: int, passages: list[str], references: list
     grams = ngram_set(references)
     made = synthetic_conversations(n, seed, passages)
     return [c for c in made if not any(contaminated(m["content"], grams) for m in c if m["role"] == "user")]
-
-
-def mt_bench_turns() -> list[str]:
-    """Both user turns of every MT-bench question (the installed evaluator package's copy)."""
-    from eyas.evaluate.prompts import _mt_bench_file
-
-    return [t for q in map(json.loads, open(_mt_bench_file())) for t in q["turns"]]
-
-
-def sharegpt_passages() -> list[str]:
-    """The packaged ShareGPT answers fit to quote in extraction prompts (a fixed set: the
-    source is the same on every machine)."""
-    from eyas.data.sources import BadRecord, iter_records, normalize
-
-    passages = []
-    for record in iter_records("packaged:sharegpt"):
-        try:
-            passages += [m["content"] for m in normalize(record) if m["role"] == "assistant" and passage_ok(m["content"])]
-        except BadRecord:
-            continue
-    return passages
-
-
-def packaged_synthetic(n: int, seed: int) -> list[list[dict[str, str]]]:
-    """Exactly `n` conversations for `packaged:synthetic:N:SEED`, none sharing eight words in a
-    row with MT-bench. Conversations are drawn in sequence, so a larger n extends a smaller one."""
-    passages, references = sharegpt_passages(), mt_bench_turns()
-    drawn = n + n // 10 + 16
-    while True:
-        kept = clean_conversations(min(drawn, capacity(passages)), seed, passages, references)
-        if len(kept) >= n or drawn >= capacity(passages):
-            return kept[:n]
-        drawn *= 2

