@@ -16,8 +16,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from eyas.draft.build import new_drafter
 from eyas.draft.dflash import block_attention, block_mask_dense
-from eyas.draft.kinds import new_drafter
 from eyas.errors import EyasError
 from eyas.evaluate.dflash import DFlash, DFlashSession
 from eyas.evaluate.generate import generate

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from eyas.draft import DraftConfig, load_drafter, save_drafter
-from eyas.draft.kinds import new_drafter
+from eyas.draft.build import new_drafter
 from eyas.export import export_drafter
 from vllm_util import vllm_engine
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save
 
+from eyas.draft.build import new_drafter
 from eyas.draft.config import DraftConfig
-from eyas.draft.kinds import new_drafter
 from eyas.draft.model import Eagle3Drafter
 from eyas.errors import EyasError
 from eyas.paths import atomic_write_bytes

@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Any
 
 from eyas.draft import mla_config as latent
+from eyas.draft.kinds import check_kind, hf_config
 from eyas.draft.rope import drafter_rope
 from eyas.errors import EyasError
 from eyas.models.identity import ModelIdentity, text_config
+from eyas.paths import atomic_write_json
 from eyas.validate import COUNT, Number
 
 CONFIG_VERSION = 1
@@ -71,8 +73,6 @@ class DraftConfig:
             raise EyasError("fc_norm and norm_before_fc both norm fc's input; a drafter has one or the other.")
         if self.drafter == "dflash" and self.attention == "mla":
             raise EyasError("A DFlash drafter has its own Qwen3-style layers; MLA attention is an EAGLE-3 layer option.")
-        from eyas.draft.kinds import check_kind
-
         check_kind(self)
 
     @property
@@ -120,8 +120,6 @@ class DraftConfig:
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json: the fields vLLM reads for the kind at top level, eyas's own under `eyas`."""
         if self.drafter != "eagle3":
-            from eyas.draft.kinds import hf_config
-
             return {**hf_config(self), "eyas": {"config_version": CONFIG_VERSION, **asdict(self)}}
         return {
             "architectures": ["LlamaForCausalLMEagle3"],
@@ -162,8 +160,6 @@ class DraftConfig:
         return cls(**{k: v for k, v in own.items() if k in names})
 
     def save(self, folder: str | Path) -> None:
-        from eyas.paths import atomic_write_json
-
         atomic_write_json(Path(folder) / "config.json", self.to_hf_dict())
 
     @classmethod

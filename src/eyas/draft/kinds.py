@@ -1,13 +1,12 @@
 """The drafter kinds eyas trains, from the same store and the same objective: `eagle3` drafts
-its K tokens one forward pass each, `dflash` drafts a block of K in one pass. A kind names
-its module class and the config.json vLLM loads it with."""
+its K tokens one forward pass each, `dflash` drafts a block of K in one pass. Here: what a
+kind's config may hold and the config.json vLLM loads it with (no torch: DraftConfig checks
+itself with these); its module class is built by `build.new_drafter`."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 from typing import Any
-
-import torch
 
 from eyas.errors import EyasError
 
@@ -29,20 +28,6 @@ def check_kind(cfg) -> None:
         if cfg.fc_norm or cfg.norm_output or cfg.norm_before_residual:
             raise EyasError("fc_norm, norm_output and norm_before_residual are EAGLE-3 options; "
                             "a DFlash drafter has none of them.")
-
-
-def drafter_class(cfg):
-    if cfg.drafter == "dflash":
-        from eyas.draft.dflash import DFlashDrafter
-
-        return DFlashDrafter
-    from eyas.draft.model import Eagle3Drafter
-
-    return Eagle3Drafter
-
-
-def new_drafter(cfg, embed_weight: torch.Tensor | None = None) -> torch.nn.Module:
-    return drafter_class(cfg)(cfg, embed_weight)
 
 
 def hf_config(cfg) -> dict[str, Any]:

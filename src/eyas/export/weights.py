@@ -15,9 +15,9 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import save
 
+from eyas.draft.build import new_drafter
 from eyas.draft.checkpoint import _NOT_SAVED, read_safetensors
 from eyas.draft.config import DraftConfig
-from eyas.draft.kinds import new_drafter
 from eyas import __version__
 from eyas.errors import EyasError
 from eyas.lock import LOCK_FILE, output_lock

@@ -16,15 +16,17 @@ from typing import Any, Iterator
 
 import torch
 from tqdm import tqdm
+from transformers import AutoConfig
 
+from eyas.draft.build import new_drafter
 from eyas.draft.checkpoint import load_drafter
 from eyas.draft.config import DraftConfig
-from eyas.draft.kinds import new_drafter
 from eyas.draft.model import Eagle3Drafter
 from eyas.draft.vocab import TokenCounter, build_draft_vocab, coverage, default_draft_vocab_size
 from eyas.errors import EyasError
 from eyas.device import check_fits
 from eyas.lock import output_lock, reading_lock
+from eyas.models import load_tokenizer, model_identity, resolve_model
 from eyas.models.target_head import TargetHead, load_target_head
 from eyas.paths import check_confined
 from eyas.store.format import first_nonfinite
@@ -144,8 +146,6 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device) -> Run:
 
 def _open_source(cfg: TrainConfig, device: torch.device):
     """The sample source and the target's model folder (where its head weights are read)."""
-    from eyas.models import resolve_model
-
     if cfg.online:
         source = OnlineSource(cfg.model, cfg.data, cfg.layers, cfg.crop, device)
         return source, resolve_model(cfg.model)
@@ -181,10 +181,6 @@ def _check_complete(store, allowed: bool) -> None:
 
 
 def _check_identity(spec: str, folder: str, source: StoreSource) -> None:
-    from transformers import AutoConfig
-
-    from eyas.models import load_tokenizer, model_identity
-
     identity = model_identity(spec, AutoConfig.from_pretrained(folder), load_tokenizer(spec))
     identity.check_same(source.identity, f"The store {source.store.path}")
 
@@ -200,8 +196,6 @@ def _check_layer_ids(source) -> None:
 
 
 def _new_draft_config(cfg: TrainConfig, source, folder: str, train_pos: list[int], d: distributed.Dist):
-    from transformers import AutoConfig
-
     counter = TokenCounter(source.identity.vocab_size).update(source.tokens(p) for p in train_pos)
     size = cfg.draft_vocab or default_draft_vocab_size(source.identity.vocab_size)
     draft_ids = build_draft_vocab(counter, size)
