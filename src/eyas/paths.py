@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from eyas.errors import EyasError
 
 
 def cache_dir() -> Path:
@@ -60,8 +63,6 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 def plain_name(name: Any, what: str) -> str:
     """`name` if it is a plain file name (no folder part, not `.`/`..`), else raise: a name read from
     a manifest, checkpoint or config must never reach outside the folder that holds it."""
-    from eyas.errors import EyasError
-
     if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
         raise EyasError(f"{what} names {name!r}, which is not a plain file name inside its folder.")
     return name
@@ -71,8 +72,6 @@ def check_confined(out: str | Path, inputs: dict[str, str | Path | None], option
     """Refuse an output that is, or holds, one of the stage's inputs (`{option: path}`; hub ids,
     `packaged:` names and options not given are skipped): a stage writes only inside its
     output, so nothing it reads can be overwritten or deleted. Links are resolved first."""
-    from eyas.errors import EyasError
-
     target = Path(out).expanduser().resolve()
     for name, given in inputs.items():
         if not given or str(given).startswith("packaged:") or not Path(given).expanduser().exists():
@@ -88,8 +87,6 @@ def check_writable(path: str | Path, option: str, folder: bool = False) -> None:
     """Before any work: `path` (a file, or a `folder`) can be written where it is, checked by
     creating and removing a file in its nearest existing folder (permissions, a read-only
     filesystem, a full quota all show), and a file's path is not a folder."""
-    from eyas.errors import EyasError
-
     path = Path(path).expanduser()
     if not folder and path.is_dir():
         raise EyasError(f"{option} {path} is a folder; give a file name.")
@@ -130,10 +127,6 @@ def fsync_dir(path: Path) -> None:
 def packaged_file(module: str, requirement: str, relative: str) -> Path:
     """A data file shipped inside an installed PyPI package, found without importing it
     (some such packages import heavy or broken dependencies at import time)."""
-    import importlib.util
-
-    from eyas.errors import EyasError
-
     spec = importlib.util.find_spec(module)
     if spec is None or spec.origin is None:
         raise EyasError(f"This needs the PyPI package {requirement}: pip install --no-deps {requirement}")

@@ -9,10 +9,12 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
+from eyas.capture.hf import HFCapturer
 from eyas.capture.staging import HostStager
 from eyas.data.batching import token_budget_batches
 from eyas.data.prepared import PreparedData
 from eyas.data.template import check_same_template
+from eyas.distributed import all_reduce, barrier, init, shutdown
 from eyas.errors import EyasError
 from eyas.device import parse_device
 from eyas.lock import output_lock
@@ -25,8 +27,6 @@ from eyas.vllm import make_vllm_backend  # light: vLLM itself is imported only w
 
 
 def make_hf_backend(model: str, layers: str, model_dtype: str, device: str, **_: Any):
-    from eyas.capture.hf import HFCapturer
-
     return HFCapturer(model, layers=layers, dtype=model_dtype, device=device)
 
 
@@ -60,8 +60,6 @@ def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", 
 def _capture(model: str, data: str | Path, out: str | Path, backend: str, layers: str, dtype: str, device: str,
              model_dtype: str | None, batch_tokens: int, shard_mb: float, progress: bool,
              chat_template: str | Path | None, **backend_options: Any) -> dict[str, Any]:
-    from eyas.distributed import all_reduce, barrier, init, shutdown
-
     if backend not in BACKENDS:
         raise EyasError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
     prepared = PreparedData(data)

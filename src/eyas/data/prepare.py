@@ -12,12 +12,16 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
+from transformers import AutoConfig
 
-from eyas.data.prepared import PREPARED_FILES, PreparedSample, write_prepared
+from eyas.data.prepared import PREPARED_FILES, PreparedData, PreparedSample, write_prepared
 from eyas.data.sources import BadRecord, TruncatedTail, interleave, iter_records, layout, normalize, parse_mix
+from eyas.data.synthetic import contaminated, ngram_set
 from eyas.data.template import ChatTemplate, encode_conversation, require_chat_template
 from eyas.errors import EyasError
+from eyas.evaluate.prompts import load_prompts
 from eyas.lock import LOCK_FILE, output_lock
+from eyas.models import load_tokenizer, model_identity, resolve_model
 from eyas.paths import check_confined
 from eyas.validate import COUNT, Number, check_options
 
@@ -67,10 +71,6 @@ def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: 
     Rendering a chat template costs about a millisecond per turn, so hundreds of thousands of
     conversations take minutes on one core: `workers` processes (default: up to 8 of the
     machine's cores) tokenize them, and the result is the same, in the same order."""
-    from transformers import AutoConfig
-
-    from eyas.models import load_tokenizer, model_identity, resolve_model
-
     tokenizer = load_tokenizer(model)
     # The identity is the tokenizer as shipped; the template used is recorded beside it, so
     # later stages load the same tokenizer and are not asked for the template again.
@@ -141,9 +141,6 @@ def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: 
 
 
 def _exclusion_grams(prompt_sets: list[str]) -> frozenset:
-    from eyas.data.synthetic import ngram_set
-    from eyas.evaluate.prompts import load_prompts
-
     texts = [t for name in prompt_sets for p in load_prompts(name) for t in p.turns]
     return ngram_set(texts) if texts else frozenset()
 
@@ -163,8 +160,6 @@ def windows(messages: list[dict[str, str]], size: int | None) -> list[list[dict[
 def _items(records: Iterable[Any], window: int | None, grams: frozenset) -> Iterator[tuple[int, bool, Any]]:
     """(record index, first item of its record, TruncatedTail | reason dropped | (layout, messages)):
     normalised here, so a record's windows and exclusions are known before the workers encode."""
-    from eyas.data.synthetic import contaminated
-
     for index, record in enumerate(records):
         if isinstance(record, TruncatedTail):
             yield index, True, record
@@ -236,9 +231,6 @@ def format_summary(summary: dict[str, Any], out: str | Path) -> str:
 
 def show_sample(path: str | Path, n: int, color: bool) -> str:
     """Sample n with trained tokens highlighted (green, or [[...]] without a terminal)."""
-    from eyas.data.prepared import PreparedData
-    from eyas.models import load_tokenizer
-
     data = PreparedData(path)
     if not 0 <= n < len(data):
         raise EyasError(f"Sample {n} does not exist; {path} holds samples 0..{len(data) - 1}.")

@@ -26,6 +26,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from eyas.draft.config import DraftConfig
@@ -177,8 +178,6 @@ def _block_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, T: 
 
 @functools.lru_cache(maxsize=256)
 def _block_mask(T: int, S: int, device: torch.device):
-    from torch.nn.attention.flex_attention import create_block_mask
-
     def mask(b, h, q_idx, kv_idx):
         t = q_idx % T
         return ((kv_idx < T) & (kv_idx <= t)) | ((kv_idx >= T) & (kv_idx % T == t))

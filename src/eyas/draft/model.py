@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
@@ -233,15 +234,11 @@ FLEX_PAD = 128  # flex attention's block size
 
 @functools.cache
 def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
-
     return torch.compile(flex_attention, dynamic=True)
 
 
 @functools.lru_cache(maxsize=512)
 def _ttt_block_mask(T: int, steps: int, device: torch.device):
-    from torch.nn.attention.flex_attention import create_block_mask
-
     def mask(b, h, q_idx, kv_idx):  # kv_idx = step * T + position
         step, pos = kv_idx // T, kv_idx % T
         return ((step == 0) & (pos <= q_idx)) | ((step > 0) & (pos == q_idx))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
 from eyas.errors import EyasError
 
 # Keys M-RoPE adds to a 1-D rope: text-only positions are the same on every axis, so
@@ -20,8 +22,6 @@ FULL = "full_attention"
 
 def drafter_rope(text_config) -> tuple[dict[str, Any], str]:
     """-> (rope_parameters for the drafter's Llama layer, where they came from)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     name = type(text_config).__name__
     rope = getattr(text_config, "rope_parameters", None)
     source = "the target's rope_parameters"

@@ -21,8 +21,9 @@ from tqdm import tqdm
 from eyas import __version__
 from eyas.data.template import ChatTemplate
 from eyas.device import parse_device, resolve_device
-from eyas.draft import Eagle3Drafter, load_drafter
+from eyas.draft import DraftConfig, Eagle3Drafter, load_drafter
 from eyas.errors import EyasError
+from eyas.evaluate.dflash import DFlash, DFlashSession
 from eyas.evaluate.drafter import DrafterSession
 from eyas.evaluate.generate import generate
 from eyas.evaluate.plot import plot_acceptance
@@ -90,8 +91,6 @@ def check_drafter(identity: ModelIdentity, drafter_cfg, where: str) -> None:
 
 
 def load_checked_drafter(path: str, model, identity: ModelIdentity) -> torch.nn.Module:
-    from eyas.draft import DraftConfig
-
     check_drafter(identity, DraftConfig.load(path), f"The drafter {path}")
     param = next(model.parameters())
     drafter = load_drafter(path, model.get_input_embeddings().weight.detach().float().cpu())
@@ -147,7 +146,6 @@ def drafter_proposer(drafter, cfg: EvalConfig, generator: torch.Generator | None
     if drafter.config.drafter == "dflash":
         if cfg.tree:
             raise EyasError("A DFlash drafter proposes one block, verified as a chain; drop --tree.")
-        from eyas.evaluate.dflash import DFlash, DFlashSession
 
         return DFlash(DFlashSession(drafter), cfg.steps, temperature=cfg.temperature, generator=generator)
     return Eagle3(DrafterSession(drafter), cfg.steps, tree=cfg.tree, top_k=cfg.top_k, max_nodes=cfg.draft_tokens,

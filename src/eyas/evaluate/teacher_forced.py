@@ -15,14 +15,22 @@ from typing import Any
 
 import torch
 
+from eyas import distributed
 from eyas.device import resolve_device
+from eyas.draft import DraftConfig, load_drafter
 from eyas.errors import EyasError
+from eyas.models import resolve_model
+from eyas.models.target_head import load_target_head
+from eyas.paths import atomic_write_json
+from eyas.train.checkpoint import latest_checkpoint, read_checkpoint
+from eyas.train.data import OnlineSource, split
+from eyas.train.loop import score
+from eyas.train.metrics import TAU_DEFINITION
+from eyas.train.objective import TTTObjective
 
 
 def training_settings(draft: str | Path) -> dict[str, Any]:
     """The training config recorded beside a drafter trained by `eyas train` (its OUT folder)."""
-    from eyas.train.checkpoint import latest_checkpoint, read_checkpoint
-
     folder = latest_checkpoint(Path(draft)) if (Path(draft) / "checkpoints").is_dir() else None
     if folder is None:
         raise EyasError(f"{draft} holds no training checkpoint (checkpoints/latest): --held-out needs the training "
@@ -35,14 +43,6 @@ def teacher_forced(model: str, draft: str | Path, data: str | Path, held_out: bo
                    device: str | None = None) -> dict[str, Any]:
     """Loss, accuracy per TTT step and tau_sim of the drafter `draft` on the prepared `data`
     (all samples, the first `limit`, or with `held_out` the training run's held-out ones)."""
-    from eyas import distributed
-    from eyas.draft import DraftConfig, load_drafter
-    from eyas.models import resolve_model
-    from eyas.train.data import OnlineSource, split
-    from eyas.train.loop import score
-    from eyas.train.objective import TTTObjective
-    from eyas.models.target_head import load_target_head
-
     seed = 0
     if held_out:
         trained = training_settings(draft)
@@ -67,9 +67,6 @@ def teacher_forced(model: str, draft: str | Path, data: str | Path, held_out: bo
 
 
 def write(result: dict[str, Any], out: str | Path) -> None:
-    from eyas.paths import atomic_write_json
-    from eyas.train.metrics import TAU_DEFINITION
-
     atomic_write_json(Path(out), {"teacher_forced": result, "tau_sim_definition": TAU_DEFINITION})
 
 

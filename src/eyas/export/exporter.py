@@ -9,16 +9,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
 from eyas.export.layouts import Layout, get_layout, layout_for
 from eyas.export.weights import build_drafter, owned_out, read_tensors, write_folder
+from eyas.models import load_tokenizer, model_identity
 from eyas.models.load import parse_dtype
 from eyas.models.resolve import resolve_model
 from eyas.paths import check_confined
 from eyas.train.checkpoint import unfinished_note
 from eyas.validate import COUNT
+from eyas.vllm.preflight import preflight_where_installed
 from eyas.vllm.serve import serve_launcher
 
 
@@ -74,10 +77,6 @@ def speculative_tokens(cfg: DraftConfig, asked: int | None) -> int:
 def check_vllm_serves(cfg: DraftConfig, target: str) -> None:
     """Refuse a drafter the installed vLLM cannot serve with its target (see vllm/preflight.py);
     without vLLM or the target's config here, say that the command is unchecked."""
-    from transformers import AutoConfig
-
-    from eyas.vllm.preflight import preflight_where_installed
-
     try:
         config = AutoConfig.from_pretrained(target)
     except (OSError, ValueError) as e:
@@ -122,10 +121,6 @@ def serving_info(cfg: DraftConfig, target: str | None, num_speculative_tokens: i
 
 
 def check_target(cfg: DraftConfig, target: str) -> None:
-    from transformers import AutoConfig
-
-    from eyas.models import load_tokenizer, model_identity
-
     given = model_identity(target, AutoConfig.from_pretrained(resolve_model(target)), load_tokenizer(target))
     given.check_same(cfg.identity, "The drafter")
 

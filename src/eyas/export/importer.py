@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 from eyas.draft import mla_config as mla
 from eyas.draft.checkpoint import save_drafter
@@ -37,9 +38,11 @@ from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
 from eyas.export.layouts import EAGLE31_OPTIONS, EYAS_PREFIX
 from eyas.export.weights import build_drafter, owned_out, read_tensors
+from eyas.models import load_tokenizer, model_identity
 from eyas.models.identity import ModelIdentity
 from eyas.models.layers import default_aux_ids
 from eyas.models.resolve import resolve_model
+from eyas.models.target_head import load_target_head
 from eyas.paths import check_confined
 from eyas.validate import COUNT
 
@@ -212,9 +215,6 @@ def target_identity(target: str | None, own: DraftConfig | None, foreign: Foreig
     if spec is None:
         raise EyasError(f"{src} does not say which model it drafts for; pass --target MODEL (the model it was "
                         "trained with).")
-    from transformers import AutoConfig
-
-    from eyas.models import load_tokenizer, model_identity
 
     try:
         config = AutoConfig.from_pretrained(resolve_model(spec))
@@ -312,8 +312,6 @@ def vocab_tables(state: dict[str, torch.Tensor], cfg: DraftConfig, src: Path) ->
 def check_embeddings(embed: torch.Tensor, target: str, src: Path) -> None:
     """A drafter may ship a copy of the target's input embeddings (vLLM then shares the target's);
     eyas always uses the target's, so a different table would make every score untrue."""
-    from eyas.models.target_head import load_target_head
-
     reference = load_target_head(resolve_model(target)).embed_weight  # [V, H] float32
     # Equal up to one bfloat16 rounding (relative 2^-7): a copy of the table in any dtype passes,
     # a different (e.g. trained) table does not.

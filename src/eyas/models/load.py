@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
 from eyas.errors import EyasError
 from eyas.models.resolve import resolve_model
@@ -28,8 +29,6 @@ def default_model_dtype(device_type: str) -> str:
 
 def load_tokenizer(spec: str):
     """The target's tokenizer; a chat template is required later, not here."""
-    from transformers import AutoTokenizer
-
     folder = resolve_model(spec)
     try:
         return AutoTokenizer.from_pretrained(folder)
@@ -41,8 +40,6 @@ def auto_model_class(config):
     """transformers' auto class that builds `config`'s text-generating model: the causal LM, or
     for a multimodal wrapper (`*ForConditionalGeneration` nesting a `text_config`) the
     image-text-to-text model, whose text decoder eyas then runs on text alone."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
     for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
         if type(config) in auto._model_mapping:
             return auto
@@ -53,8 +50,6 @@ def auto_model_class(config):
 def load_target(spec: str, dtype: str = "float32", device: str = "cpu", attn: str | None = None):
     """Return `(model, tokenizer)`, the model in eval mode with gradients off. `attn=None`
     lets transformers pick its best attention for the family (sdpa where supported)."""
-    from transformers import AutoConfig
-
     folder = resolve_model(spec)
     try:
         extra = {"attn_implementation": attn} if attn else {}

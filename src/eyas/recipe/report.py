@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from eyas.export.exporter import planned_serve_command
 from eyas.paths import atomic_write_bytes, atomic_write_json
 
 
@@ -20,8 +21,6 @@ def _table(rows: dict[str, dict[str, float]], columns: list[str]) -> list[str]:
 
 
 def write_report(recipe: dict[str, Any], work: Path, stages) -> Path:
-    from eyas.export.exporter import planned_serve_command
-
     ev = work / "eval"
     heldout = _read(ev / "heldout.json").get("teacher_forced", {})
     chain, tree = _read(ev / "chain.json"), _read(ev / "tree.json")

@@ -28,14 +28,19 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from eyas.cli import build_parser
 from eyas.errors import EyasError
 from eyas.paths import atomic_write_json
+from eyas.recipe.estimate import describe
+from eyas.recipe.report import write_report
 
 STATE = "recipe-state.json"
 STAGE_KEYS = ("prepare", "regenerate", "capture", "train", "eval", "export")
@@ -82,8 +87,6 @@ def load_recipe(path: str | Path) -> dict[str, Any]:
 
 
 def _stage_parser(command: str) -> argparse.ArgumentParser:
-    from eyas.cli import build_parser
-
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     return sub.choices[command]
 
@@ -161,8 +164,6 @@ def _eval_stages(model: str, drafter: Path, data: Path, ev: Path, options: dict[
 
 
 def _parse(stage: Stage) -> argparse.Namespace:
-    from eyas.cli import build_parser
-
     try:
         return build_parser().parse_args([stage.command, *stage.argv])
     except SystemExit:  # argparse has printed the reason
@@ -196,9 +197,6 @@ def _run_stage(stage: Stage) -> None:
     if stage.command == "train" and (stage.output / "checkpoints" / "latest").is_file():
         stage = Stage(stage.name, stage.command, [*stage.argv, "--resume"], stage.output, stage.processes)
     if stage.processes > 1:
-        import subprocess
-        import sys
-
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(stage.processes),
                   "-m", "eyas", stage.command, *stage.argv]
         if subprocess.run(launch).returncode != 0:
@@ -213,9 +211,6 @@ def run_recipe(path: str | Path, work: str | Path | None = None, dry_run: bool =
                stop_after: str | None = None) -> Path | None:
     """Run (or with `dry_run`, describe) the recipe's stages that are not done, up to `stop_after`
     if given; returns the report once every stage is done."""
-    from eyas.recipe.estimate import describe
-    from eyas.recipe.report import write_report
-
     recipe = load_recipe(path)
     work = Path(work or recipe.get("work") or Path(path).with_suffix(""))
     stages = plan(recipe, work, str(path))

@@ -26,12 +26,17 @@ from typing import Any
 
 from tqdm import tqdm
 
+from eyas.data.prepare import prepare_into
 from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
-from eyas.device import parse_device
+from eyas.device import parse_device, resolve_device
 from eyas.lock import output_lock
+from eyas.models import load_tokenizer
+from eyas.models.load import default_model_dtype
 from eyas.paths import check_confined
+from eyas.regenerate.generate import HFGenerator, VLLMGenerator
 from eyas.validate import COUNT, POSITIVE, Number, check_options
+from eyas.vllm.target import read_target
 
 # The number options of `eyas regenerate` (see eyas.validate).
 OPTIONS = {"temperature": Number(lo=0, required=True), "max_new_tokens": COUNT, "group_size": COUNT,
@@ -42,15 +47,9 @@ CONVERSATIONS = "regenerated-conversations.jsonl"  # the input handed to `prepar
 
 def make_generator(backend: str, model: str, model_dtype: str | None, device: str, max_len: int, **vllm: Any):
     if backend == "hf":
-        from eyas.device import resolve_device
-        from eyas.models.load import default_model_dtype
-        from eyas.regenerate.generate import HFGenerator
-
         dev = resolve_device(device)
         return HFGenerator(model, dtype=model_dtype or default_model_dtype(dev.type), device=str(dev))
     if backend == "vllm":
-        from eyas.regenerate.generate import VLLMGenerator
-
         return VLLMGenerator(model, dtype=model_dtype or "auto", max_len=max_len, **vllm)
     raise EyasError(f"Unknown backend {backend!r}; choose hf or vllm.")
 
@@ -61,10 +60,6 @@ def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf
                **vllm: Any) -> dict[str, Any]:
     """Regenerate every conversation of `data` not yet in `out` (or as many as `minutes`
     allow), then prepare `out` from the finished ones; return prepare's summary."""
-    from eyas.vllm.target import read_target
-    from eyas.data.prepare import prepare_into
-    from eyas.models import load_tokenizer
-
     check_options({"temperature": temperature, "max_new_tokens": max_new_tokens, "group_size": group_size,
                    "minutes": minutes}, OPTIONS)
     check_confined(out, {"--data": data, "--model": model})

@@ -19,6 +19,9 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface, StaticCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from eyas.device import synchronize
 from eyas.models.eos import cut_at_stop
@@ -41,8 +44,6 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     far: the slots after it are masked for every query, so they need not be read. A static
     cache is sized for the batch's last step, and decoding is bound by reading it; the read
     is rounded up to KV_ALIGN slots."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     limit = kwargs.pop("kv_limit", None)
     if limit is not None and (limit := KV_ALIGN * -(-limit // KV_ALIGN)) < key.shape[2]:
         key, value = key[:, :, :limit], value[:, :, :limit]  # [B, nKV, limit, d]
@@ -60,9 +61,6 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
 
 @functools.cache
 def _register() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
     AttentionInterface.register(ATTENTION, grouped_sdpa)
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)
 
@@ -116,8 +114,6 @@ class StaticGreedy:
 
     @torch.inference_mode()
     def _batch(self, prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
-        from transformers import StaticCache
-
         dev = self.device
         started = time.monotonic()
         B, T, N = len(prompts), max(map(len, prompts)), max(budgets)

@@ -14,10 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from eyas.errors import EyasError
+from eyas.lock import output_lock
 from eyas.paths import atomic_write_json, sha256_file
 from eyas.store.format import MANIFEST, SHARD_PATTERN
 from eyas.store.reader import Store, check_manifest
 from eyas.store.verify import check_layer_ids, check_shard, read_header
+from eyas.store.writer import store_lock
 
 
 def _header(path: Path) -> dict[str, Any]:
@@ -50,9 +52,6 @@ def _entry(file: Path) -> dict[str, Any]:
 
 def repair_store(path: str | Path) -> tuple[list[str], list[tuple[str, str]]]:
     """Rewrite the manifest of `path`; return the shards kept and (shard, reason) for those dropped."""
-    from eyas.lock import output_lock
-    from eyas.store.writer import store_lock
-
     path = Path(path)
     with output_lock(path, "inspect --repair"), store_lock(path):
         return _repair(path)

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
 
 from eyas.draft.checkpoint import WEIGHTS, save_drafter
 from eyas.draft.config import DraftConfig
@@ -40,16 +41,12 @@ TRAINER = "trainer.json"
 def full_states(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """Unsharded model and optimizer state dicts on the CPU (identical on every process;
     collective under DDP/FSDP, so every process must call it)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
 
 
 def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, optim_state: dict) -> None:
     """Restore an unsharded optimizer state (as `full_states` saved it) into this process."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
     set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
 
 

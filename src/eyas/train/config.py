@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from eyas.draft.dflash import default_num_layers
+from eyas.draft.kinds import DRAFTERS
 from eyas.errors import EyasError
 from eyas.validate import COUNT, POSITIVE, SHARE, Number, check_options
 
@@ -91,8 +93,6 @@ class TrainConfig:
         self._check_kind()
 
     def _check_kind(self) -> None:
-        from eyas.draft.kinds import DRAFTERS
-
         if self.drafter not in DRAFTERS:
             raise EyasError(f"--drafter must be one of {', '.join(DRAFTERS)}, not {self.drafter!r}.")
         if self.drafter != "dflash":
@@ -112,7 +112,6 @@ class TrainConfig:
         """The DraftConfig fields of the kind, given the target's identity."""
         if self.drafter != "dflash":
             return {}
-        from eyas.draft.dflash import default_num_layers
 
         return {"drafter": "dflash", "num_hidden_layers": self.draft_layers or default_num_layers(identity.num_layers),
                 "mask_token_id": identity.vocab_size - 1 if self.mask_token_id is None else self.mask_token_id}
