@@ -21,7 +21,6 @@ sequence, and costs the same per query as the EAGLE-3 chain: block slots x token
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import torch.nn as nn
@@ -183,9 +182,3 @@ def _block_mask(T: int, S: int, device: torch.device):
         return ((kv_idx < T) & (kv_idx <= t)) | ((kv_idx >= T) & (kv_idx % T == t))
 
     return create_block_mask(mask, B=None, H=None, Q_LEN=S * T, KV_LEN=(1 + S) * T, device=device)
-
-
-def default_num_layers(target_layers: int) -> int:
-    """Draft layers when none are asked for: DFlash's published heads use a few; a small target
-    gets at least one and no more than a tenth of its own depth, rounded up."""
-    return max(1, math.ceil(target_layers / 10))

@@ -5,12 +5,19 @@ itself with these); its module class is built by `build.new_drafter`."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any
 
 from eyas.errors import EyasError
 
 DRAFTERS = ("eagle3", "dflash")
+
+
+def default_num_layers(target_layers: int) -> int:
+    """A DFlash drafter's layers when none are asked for: DFlash's published heads use a few; a
+    small target gets at least one and no more than a tenth of its own depth, rounded up."""
+    return max(1, math.ceil(target_layers / 10))
 
 
 def check_kind(cfg) -> None:

@@ -146,7 +146,6 @@ def drafter_proposer(drafter, cfg: EvalConfig, generator: torch.Generator | None
     if drafter.config.drafter == "dflash":
         if cfg.tree:
             raise EyasError("A DFlash drafter proposes one block, verified as a chain; drop --tree.")
-
         return DFlash(DFlashSession(drafter), cfg.steps, temperature=cfg.temperature, generator=generator)
     return Eagle3(DrafterSession(drafter), cfg.steps, tree=cfg.tree, top_k=cfg.top_k, max_nodes=cfg.draft_tokens,
                   temperature=cfg.temperature, generator=generator)

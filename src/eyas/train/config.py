@@ -6,8 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from eyas.draft.dflash import default_num_layers
-from eyas.draft.kinds import DRAFTERS
+from eyas.draft.kinds import DRAFTERS, default_num_layers
 from eyas.errors import EyasError
 from eyas.validate import COUNT, POSITIVE, SHARE, Number, check_options
 
@@ -46,7 +45,7 @@ class TrainConfig:
     norm_output: bool = False
     drafter: str = "eagle3"  # the kind (draft/kinds.py)
     block_size: int | None = None  # dflash: slot 0 plus the drafted tokens (sets ttt_steps = block_size - 1)
-    draft_layers: int | None = None  # dflash: decoder layers (default draft/dflash.py default_num_layers)
+    draft_layers: int | None = None  # dflash: decoder layers (default draft/kinds.py default_num_layers)
     mask_token_id: int | None = None  # dflash: default the target vocabulary's last id
     epochs: float | None = None  # default 1 unless steps is given
     steps: int | None = None
@@ -112,7 +111,6 @@ class TrainConfig:
         """The DraftConfig fields of the kind, given the target's identity."""
         if self.drafter != "dflash":
             return {}
-
         return {"drafter": "dflash", "num_hidden_layers": self.draft_layers or default_num_layers(identity.num_layers),
                 "mask_token_id": identity.vocab_size - 1 if self.mask_token_id is None else self.mask_token_id}
 
