@@ -8,6 +8,8 @@ import sys
 from typing import Any
 
 from eyas.errors import EyasError
+from eyas.vllm.engine import parse_engine_args, text_only
+from eyas.vllm.preflight import preflight_where_installed
 
 
 def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,8 +48,6 @@ def add_engine_arguments(g, data_parallel: bool = True) -> None:
 
 def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
     """The keyword arguments `capture(...)` forwards to `make_vllm_backend`."""
-    from eyas.vllm.engine import parse_engine_args
-
     return {
         "tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
         "data_parallel_size": args.data_parallel_size, "engine_args": parse_engine_args(args.engine_arg),
@@ -57,8 +57,6 @@ def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_serve_command(args: argparse.Namespace) -> None:
-    from eyas.vllm.engine import text_only
-    from eyas.vllm.preflight import preflight_where_installed
     from eyas.vllm.serve import serve_command
     from eyas.vllm.target import describe_target
 

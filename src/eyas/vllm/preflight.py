@@ -12,11 +12,18 @@ an engine to learn the same costs minutes and ends in a worker crash.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import inspect
 import json
+import re
 import sys
+import textwrap
+from pathlib import Path
 from typing import Any
 
 from eyas.errors import EyasError
+from eyas.vllm.engine import installed_vllm_version, vllm_environment
 
 
 def preflight(config: Any, model: str, layer_ids: tuple[int, ...] | None, dtype: str, instead: str,
@@ -25,8 +32,6 @@ def preflight(config: Any, model: str, layer_ids: tuple[int, ...] | None, dtype:
     `model` (transformers `config`, read from `folder`, by default `model` itself) with
     EAGLE-3 aux states at `layer_ids` (aux ids then N). `here`: the engine runs on this
     machine's platform (not a command printed to run on another)."""
-    from eyas.vllm.engine import installed_vllm_version, vllm_environment
-
     if (engine_args or {}).get("model_impl", "auto") not in ("auto", "vllm"):
         return  # the user chose vLLM's transformers backend (or another): let vLLM judge
     vllm_environment()  # before vLLM is first imported
@@ -49,8 +54,6 @@ def preflight_where_installed(config: Any, model: str, layer_ids: tuple[int, ...
                               engine_args: dict[str, Any] | None = None, folder: str | None = None) -> None:
     """`preflight` for a command printed here and run elsewhere: without vLLM on this machine
     (a training or client machine), say that the command is unchecked instead of refusing."""
-    from eyas.vllm.engine import installed_vllm_version
-
     try:
         installed_vllm_version()
     except EyasError as e:
@@ -155,8 +158,6 @@ def check_model_config(folder: str, model: str, name: str, dtype: str, instead: 
     multimodal wrapper it sets up the model's input processing (image processor, tokenizer's
     media tokens) even for text-only prompts, and fails here as the engine would, minutes
     later (on these machines: no torchvision for the processors that need it)."""
-    import dataclasses
-
     from vllm.engine.arg_utils import EngineArgs
 
     known = {f.name for f in dataclasses.fields(EngineArgs)}
@@ -174,8 +175,6 @@ def check_model_config(folder: str, model: str, name: str, dtype: str, instead: 
 def checkpoint_names(folder: str) -> list[str]:
     """Tensor names of a safetensors checkpoint, from its index or the files' headers (no
     tensor is read); [] for another format or a folder that is not here."""
-    from pathlib import Path
-
     from safetensors import safe_open
 
     path = Path(folder)
@@ -231,8 +230,6 @@ def check_weight_names(folder: str, model: str, config: Any, cls: type, name: st
 def layer_containers(names: list[str], layers: int) -> list[str]:
     """Prefixes `P` such that `P{i}.` starts some name for every i < `layers`: where the
     checkpoint keeps a stack of `layers` layers (the text decoder's, or a deep vision tower's)."""
-    import re
-
     seen: dict[str, set[int]] = {}
     for n in names:
         for m in re.finditer(r"\.(\d+)\.", n):
@@ -244,10 +241,6 @@ def auto_loader_children(cls: type) -> set[str]:
     """The attribute names vLLM's class sets in its `__init__`s (its modules among them), when
     its `load_weights` walks them with `AutoWeightsLoader` and no skip or ignore lists (which
     then refuses any other first name); empty when that cannot be read off its source."""
-    import ast
-    import inspect
-    import textwrap
-
     try:
         if "AutoWeightsLoader(self)" not in inspect.getsource(cls.load_weights):
             return set()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from transformers import AutoConfig
+
 from eyas.errors import EyasError
 from eyas.models import load_tokenizer, model_identity, resolve_layer_ids, resolve_model
 from eyas.models.identity import ModelIdentity
@@ -23,8 +25,6 @@ def read_target(model: str) -> tuple[str, object, ModelIdentity]:
     """(folder, config, identity) of `model`, with no layer ids: what a stage that reads no
     hidden states (regenerate) checks its data against. Raises `EyasError` for a model that
     cannot be read."""
-    from transformers import AutoConfig
-
     folder = resolve_model(model)
     try:
         config = AutoConfig.from_pretrained(folder)
