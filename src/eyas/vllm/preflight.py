@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.errors import EyasError
-from eyas.vllm.engine import installed_vllm_version, vllm_environment
+from eyas.vllm import engine
 
 
 def preflight(config: Any, model: str, layer_ids: tuple[int, ...] | None, dtype: str, instead: str,
@@ -34,8 +34,8 @@ def preflight(config: Any, model: str, layer_ids: tuple[int, ...] | None, dtype:
     machine's platform (not a command printed to run on another)."""
     if (engine_args or {}).get("model_impl", "auto") not in ("auto", "vllm"):
         return  # the user chose vLLM's transformers backend (or another): let vLLM judge
-    vllm_environment()  # before vLLM is first imported
-    version = installed_vllm_version()
+    engine.vllm_environment()  # before vLLM is first imported
+    version = engine.installed_vllm_version()
     arch, cls = model_class(config, model, version, instead)
     from vllm.model_executor.models.interfaces import supports_eagle3
 
@@ -55,7 +55,7 @@ def preflight_where_installed(config: Any, model: str, layer_ids: tuple[int, ...
     """`preflight` for a command printed here and run elsewhere: without vLLM on this machine
     (a training or client machine), say that the command is unchecked instead of refusing."""
     try:
-        installed_vllm_version()
+        engine.installed_vllm_version()
     except EyasError as e:
         print(f"eyas: note: the command was not checked against vLLM here ({e})", file=sys.stderr)
         return
