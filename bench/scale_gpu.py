@@ -123,10 +123,8 @@ def build_prepared(folder: Path, model_dir: Path, config, tokenizer, tokens: int
     samples = random_samples(tokens, 2, config.vocab_size, seed=seed)
     total = sum(len(s.input_ids) for s in samples)
     identity = model_identity(str(model_dir), config, tokenizer)
-    write_prepared(folder, samples, [[] for _ in samples], {
-        "target": identity.to_dict(), "source": "random", "max_len": 2048, "fingerprint": f"random-{seed}-{tokens}",
-        "summary": {"kept": len(samples), "tokens": total},
-    })
+    write_prepared(folder, samples, [[] for _ in samples], identity, None, "random", 2048,
+                   {"kept": len(samples), "tokens": total})
     return [len(s.input_ids) for s in samples]
 
 

@@ -185,7 +185,7 @@ class OnlineSource:
         self.capturer.identity.check_same(self.prepared.identity, f"The prepared data in {data}")
         self.crop = crop
         self.identity: ModelIdentity = self.capturer.identity
-        self.chat_template: dict | None = self.prepared.meta.get("chat_template")
+        self.chat_template: dict | None = template.to_dict() if (template := self.prepared.chat_template) else None
         self.layer_ids = self.capturer.layer_ids
         self.hidden_size = self.capturer.hidden_size
         self.sample_index = list(range(len(self.prepared)))
