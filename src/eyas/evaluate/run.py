@@ -89,9 +89,9 @@ def check_drafter(identity: ModelIdentity, drafter_cfg, where: str) -> None:
 
 
 def load_checked_drafter(path: str, model, identity: ModelIdentity) -> torch.nn.Module:
-    from eyas.draft import DraftConfig
+    from eyas.draft import load_config
 
-    check_drafter(identity, DraftConfig.load(path), f"The drafter {path}")
+    check_drafter(identity, load_config(path), f"The drafter {path}")
     param = next(model.parameters())
     drafter = load_drafter(path, model.get_input_embeddings().weight.detach().float().cpu())
     drafter.to(param.device).eval().requires_grad_(False)

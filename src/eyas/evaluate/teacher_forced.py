@@ -36,7 +36,7 @@ def teacher_forced(model: str, draft: str | Path, data: str | Path, held_out: bo
     """Loss, accuracy per TTT step and tau_sim of the drafter `draft` on the prepared `data`
     (all samples, the first `limit`, or with `held_out` the training run's held-out ones)."""
     from eyas import distributed
-    from eyas.draft import DraftConfig, load_drafter
+    from eyas.draft import load_config, load_drafter
     from eyas.models import resolve_model
     from eyas.train.data import OnlineSource, split
     from eyas.train.loop import score
@@ -48,7 +48,7 @@ def teacher_forced(model: str, draft: str | Path, data: str | Path, held_out: bo
         trained = training_settings(draft)
         batch_tokens, max_len, seed = trained["batch_tokens"], trained["max_len"], trained["seed"]
     dev = resolve_device(device)
-    config = DraftConfig.load(draft)
+    config = load_config(draft)
     crop = min(max_len or batch_tokens, batch_tokens)
     source = OnlineSource(model, data, ",".join(map(str, config.aux_layer_ids)), crop, dev)
     config.identity.check_same(source.identity, f"The drafter {draft}")
