@@ -123,10 +123,8 @@ def build_prepared(folder: Path, model_dir: Path, config, tokenizer, tokens: int
     samples = random_samples(tokens, 2, config.vocab_size, seed=seed)
     total = sum(len(s.input_ids) for s in samples)
     identity = model_identity(str(model_dir), config, tokenizer)
-    write_prepared(folder, samples, [[] for _ in samples], {
-        "target": identity.to_dict(), "source": "random", "max_len": 2048, "fingerprint": f"random-{seed}-{tokens}",
-        "summary": {"kept": len(samples), "tokens": total},
-    })
+    write_prepared(folder, samples, [[] for _ in samples], identity, None, "random", 2048,
+                   {"kept": len(samples), "tokens": total})
     return [len(s.input_ids) for s in samples]
 
 
@@ -372,7 +370,7 @@ def build_seed_store(out: Path, folder: Path, samples: list, device: str) -> Non
 
     from eyas.models import load_tokenizer, model_identity
     from eyas.store import StoreWriter
-    from eyas.store.format import quantize_fp8
+    from eyas.store.format import manifest_header, quantize_fp8
 
     config = AutoConfig.from_pretrained(folder)
     N, H = config.num_hidden_layers, config.hidden_size
@@ -380,8 +378,7 @@ def build_seed_store(out: Path, folder: Path, samples: list, device: str) -> Non
     identity = model_identity(str(folder), config, load_tokenizer(str(folder)))
     g = torch.Generator(device).manual_seed(1)
     hidden, scale = quantize_fp8(torch.randn(2048, len(layer_ids), H, device=device, generator=g))  # [R, L, H], [R, L]
-    writer = StoreWriter(out, {"target": identity.to_dict(), "layer_ids": layer_ids, "dtype": "fp8", "hidden_size": H,
-                               "prepared": f"random-seed-{len(samples)}", "chat_template": None})
+    writer = StoreWriter(out, manifest_header(identity, layer_ids, "fp8", H, f"random-seed-{len(samples)}", None))
     for s in samples:
         rows = torch.arange(len(s.input_ids), device=device) % len(hidden)
         writer.add(s.source_index, s.input_ids, s.loss_mask, hidden[rows], scale=scale[rows])

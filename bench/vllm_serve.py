@@ -247,7 +247,7 @@ def mtbench_prompts(per_category: int) -> list[tuple[Any, str]]:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """Export, serve plain and speculative, run eyas eval; every comparison in one dict."""
     from eyas.data.template import ChatTemplate
-    from eyas.draft import DraftConfig
+    from eyas.draft import load_config
     from eyas.errors import EyasError
     from eyas.evaluate.prompts import render
     from eyas.export import export_drafter
@@ -260,7 +260,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     prompts, categories = [p for p, _ in picked], [c for _, c in picked]
     # Prompts as eyas eval renders them: under the drafter's recorded chat template, if any.
     tokenizer = load_tokenizer(args.model)
-    template = DraftConfig.load(args.drafter).chat_template
+    template = load_config(args.drafter).chat_template
     if template:
         ChatTemplate.from_dict(template).apply(tokenizer)
     prompt_ids = [render(tokenizer, [{"role": "user", "content": p.turns[0]}]) for p in prompts]

@@ -15,7 +15,7 @@ from eyas.capture.run import capture
 from eyas.cli import main
 from eyas.data.prepared import PreparedData
 from eyas.data.template import ChatTemplate
-from eyas.draft import DraftConfig
+from eyas.draft import load_config
 from eyas.errors import EyasError
 from eyas.store import Store
 from eyas.train import TrainConfig, train
@@ -71,7 +71,7 @@ def test_prepare_with_template_then_capture_then_train(prepared, tiny_llama_dir,
     assert offline["step"] == online["step"] == 2
     recorded = PreparedData(prep).chat_template
     for run in ("off", "on"):  # the drafter carries the template on, for eval
-        assert ChatTemplate.from_dict(DraftConfig.load(tmp_path / run).chat_template) == recorded
+        assert ChatTemplate.from_dict(load_config(tmp_path / run).chat_template) == recorded
     # eval renders its prompts with it, unasked
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "hello there"}) + "\n")

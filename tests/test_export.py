@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eyas.draft import DraftConfig, Eagle3Drafter, load_drafter, save_drafter
+from eyas.draft import DraftConfig, Eagle3Drafter, load_config, load_drafter, save_drafter
 from eyas.errors import EyasError
 from eyas.export import LAYOUTS, export_drafter, import_drafter
 from eyas.vllm.serve import serve_launcher
@@ -142,12 +142,12 @@ def test_eagle31_options_round_trip_through_the_vllm_layouts(fmt, drafter31, tin
     import_drafter(tmp_path / fmt, tmp_path / "back")
     before, after = saved(drafter31), saved(tmp_path / "back")
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    assert DraftConfig.load(tmp_path / "back") == DraftConfig.load(drafter31)
+    assert load_config(tmp_path / "back") == load_config(drafter31)
     assert torch.equal(ttt_logits(tmp_path / "back", embed), ttt_logits(drafter31, embed))
     # The same folder without eyas's own record: read as a foreign drafter from the engine fields alone.
     edit(tmp_path / fmt, lambda c: c.pop("eyas"))
     import_drafter(tmp_path / fmt, tmp_path / "foreign", target=str(tiny_llama_dir))
-    cfg = DraftConfig.load(tmp_path / "foreign")
+    cfg = load_config(tmp_path / "foreign")
     assert cfg.fc_norm and cfg.norm_output
     assert torch.equal(ttt_logits(tmp_path / "foreign", embed), ttt_logits(drafter31, embed))
 
@@ -228,7 +228,7 @@ def llama_fields(cfg: DraftConfig) -> dict:
 def official_eagle3(ckpt: Path, out: Path, embed: torch.Tensor) -> Path:
     """SafeAILab/EAGLE's traineagle3 layout: LlamaForCausalLM config with draft_vocab_size, no
     layer ids, a pytorch_model.bin that also carries the target's embeddings (in fp16)."""
-    cfg = DraftConfig.load(ckpt)
+    cfg = load_config(ckpt)
     out.mkdir()
     (out / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **llama_fields(cfg),
                                                  "draft_vocab_size": cfg.draft_vocab_size, "torch_dtype": "float16"}))
@@ -238,7 +238,7 @@ def official_eagle3(ckpt: Path, out: Path, embed: torch.Tensor) -> Path:
 
 def specforge(ckpt: Path, out: Path) -> Path:
     """SpecForge's export for SGLang: LlamaForCausalLMEagle3, ids in eagle_config as outputs of layers."""
-    cfg = DraftConfig.load(ckpt)
+    cfg = load_config(ckpt)
     out.mkdir()
     (out / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLMEagle3"], **llama_fields(cfg), "draft_vocab_size": cfg.draft_vocab_size,
@@ -251,7 +251,7 @@ def specforge(ckpt: Path, out: Path) -> Path:
 def speculators(ckpt: Path, out: Path, verifier: str, embed: torch.Tensor) -> Path:
     """vllm-project/speculators' Eagle3Speculator: layer config nested, weights under layers.0.,
     sharded with an index, the verifier named in speculators_config."""
-    cfg = DraftConfig.load(ckpt)
+    cfg = load_config(ckpt)
     out.mkdir()
     (out / "config.json").write_text(json.dumps({
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
@@ -275,10 +275,10 @@ def speculators(ckpt: Path, out: Path, verifier: str, embed: torch.Tensor) -> Pa
 def test_import_official_eagle3_layout(drafter, tiny_llama_dir, embed, tmp_path):
     folder = official_eagle3(drafter, tmp_path / "eagle3", embed)
     summary = import_drafter(folder, tmp_path / "back", target=str(tiny_llama_dir))
-    cfg = DraftConfig.load(tmp_path / "back")
+    cfg = load_config(tmp_path / "back")
     assert cfg.aux_layer_ids == (2, 4, 5) and cfg.label_layer_id == 8  # both engines' default for 8 layers
     assert "dropped" in summary["embed_tokens"]
-    assert cfg.identity == DraftConfig.load(drafter).identity
+    assert cfg.identity == load_config(drafter).identity
     assert torch.equal(ttt_logits(tmp_path / "back", embed), ttt_logits(drafter, embed))
 
 
@@ -293,7 +293,7 @@ def test_import_speculators_layout_finds_its_verifier(tiny_llama_dir, embed, tmp
     ckpt = make_drafter(tiny_llama_dir, tmp_path / "ckpt", seed=4, norm_before_residual=True)
     folder = speculators(ckpt, tmp_path / "spec", str(tiny_llama_dir), embed)
     import_drafter(folder, tmp_path / "back")  # no --target: the verifier is named in the folder
-    cfg = DraftConfig.load(tmp_path / "back")
+    cfg = load_config(tmp_path / "back")
     assert cfg.norm_before_residual and cfg.aux_layer_ids == (2, 4, 5)
     assert torch.equal(ttt_logits(tmp_path / "back", embed), ttt_logits(ckpt, embed))
 

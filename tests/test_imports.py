@@ -19,10 +19,6 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 ADAPTER = "eyas.vllm"
 OPTIONAL = ("vllm", "pyarrow", "torch.utils.tensorboard")
 ADAPTER_LAZY = (*OPTIONAL, "torch", "safetensors", ADAPTER)
-# Import circles broken on another branch of the same change (issue 24); remove at merge.
-PENDING = {frozenset({"eyas.store.reader", "eyas.store.verify"})}
-
-
 def _module(path: Path) -> str:
     parts = list(path.relative_to(SRC).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -83,15 +79,11 @@ def _within(module: str, packages: tuple[str, ...]) -> bool:
     return any(module == p or module.startswith(p + ".") for p in packages)
 
 
-def _pending(module: str, targets: list[str]) -> bool:
-    return any({module, t} in PENDING for t in targets)
-
-
 def test_imports_are_at_the_top_of_each_file_but_vllms():
     hidden = []
     for name, path in MODULES.items():
         for node, in_function, targets in _imports(path):
-            if not in_function or isinstance(node, ast.Call) or _pending(name, targets):
+            if not in_function or isinstance(node, ast.Call):
                 continue
             in_adapter = name == ADAPTER or name.startswith(ADAPTER + ".")
             if all(_within(t, ADAPTER_LAZY if in_adapter else OPTIONAL) for t in targets):
@@ -107,7 +99,7 @@ def _graph() -> dict[str, set[str]]:
             for t in targets:
                 while t and t not in MODULES and "." in t:  # `import eyas.x.y as z`, a name of a module
                     t = t.rpartition(".")[0]
-                if t in MODULES and t != name and not _pending(name, [t]):
+                if t in MODULES and t != name:
                     graph[name].add(t)
     return graph
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from eyas.draft import DraftConfig, Eagle3Drafter
+from eyas.draft.checkpoint import load_config, save_config
 from eyas.draft.model import _llama_config
 from eyas.errors import EyasError
 from test_ttt import H, V, VD, assert_objective_matches_reference, make_setup, tiny_config
@@ -175,8 +176,8 @@ def test_draft_attention_follows_the_target(tmp_path):
     assert cfg.attention == "mla" and cfg.rope_parameters["rope_type"] == "yarn"
     assert cfg.mla == {"q_lora_rank": 24, "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
                        "v_head_dim": 12}
-    cfg.save(tmp_path)
-    assert DraftConfig.load(tmp_path) == cfg
+    save_config(cfg, tmp_path)
+    assert load_config(tmp_path) == cfg
     small = DraftConfig.for_target(ds, ident, (1, 2, 3, 4), 50, attention="mla", mla_overrides={"kv_lora_rank": 8})
     assert small.mla["kv_lora_rank"] == 8 and small.mla["q_lora_rank"] == 24
     assert DraftConfig.for_target(ds, ident, (1, 2, 3, 4), 50, attention="gqa").attention == "gqa"
@@ -257,7 +258,7 @@ def test_mla_export_names_what_the_engines_load_and_imports_back(tmp_path, to):
     back = load_file(tmp_path / "back" / "model.safetensors")
     original = load_file(tmp_path / "ckpt" / "model.safetensors")
     assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in back)
-    assert DraftConfig.load(tmp_path / "back") == m.config
+    assert load_config(tmp_path / "back") == m.config
     with pytest.raises(EyasError, match="speculators"):
         export_drafter(tmp_path / "ckpt", "speculators", tmp_path / "spec")
 

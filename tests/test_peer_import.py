@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from eyas.draft import DraftConfig, load_drafter
+from eyas.draft import load_config, load_drafter
 from eyas.export import import_drafter
 
 DRAFT_VOCAB = 96
@@ -114,7 +114,7 @@ def test_import_of_a_peer_saved_drafter_gives_the_peers_logits(tiny_llama_dir, t
     summary = import_drafter(folder, tmp_path / "back")  # the verifier is named in the folder
     assert summary["layout"] == "speculators" and "dropped" in summary["embed_tokens"]
     assert "2048 tokens in training, not applied" in summary["sliding_window"]
-    cfg = DraftConfig.load(tmp_path / "back")
+    cfg = load_config(tmp_path / "back")
     assert cfg.norm_before_fc and cfg.norm_output and cfg.norm_before_residual and not cfg.fc_norm
     embed = load_file(folder / "model.safetensors")["embed_tokens.weight"]
     model = load_drafter(tmp_path / "back", embed)

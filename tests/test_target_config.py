@@ -11,6 +11,7 @@ import pytest
 import transformers
 
 from eyas.draft import DraftConfig
+from eyas.draft.checkpoint import load_config, save_config
 from eyas.draft.rope import drafter_rope
 from eyas.errors import EyasError
 from eyas.models.identity import ModelIdentity
@@ -24,11 +25,11 @@ def test_gemma3_rope_follows_the_full_attention_layers(tmp_path):
     identity = ModelIdentity("gemma", "c", "t", 4, config.hidden_size, config.vocab_size)
     cfg = DraftConfig.for_target(config, identity, (1, 2, 3, 4), 64)
     assert cfg.rope_parameters == {"rope_type": "default", "rope_theta": full}
-    cfg.save(tmp_path)
+    save_config(cfg, tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["rope_theta"] == 1_000_000.0 and saved["rope_scaling"] is None
     assert saved["eyas"]["rope_source"] == "the target's full_attention layers (not its sliding_attention layers)"
-    assert DraftConfig.load(tmp_path).rope_source == cfg.rope_source
+    assert load_config(tmp_path).rope_source == cfg.rope_source
 
 
 def test_scaled_and_legacy_rope_settings_are_kept():

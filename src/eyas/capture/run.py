@@ -21,7 +21,7 @@ from eyas.lock import output_lock
 from eyas.models.load import default_model_dtype
 from eyas.paths import check_confined
 from eyas.store import StoreWriter
-from eyas.store.reader import read_manifest
+from eyas.store.format import manifest_header, read_manifest
 from eyas.validate import COUNT, Number, check_options
 from eyas.vllm import make_vllm_backend  # light: vLLM itself is imported only when used
 
@@ -71,12 +71,8 @@ def _capture(model: str, data: str | Path, out: str | Path, backend: str, layers
     engine = BACKENDS[backend](model=model, layers=layers, model_dtype=model_dtype or default_model_dtype(dev.type),
                                device=str(dev), **backend_options)
     engine.identity.check_same(prepared.identity, f"The prepared data in {data}")
-    header = {
-        "target": engine.identity.to_dict(), "layer_ids": list(engine.layer_ids), "dtype": dtype,
-        "hidden_size": engine.hidden_size, "prepared": prepared.meta["fingerprint"],
-        # passed on to the drafter, so that eval renders prompts as the training data was rendered
-        "chat_template": prepared.meta.get("chat_template"),
-    }
+    header = manifest_header(engine.identity, engine.layer_ids, dtype, engine.hidden_size, prepared.fingerprint,
+                             prepared.chat_template)
     writer = StoreWriter(out, header, shard_bytes=int(shard_mb * (1 << 20)), expected_samples=len(prepared))
     lengths = [prepared.length(i) for i in range(len(prepared))]
     todo = [i for i in range(ranks.rank, len(prepared), ranks.world) if i not in writer.done]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import multiprocessing
 import os
 from collections import Counter
@@ -130,13 +129,7 @@ def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: 
         "truncated_tail_bytes": tail_bytes,
         "tokens": tokens, "trained_tokens": trained, "trained_share": trained / tokens,
     }
-    fingerprint = hashlib.sha256()
-    for s in samples:
-        fingerprint.update(s.input_ids.numpy().tobytes() + s.loss_mask.numpy().tobytes())
-    write_prepared(out, samples, conversations, {
-        "target": identity.to_dict(), "chat_template": template.to_dict(), "source": source, "max_len": max_len,
-        "fingerprint": fingerprint.hexdigest()[:16], "summary": summary,
-    })
+    write_prepared(out, samples, conversations, identity, template, source, max_len, summary)
     return summary
 
 

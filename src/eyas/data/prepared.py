@@ -1,8 +1,9 @@
 """The prepared-data folder that `eyas prepare` writes and every later stage reads.
 
 prepared/
-  prepared.json          eyas version, target identity, max_len, source, counts, and the chat
-                         template the samples were rendered with (text, source, sha256)
+  prepared.json          format and its version, eyas version, target identity, max_len, source,
+                         a fingerprint of the samples, counts, and the chat template the samples
+                         were rendered with (text, source, sha256); built and read only here
   samples.safetensors    input_ids [T] int32, loss_mask [T] uint8, offsets [n+1] int64,
                          source_index [n] int64 (the record's position in the source)
   conversations.jsonl    the normalised messages of each kept sample, in the same order
@@ -11,6 +12,7 @@ prepared/
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,10 @@ from eyas.data.template import ChatTemplate
 from eyas.errors import EyasError
 from eyas.models.identity import ModelIdentity
 from eyas.paths import atomic_write_bytes, atomic_write_json
+from eyas.versions import check_version
 
+FORMAT = "eyas-prepared"
+FORMAT_VERSION = 1  # the layout this eyas writes and reads (and every earlier one: they recorded none)
 META = "prepared.json"
 SAMPLES = "samples.safetensors"
 CONVERSATIONS = "conversations.jsonl"
@@ -52,8 +57,10 @@ class PreparedData:
             raise EyasError(f"{self.path} is not prepared data (no {META}); run `eyas prepare` first.") from None
         except (ValueError, RecursionError):
             raise EyasError(f"{self.path / META} is cut off or corrupt; run `eyas prepare` again.") from None
-        if not isinstance(self.meta, dict) or not all(k in self.meta for k in ("target", "max_len", "fingerprint")):
+        if not isinstance(self.meta, dict) or self.meta.get("format", FORMAT) != FORMAT \
+                or not all(k in self.meta for k in ("target", "max_len", "fingerprint")):
             raise EyasError(f"{self.path / META} is not a prepared-data record; run `eyas prepare` again.")
+        check_version(self.meta.get("format_version"), FORMAT_VERSION, "prepared data", self.path / META)
         try:
             t = load_file(self.path / SAMPLES)
             self.input_ids, self.loss_mask = t["input_ids"], t["loss_mask"]
@@ -77,6 +84,17 @@ class PreparedData:
         record = self.meta.get("chat_template")
         return ChatTemplate.from_dict(record) if record else None
 
+    @property
+    def max_len(self) -> int:
+        """The longest sample `prepare` kept, in tokens (longer conversations were cut)."""
+        return int(self.meta["max_len"])
+
+    @property
+    def fingerprint(self) -> str:
+        """A hash of the samples' tokens and masks: what a store or a regeneration records to
+        tell which prepared data it was made from."""
+        return self.meta["fingerprint"]
+
     def __len__(self) -> int:
         return len(self.source_index)
 
@@ -98,10 +116,21 @@ class PreparedData:
             return [json.loads(line) for line in f]
 
 
+def samples_fingerprint(samples: list[PreparedSample]) -> str:
+    digest = hashlib.sha256()
+    for s in samples:
+        digest.update(s.input_ids.numpy().tobytes() + s.loss_mask.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def write_prepared(path: str | Path, samples: list[PreparedSample], conversations: list[list[dict[str, str]]],
-                   meta: dict[str, Any]) -> None:
+                   target: ModelIdentity, chat_template: ChatTemplate | None, source: str, max_len: int,
+                   summary: dict[str, Any]) -> None:
     """Write the three files atomically; `prepared.json` last, so its presence means complete."""
     path = Path(path)
+    meta = {"format": FORMAT, "format_version": FORMAT_VERSION, "eyas_version": __version__,
+            "target": target.to_dict(), "chat_template": None if chat_template is None else chat_template.to_dict(),
+            "source": source, "max_len": max_len, "fingerprint": samples_fingerprint(samples), "summary": summary}
     ids = [s.input_ids.to(torch.int32) for s in samples]
     lengths = torch.tensor([len(x) for x in ids], dtype=torch.int64)
     tensors = {
@@ -113,4 +142,4 @@ def write_prepared(path: str | Path, samples: list[PreparedSample], conversation
     (path / META).unlink(missing_ok=True)  # an interrupted rewrite must not look complete
     atomic_write_bytes(path / SAMPLES, save(tensors))
     atomic_write_bytes(path / CONVERSATIONS, "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in conversations).encode())
-    atomic_write_json(path / META, {"eyas_version": __version__, **meta})
+    atomic_write_json(path / META, meta)

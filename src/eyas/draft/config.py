@@ -1,12 +1,10 @@
-"""The drafter's configuration: one dataclass, written as an HF-style `config.json` that is
-also the shape vLLM's `LlamaForCausalLMEagle3` expects, plus an `eyas` block recording the
-target and the training-time-test settings."""
+"""The drafter's configuration: one dataclass, written (by draft/checkpoint.py) as an HF-style
+`config.json` that is also the shape vLLM's `LlamaForCausalLMEagle3` expects, plus an `eyas`
+block recording the target and the training-time-test settings."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 from eyas.draft import mla_config as latent
@@ -14,10 +12,10 @@ from eyas.draft.kinds import check_kind, hf_config
 from eyas.draft.rope import drafter_rope
 from eyas.errors import EyasError
 from eyas.models.identity import ModelIdentity, text_config
-from eyas.paths import atomic_write_json
 from eyas.validate import COUNT, Number
+from eyas.versions import check_version
 
-CONFIG_VERSION = 1
+CONFIG_VERSION = 1  # the `eyas` block and weight names this eyas writes and reads (and every earlier one)
 
 
 @dataclass(kw_only=True)
@@ -150,35 +148,16 @@ class DraftConfig:
         }
 
     @classmethod
-    def from_hf_dict(cls, d: dict[str, Any]) -> "DraftConfig":
-        if "eyas" not in d:
-            raise EyasError("config.json has no `eyas` block: not an eyas drafter (use `eyas import` for others).")
+    def from_hf_dict(cls, d: dict[str, Any], where: str) -> "DraftConfig":
+        """The config of an eyas drafter's `config.json` (`where` names it in errors)."""
+        if not isinstance(d.get("eyas"), dict):
+            raise EyasError(f"{where} has no `eyas` block: not an eyas drafter (use `eyas import` for others).")
         own = dict(d["eyas"])
-        if own.pop("config_version", None) != CONFIG_VERSION:
-            raise EyasError("This drafter was written by an incompatible eyas version.")
+        check_version(own.pop("config_version", None), CONFIG_VERSION, "drafter", where)
         names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in own.items() if k in names})
-
-    def save(self, folder: str | Path) -> None:
-        atomic_write_json(Path(folder) / "config.json", self.to_hf_dict())
-
-    @classmethod
-    def load(cls, folder: str | Path) -> "DraftConfig":
-        path = Path(folder) / "config.json"
         try:
-            raw = json.loads(path.read_bytes())
-        except FileNotFoundError:
-            raise EyasError(f"{folder} is not a drafter checkpoint: no config.json.") from None
-        except NotADirectoryError:
-            raise EyasError(f"{folder} is a file; give the drafter's folder (config.json + model.safetensors).") \
-                from None
-        except (ValueError, RecursionError):
-            raise EyasError(f"{path} is cut off or is not JSON; train or export the drafter again.") from None
-        if not isinstance(raw, dict) or not isinstance(raw.get("eyas", {}), dict):
-            raise EyasError(f"{path} is not a drafter config (a JSON object with an `eyas` block).")
-        try:
-            return cls.from_hf_dict(raw)
+            return cls(**{k: v for k, v in own.items() if k in names})
         except TypeError as e:  # a field missing, or of the wrong kind
-            raise EyasError(f"{path}: the `eyas` block is incomplete or damaged ({e}).") from None
-        except EyasError as e:
-            raise EyasError(f"{path}: {e}") from None
+            raise EyasError(f"{where}: the `eyas` block is incomplete or damaged ({e}).") from None
+        except EyasError as e:  # a field out of range
+            raise EyasError(f"{where}: {e}") from None

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from eyas import __version__
 from eyas.data.template import ChatTemplate
 from eyas.device import parse_device, resolve_device
-from eyas.draft import DraftConfig, Eagle3Drafter, load_drafter
+from eyas.draft import DraftConfig, Eagle3Drafter, load_config, load_drafter
 from eyas.errors import EyasError
 from eyas.evaluate.dflash import DFlash, DFlashSession
 from eyas.evaluate.drafter import DrafterSession
@@ -91,7 +91,7 @@ def check_drafter(identity: ModelIdentity, drafter_cfg, where: str) -> None:
 
 
 def load_checked_drafter(path: str, model, identity: ModelIdentity) -> torch.nn.Module:
-    check_drafter(identity, DraftConfig.load(path), f"The drafter {path}")
+    check_drafter(identity, load_config(path), f"The drafter {path}")
     param = next(model.parameters())
     drafter = load_drafter(path, model.get_input_embeddings().weight.detach().float().cpu())
     drafter.to(param.device).eval().requires_grad_(False)

@@ -17,7 +17,7 @@ import torch
 
 from eyas import distributed
 from eyas.device import resolve_device
-from eyas.draft import DraftConfig, load_drafter
+from eyas.draft import DraftConfig, load_config, load_drafter
 from eyas.errors import EyasError
 from eyas.models import resolve_model
 from eyas.models.target_head import load_target_head
@@ -48,7 +48,7 @@ def teacher_forced(model: str, draft: str | Path, data: str | Path, held_out: bo
         trained = training_settings(draft)
         batch_tokens, max_len, seed = trained["batch_tokens"], trained["max_len"], trained["seed"]
     dev = resolve_device(device)
-    config = DraftConfig.load(draft)
+    config = load_config(draft)
     crop = min(max_len or batch_tokens, batch_tokens)
     source = OnlineSource(model, data, ",".join(map(str, config.aux_layer_ids)), crop, dev)
     config.identity.check_same(source.identity, f"The drafter {draft}")

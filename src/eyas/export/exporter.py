@@ -11,13 +11,14 @@ from typing import Any
 import torch
 from transformers import AutoConfig
 
+from eyas.draft.checkpoint import load_config
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
 from eyas.export.layouts import Layout, get_layout, layout_for
 from eyas.export.weights import build_drafter, owned_out, read_tensors, write_folder
 from eyas.models import load_tokenizer, model_identity
 from eyas.models.load import parse_dtype
-from eyas.models.resolve import resolve_model
+from eyas.models.resolve import MODEL_CONFIG, resolve_model
 from eyas.paths import check_confined
 from eyas.train.checkpoint import unfinished_note
 from eyas.validate import COUNT
@@ -33,7 +34,7 @@ def export_drafter(ckpt: str | Path, to: str, out: str | Path, *, target: str | 
     check_confined(out, {"the checkpoint": ckpt, "--target": target})
     if note := unfinished_note(ckpt):
         print(f"eyas export: {note}", file=sys.stderr, flush=True)
-    cfg = DraftConfig.load(ckpt)
+    cfg = load_config(ckpt)
     layout = layout_for(cfg, to)
     num_speculative_tokens = speculative_tokens(cfg, num_speculative_tokens)
     state = read_tensors(ckpt)
@@ -57,7 +58,7 @@ def export_drafter(ckpt: str | Path, to: str, out: str | Path, *, target: str | 
 def planned_serve_command(ckpt: str | Path, to: str, out: str | Path, *, target: str | None = None,
                           num_speculative_tokens: int | None = None) -> str:
     """The serve command for exporting `ckpt` to `out`, without writing anything."""
-    cfg = DraftConfig.load(ckpt)
+    cfg = load_config(ckpt)
     layout = layout_for(cfg, to)
     num_speculative_tokens = speculative_tokens(cfg, num_speculative_tokens)
     serving = serving_info(cfg, target, num_speculative_tokens)
@@ -115,7 +116,7 @@ def serving_info(cfg: DraftConfig, target: str | None, num_speculative_tokens: i
         if target is not None:
             raise
         path = spec  # recorded as a path that no longer exists here; the user may serve it elsewhere
-    config = Path(path) / "config.json"
+    config = Path(path) / MODEL_CONFIG
     architectures = (json.loads(config.read_text()).get("architectures") or []) if config.is_file() else []
     return {"target": path, "target_architectures": architectures, "num_speculative_tokens": num_speculative_tokens}
 

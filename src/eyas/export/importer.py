@@ -33,7 +33,7 @@ import torch
 from transformers import AutoConfig
 
 from eyas.draft import mla_config as mla
-from eyas.draft.checkpoint import save_drafter
+from eyas.draft.checkpoint import CONFIG, save_drafter
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
 from eyas.export.layouts import EAGLE31_OPTIONS, EYAS_PREFIX
@@ -90,7 +90,7 @@ def import_drafter(src: str | Path, out: str | Path, *, target: str | None = Non
     check_confined(out, {"the drafter folder": src, "--target": target})
     raw = read_config(src)
     foreign = parse_config(raw, src)
-    own = DraftConfig.from_hf_dict(raw) if "eyas" in raw else None
+    own = DraftConfig.from_hf_dict(raw, f"{src}/{CONFIG}") if "eyas" in raw else None
     identity = target_identity(target, own, foreign, src)
     state = {_eyas_name(k): v for k, v in read_tensors(src).items() if not k.startswith(IGNORED_PREFIXES)}
     cfg = own or draft_config(foreign, identity, state, src)
@@ -117,13 +117,13 @@ def import_drafter(src: str | Path, out: str | Path, *, target: str | None = Non
 
 def read_config(folder: Path) -> dict[str, Any]:
     try:
-        raw = json.loads((folder / "config.json").read_bytes())
+        raw = json.loads((folder / CONFIG).read_bytes())
     except (FileNotFoundError, NotADirectoryError):
-        raise EyasError(f"{folder} has no config.json: not a drafter folder.") from None
+        raise EyasError(f"{folder} has no {CONFIG}: not a drafter folder.") from None
     except (ValueError, RecursionError) as e:
-        raise EyasError(f"{folder}/config.json is cut off or not valid JSON ({e}).") from None
+        raise EyasError(f"{folder}/{CONFIG} is cut off or not valid JSON ({e}).") from None
     if not isinstance(raw, dict):
-        raise EyasError(f"{folder}/config.json is not a JSON object; not a drafter config.")
+        raise EyasError(f"{folder}/{CONFIG} is not a JSON object; not a drafter config.")
     return raw
 
 
@@ -134,7 +134,7 @@ def _field(d: dict[str, Any], key: str, where: str, why: str = "") -> Any:
 
 
 def parse_config(raw: dict[str, Any], src: Path) -> Foreign:
-    where = f"{src}/config.json"
+    where = f"{src}/{CONFIG}"
     if "speculators_model_type" in raw:
         if raw["speculators_model_type"] != "eagle3":
             raise EyasError(f"{where}: speculators_model_type is {raw['speculators_model_type']!r}; "
@@ -228,7 +228,7 @@ def target_identity(target: str | None, own: DraftConfig | None, foreign: Foreig
 
 def draft_config(foreign: Foreign, identity: ModelIdentity, state: dict[str, torch.Tensor], src: Path) -> DraftConfig:
     """An eyas config for a foreign drafter, checked against the target it is imported for."""
-    where = f"{src}/config.json" + (" (transformer_layer_config)" if foreign.layer is not foreign.raw else "")
+    where = f"{src}/{CONFIG}" + (" (transformer_layer_config)" if foreign.layer is not foreign.raw else "")
     layer = foreign.layer
     hidden, heads, vocab = (_field(layer, k, where) for k in ("hidden_size", "num_attention_heads", "vocab_size"))
     if (vocab, hidden) != (identity.vocab_size, identity.hidden_size):
@@ -279,7 +279,7 @@ def check_agrees(own: DraftConfig, foreign: Foreign, src: Path) -> None:
     }
     for name, (engine, recorded) in seen.items():
         if engine is not None and engine != recorded:
-            raise EyasError(f"{src}/config.json: {name} {engine} disagrees with its eyas block ({recorded}); "
+            raise EyasError(f"{src}/{CONFIG}: {name} {engine} disagrees with its eyas block ({recorded}); "
                             "the file was edited after export.")
 
 

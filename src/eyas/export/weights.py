@@ -16,14 +16,14 @@ import torch
 from safetensors.torch import save
 
 from eyas.draft.build import new_drafter
-from eyas.draft.checkpoint import _NOT_SAVED, read_safetensors
+from eyas.draft.checkpoint import CONFIG, DRAFTER_FILES, WEIGHTS, read_safetensors, saved_names
 from eyas.draft.config import DraftConfig
 from eyas import __version__
 from eyas.errors import EyasError
 from eyas.lock import LOCK_FILE, output_lock
 from eyas.paths import atomic_write_bytes, atomic_write_json, plain_name
 
-WEIGHT_FILES = ("model.safetensors.index.json", "model.safetensors", "pytorch_model.bin.index.json", "pytorch_model.bin")
+WEIGHT_FILES = (f"{WEIGHTS}.index.json", WEIGHTS, "pytorch_model.bin.index.json", "pytorch_model.bin")
 
 
 def read_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
@@ -36,7 +36,7 @@ def read_tensors(folder: str | Path) -> dict[str, torch.Tensor]:
             continue
         if name.endswith(".index.json"):
             shards = sorted({plain_name(f, str(path)) for f in _weight_map(path).values()})
-            load = read_safetensors if name.startswith("model.safetensors") else _load_bin
+            load = read_safetensors if name.startswith(WEIGHTS) else _load_bin
             return {k: v for shard in shards for k, v in load(folder / shard).items()}
         return read_safetensors(path) if name.endswith(".safetensors") else _load_bin(path)
     raise EyasError(f"{folder} holds no weights: looked for {', '.join(WEIGHT_FILES)}.")
@@ -67,7 +67,7 @@ def build_drafter(cfg: DraftConfig, state: dict[str, torch.Tensor], what: str) -
     embeddings stay on the meta device). Raises naming every missing, extra or misshapen tensor."""
     with torch.device("meta"):
         model = new_drafter(cfg)
-    expected = {k: v.shape for k, v in model.state_dict().items() if not k.startswith(_NOT_SAVED)}
+    expected = saved_names(model)
     missing = sorted(expected.keys() - state.keys())
     extra = sorted(state.keys() - expected.keys())
     wrong = [f"{k} {list(state[k].shape)} (config wants {list(expected[k])})"
@@ -81,7 +81,6 @@ def build_drafter(cfg: DraftConfig, state: dict[str, torch.Tensor], what: str) -
 
 
 RECORD = "eyas-export.json"  # the files eyas wrote into an output folder: all that --force may replace
-OUTPUT_FILES = ("config.json", "model.safetensors")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5", ".msgpack", ".npz", ".index.json")
 
 
@@ -97,7 +96,7 @@ def owned_out(out: Path, force: bool, source: Path, command: str) -> Iterator[No
             raise EyasError(f"{out} is not empty; pass --force to replace the drafter in it.")
         ours = _recorded(out) if present else set()
         foreign = present - ours - {RECORD}
-        if clash := sorted(foreign & set(OUTPUT_FILES)):
+        if clash := sorted(foreign & set(DRAFTER_FILES)):
             raise EyasError(f"{out} holds {', '.join(clash)}, which eyas did not write there; --force replaces only "
                             f"the files of an earlier eyas export. Move it away or choose another --out.")
         if weights := sorted(f for f in foreign if f.endswith(WEIGHT_SUFFIXES)):
@@ -105,7 +104,7 @@ def owned_out(out: Path, force: bool, source: Path, command: str) -> Iterator[No
                             f"would load beside the new drafter. Move them away or choose another --out.")
         for name in ours:
             (out / name).unlink(missing_ok=True)
-        atomic_write_json(out / RECORD, {"eyas_version": __version__, "files": list(OUTPUT_FILES)})
+        atomic_write_json(out / RECORD, {"eyas_version": __version__, "files": list(DRAFTER_FILES)})
         yield
 
 
@@ -126,6 +125,6 @@ def _recorded(out: Path) -> set[str]:
 def write_folder(out: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor]) -> int:
     """config.json + model.safetensors, each written atomically; returns the weight bytes."""
     data = save({k: v.contiguous() for k, v in tensors.items()}, metadata={"format": "pt"})
-    atomic_write_bytes(out / "model.safetensors", data)
-    atomic_write_json(out / "config.json", config)
+    atomic_write_bytes(out / WEIGHTS, data)
+    atomic_write_json(out / CONFIG, config)
     return len(data)

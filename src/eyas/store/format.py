@@ -1,7 +1,10 @@
-"""The on-disk layout, in one place.
+"""The on-disk layout, in one place: the manifest is built, read and checked only here.
 
 store/
-  manifest.json              eyas version, target identity, layer ids, dtype, shards
+  manifest.json              format and its version, eyas version; the header every shard agrees
+                             with (target identity, layer ids, dtype, hidden size, the prepared
+                             data and its chat template); the shards (file, sha256, bytes, counts),
+                             totals, and whether the capture is complete
   shard-00000.safetensors    many samples packed along the token axis:
       input_ids    [T] int32
       loss_mask    [T] uint8      1 where the token is an assistant token (trained)
@@ -17,15 +20,22 @@ import hashlib
 import json
 import re
 import struct
-from typing import BinaryIO, Iterable
+from pathlib import Path
+from typing import Any, BinaryIO, Iterable, Sequence
 
 import torch
 
+from eyas import __version__
+from eyas.data.template import ChatTemplate
 from eyas.errors import EyasError
+from eyas.models.identity import ModelIdentity
+from eyas.paths import plain_name
+from eyas.versions import check_version
 
 FORMAT = "eyas-store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # the manifest and shard layout this eyas writes and reads (and every earlier one)
 MANIFEST = "manifest.json"
+REPAIR = "run `eyas inspect {path} --repair` to rebuild the manifest from the shards that verify"
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 STORE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
@@ -74,6 +84,120 @@ def next_shard_name(names: Iterable[str]) -> str:
     one that exists, is listed, or was set aside by `eyas inspect --repair`."""
     numbers = [int(m.group(1)) for n in names if (m := SHARD_PATTERN.match(n))]
     return shard_name(max(numbers, default=-1) + 1)
+
+
+def manifest_header(target: ModelIdentity, layer_ids: Sequence[int], dtype: str, hidden_size: int, prepared: str,
+                    chat_template: ChatTemplate | None) -> dict[str, Any]:
+    """What every shard of a store agrees with, and a resumed capture must match: the target,
+    its layer ids, the store's dtype and hidden size, the prepared data's fingerprint, and the
+    template that data was rendered with (passed on to the drafter, so that eval renders
+    prompts as the training data was rendered)."""
+    return {"target": target.to_dict(), "layer_ids": list(layer_ids), "dtype": dtype, "hidden_size": hidden_size,
+            "prepared": prepared, "chat_template": None if chat_template is None else chat_template.to_dict()}
+
+
+def new_manifest(header: dict[str, Any], expected_samples: int | None = None) -> dict[str, Any]:
+    """The manifest of a store holding no shard yet; `expected_samples` is recorded, so that a
+    reader can say how much is missing."""
+    return {"format": FORMAT, "format_version": FORMAT_VERSION, "eyas_version": __version__,
+            **header, "shards": [], "num_samples": 0, "num_tokens": 0, "complete": False,
+            **({"expected_samples": expected_samples} if expected_samples is not None else {})}
+
+
+def shard_entry(name: str, sha256: str, size: int, num_samples: int, num_tokens: int) -> dict[str, Any]:
+    return {"file": name, "sha256": sha256, "bytes": size, "num_samples": num_samples, "num_tokens": num_tokens}
+
+
+def with_shard(manifest: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
+    """`manifest` with `entry` appended to its shards and totals (and nothing pending)."""
+    manifest = {k: v for k, v in manifest.items() if k != "pending"}
+    manifest["shards"] = [*manifest["shards"], entry]
+    manifest["num_samples"] += entry["num_samples"]
+    manifest["num_tokens"] += entry["num_tokens"]
+    return manifest
+
+
+def shard_metadata(layer_ids: Sequence[int]) -> dict[str, str]:
+    """The metadata each shard file carries: it names its layer ids, checked against the manifest's."""
+    return {"format": FORMAT, "layer_ids": ",".join(map(str, layer_ids))}
+
+
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The manifest, checked to be well-formed and self-consistent; any flaw is an `EyasError`."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_bytes())
+    except FileNotFoundError:
+        raise EyasError(f"{path} is not an eyas store: it has no {MANIFEST}.") from None
+    except (ValueError, RecursionError, OSError) as e:
+        raise EyasError(f"{path / MANIFEST} is unreadable or corrupt ({type(e).__name__}: {e}).") from None
+    check_manifest(manifest, path / MANIFEST)
+    return manifest
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def check_manifest(m: Any, where: Path) -> None:
+    """Format, version, types, ranges and totals: what every reader relies on before it opens a
+    shard. The one check of a manifest: reading, verifying and repairing a store all run it."""
+    def bad(what: str) -> EyasError:
+        return EyasError(f"{where}: {what}.")
+
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise EyasError(f"{where} is not an eyas store manifest.")
+    check_version(m.get("format_version"), FORMAT_VERSION, "store", where)
+    target = m.get("target")
+    if not isinstance(target, dict) or not all(isinstance(target.get(k), str) for k in ("model", "config_hash", "tokenizer_hash")) \
+            or not all(_count(target.get(k)) and target[k] > 0 for k in ("num_layers", "hidden_size", "vocab_size")):
+        raise bad("`target` is not a complete model record")
+    ids = m.get("layer_ids")
+    if not isinstance(ids, list) or len(ids) < 2 or not all(_count(k) for k in ids):
+        raise bad(f"`layer_ids` {ids!r} is not a list of at least two layer ids")
+    if m.get("dtype") not in STORE_DTYPES:
+        raise bad(f"`dtype` {m.get('dtype')!r} is not one of {', '.join(STORE_DTYPES)}")
+    if not _count(m.get("hidden_size")) or m["hidden_size"] == 0:
+        raise bad(f"`hidden_size` {m.get('hidden_size')!r} is not a positive integer")
+    shards = m.get("shards")
+    if not isinstance(shards, list) or not _count(m.get("num_samples")) or not _count(m.get("num_tokens")):
+        raise bad("`shards`, `num_samples` or `num_tokens` is missing or of the wrong type")
+    seen: set[str] = set()
+    for i, shard in enumerate(shards):
+        if not isinstance(shard, dict) or not isinstance(shard.get("sha256"), str) or \
+                not all(_count(shard.get(k)) for k in ("bytes", "num_samples", "num_tokens")):
+            raise bad(f"shard entry {i} is malformed")
+        name = plain_name(shard.get("file"), f"{where}, shard entry {i},")
+        if not SHARD_PATTERN.fullmatch(name):
+            raise bad(f"shard entry {i} names {name!r}, which is not a shard file name (shard-NNNNN.safetensors)")
+        if name in seen:
+            raise bad(f"{name} is listed twice; {REPAIR.format(path=where.parent)}")
+        seen.add(name)
+    if sum(s["num_samples"] for s in shards) != m["num_samples"] or sum(s["num_tokens"] for s in shards) != m["num_tokens"]:
+        raise bad(f"its totals ({m['num_samples']} samples, {m['num_tokens']} tokens) disagree with its shard entries")
+
+
+def check_layer_ids(m: dict[str, Any]) -> None:
+    """The layer ids must fit the target: aux ids inside it, then the label source N."""
+    layer_ids, n_layers = list(m["layer_ids"]), m["target"]["num_layers"]
+    if layer_ids[-1] != n_layers or any(not 0 <= k < n_layers for k in layer_ids[:-1]):
+        raise EyasError(f"The store's layer ids {layer_ids} do not fit the {n_layers}-layer target: aux ids must lie in "
+                        f"0..{n_layers - 1}, followed by {n_layers} (the last layer's output, the label source).")
+
+
+def check_files(path: Path, m: dict[str, Any]) -> None:
+    """The shard files on disk must be exactly those the manifest lists."""
+    pending = m.get("pending")
+    listed = {s["file"] for s in m["shards"]} | {s.get("file") for s in (pending if isinstance(pending, list) else [])
+                                                 if isinstance(s, dict)}
+    on_disk = {p.name for p in path.iterdir() if SHARD_PATTERN.fullmatch(p.name)}
+    if missing := sorted({s["file"] for s in m["shards"]} - on_disk):
+        raise EyasError(f"{path}: {missing[0]} is listed in the manifest but missing"
+                        f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; {REPAIR.format(path=path)}.")
+    if unlisted := sorted(on_disk - listed):
+        raise EyasError(f"{path}: {unlisted[0]} is on disk but not in the manifest"
+                        f"{f' (and {len(unlisted) - 1} more)' if len(unlisted) > 1 else ''}; nothing was overwritten. "
+                        f"Move it away, or {REPAIR.format(path=path)}.")
 
 
 def store_dtype(name: str) -> torch.dtype:

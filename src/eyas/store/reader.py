@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import bisect
-import hashlib
-import json
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -13,78 +11,8 @@ from safetensors import safe_open
 
 from eyas.errors import EyasError
 from eyas.models.identity import ModelIdentity
-from eyas.paths import plain_name
-from eyas.store.format import FORMAT, MANIFEST, SHARD_PATTERN, STORE_DTYPES, dequantize
-
-REPAIR = "run `eyas inspect {path} --repair` to rebuild the manifest from the shards that verify"
-
-
-def read_manifest(path: str | Path) -> dict[str, Any]:
-    """The manifest, checked to be well-formed and self-consistent; any flaw is an `EyasError`."""
-    path = Path(path)
-    try:
-        manifest = json.loads((path / MANIFEST).read_bytes())
-    except FileNotFoundError:
-        raise EyasError(f"{path} is not an eyas store: it has no {MANIFEST}.") from None
-    except (ValueError, RecursionError, OSError) as e:
-        raise EyasError(f"{path / MANIFEST} is unreadable or corrupt ({type(e).__name__}: {e}).") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise EyasError(f"{path / MANIFEST} is not an eyas store manifest.")
-    check_manifest(manifest, path / MANIFEST)
-    return manifest
-
-
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def check_manifest(m: dict[str, Any], where: Path) -> None:
-    """Types, ranges and totals: what every reader relies on before it opens a shard."""
-    def bad(what: str) -> EyasError:
-        return EyasError(f"{where}: {what}.")
-
-    target = m.get("target")
-    if not isinstance(target, dict) or not all(isinstance(target.get(k), str) for k in ("model", "config_hash", "tokenizer_hash")) \
-            or not all(_count(target.get(k)) and target[k] > 0 for k in ("num_layers", "hidden_size", "vocab_size")):
-        raise bad("`target` is not a complete model record")
-    ids = m.get("layer_ids")
-    if not isinstance(ids, list) or len(ids) < 2 or not all(_count(k) for k in ids):
-        raise bad(f"`layer_ids` {ids!r} is not a list of at least two layer ids")
-    if m.get("dtype") not in STORE_DTYPES:
-        raise bad(f"`dtype` {m.get('dtype')!r} is not one of {', '.join(STORE_DTYPES)}")
-    if not _count(m.get("hidden_size")) or m["hidden_size"] == 0:
-        raise bad(f"`hidden_size` {m.get('hidden_size')!r} is not a positive integer")
-    shards = m.get("shards")
-    if not isinstance(shards, list) or not _count(m.get("num_samples")) or not _count(m.get("num_tokens")):
-        raise bad("`shards`, `num_samples` or `num_tokens` is missing or of the wrong type")
-    seen: set[str] = set()
-    for i, shard in enumerate(shards):
-        if not isinstance(shard, dict) or not isinstance(shard.get("sha256"), str) or \
-                not all(_count(shard.get(k)) for k in ("bytes", "num_samples", "num_tokens")):
-            raise bad(f"shard entry {i} is malformed")
-        name = plain_name(shard.get("file"), f"{where}, shard entry {i},")
-        if not SHARD_PATTERN.fullmatch(name):
-            raise bad(f"shard entry {i} names {name!r}, which is not a shard file name (shard-NNNNN.safetensors)")
-        if name in seen:
-            raise bad(f"{name} is listed twice; {REPAIR.format(path=where.parent)}")
-        seen.add(name)
-    if sum(s["num_samples"] for s in shards) != m["num_samples"] or sum(s["num_tokens"] for s in shards) != m["num_tokens"]:
-        raise bad(f"its totals ({m['num_samples']} samples, {m['num_tokens']} tokens) disagree with its shard entries")
-
-
-def check_files(path: Path, m: dict[str, Any]) -> None:
-    """The shard files on disk must be exactly those the manifest lists."""
-    pending = m.get("pending")
-    listed = {s["file"] for s in m["shards"]} | {s.get("file") for s in (pending if isinstance(pending, list) else [])
-                                                 if isinstance(s, dict)}
-    on_disk = {p.name for p in path.iterdir() if SHARD_PATTERN.fullmatch(p.name)}
-    if missing := sorted({s["file"] for s in m["shards"]} - on_disk):
-        raise EyasError(f"{path}: {missing[0]} is listed in the manifest but missing"
-                        f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; {REPAIR.format(path=path)}.")
-    if unlisted := sorted(on_disk - listed):
-        raise EyasError(f"{path}: {unlisted[0]} is on disk but not in the manifest"
-                        f"{f' (and {len(unlisted) - 1} more)' if len(unlisted) > 1 else ''}; nothing was overwritten. "
-                        f"Move it away, or {REPAIR.format(path=path)}.")
+from eyas.store.format import REPAIR, dequantize, read_manifest
+from eyas.store.verify import check_structure, verify_store
 
 
 class Store:
@@ -139,8 +67,6 @@ class Store:
 
     def check(self) -> None:
         """The cheap structural check (headers and small tensors); raise `EyasError` naming the first problem."""
-        from eyas.store.verify import check_structure
-
         check_structure(self)
 
     def sample_indices(self) -> torch.Tensor:
@@ -182,6 +108,4 @@ class Store:
 
     def verify(self) -> None:
         """The full check (structure, sha256, NaN/inf); raise `EyasError` naming the first problem."""
-        from eyas.store.verify import verify_store
-
         verify_store(self)

@@ -16,9 +16,9 @@ from typing import Any
 from eyas.errors import EyasError
 from eyas.lock import output_lock
 from eyas.paths import atomic_write_json, sha256_file
-from eyas.store.format import MANIFEST, SHARD_PATTERN
-from eyas.store.reader import Store, check_manifest
-from eyas.store.verify import check_layer_ids, check_shard, read_header
+from eyas.store.format import MANIFEST, SHARD_PATTERN, check_layer_ids, check_manifest, shard_entry, with_shard
+from eyas.store.reader import Store
+from eyas.store.verify import check_shard, read_header
 from eyas.store.writer import store_lock
 
 
@@ -47,7 +47,7 @@ def _entry(file: Path) -> dict[str, Any]:
         n, T = header["sample_index"]["shape"][0], header["input_ids"]["shape"][0]
     except (KeyError, IndexError, TypeError):
         raise EyasError(f"{file.name}: not an eyas shard.") from None
-    return {"file": file.name, "sha256": sha256_file(file), "bytes": size, "num_samples": n, "num_tokens": T}
+    return shard_entry(file.name, sha256_file(file), size, n, T)
 
 
 def repair_store(path: str | Path) -> tuple[list[str], list[tuple[str, str]]]:
@@ -71,9 +71,7 @@ def _repair(path: Path) -> tuple[list[str], list[tuple[str, str]]]:
             dropped.append((file.name, str(e).removeprefix(f"{file.name}: ").split("; run `eyas inspect")[0]))
             file.rename(file.with_name(file.name + ".dropped"))
             continue
-        manifest["shards"].append(entry)
-        manifest["num_samples"] += entry["num_samples"]
-        manifest["num_tokens"] += entry["num_tokens"]
+        manifest = with_shard(manifest, entry)
         kept.append(file.name)
     atomic_write_json(path / MANIFEST, manifest)
     return kept, dropped

@@ -21,8 +21,8 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.paths import sha256_file
-from eyas.store.format import SAFETENSORS_DTYPES, STORE_DTYPES, first_nonfinite
-from eyas.store.reader import REPAIR, check_files
+from eyas.store.format import (MANIFEST, REPAIR, SAFETENSORS_DTYPES, STORE_DTYPES, check_files, check_layer_ids,
+                               check_manifest, first_nonfinite, shard_metadata)
 
 MAX_HEADER = 1 << 24  # far above any real shard header; a larger length field is corruption
 SMALL = ("input_ids", "loss_mask", "offsets", "sample_index")
@@ -35,18 +35,12 @@ def check_structure(store) -> None:
 
 def _check_store(store, full: bool) -> None:
     """The manifest, the files it names, then every shard (`full`: sha256 and NaN/inf too)."""
+    check_manifest(store.manifest, store.path / MANIFEST)
     check_layer_ids(store.manifest)
     check_files(store.path, store.manifest)
     seen: set[int] = set()
     for i in range(len(store.manifest["shards"])):
         seen.update(check_shard(store, i, seen, full=full))
-
-
-def check_layer_ids(m: dict[str, Any]) -> None:
-    layer_ids, n_layers = list(m["layer_ids"]), m["target"]["num_layers"]
-    if layer_ids[-1] != n_layers or any(not 0 <= k < n_layers for k in layer_ids[:-1]):
-        raise EyasError(f"The store's layer ids {layer_ids} do not fit the {n_layers}-layer target: aux ids must lie in "
-                        f"0..{n_layers - 1}, followed by {n_layers} (the last layer's output, the label source).")
 
 
 def check_shard(store, i: int, seen: set[int], full: bool) -> list[int]:
@@ -104,7 +98,7 @@ def _check_header(name: str, header: dict[str, Any], shard: dict[str, Any], m: d
         want["scale"] = (torch.float32, [T, L])
     meta = header.pop("__metadata__", None) or {}
     data_bytes = header.pop("__data_bytes__")
-    if not isinstance(meta, dict) or meta.get("layer_ids") != ",".join(map(str, m["layer_ids"])):
+    if not isinstance(meta, dict) or meta.get("layer_ids") != shard_metadata(m["layer_ids"])["layer_ids"]:
         got = meta.get("layer_ids") if isinstance(meta, dict) else None
         raise EyasError(f"{name}: holds layer ids {got!r}, the manifest says {m['layer_ids']}.")
     if header.keys() != want.keys():

@@ -30,13 +30,13 @@ from typing import Any, Iterator
 
 import torch
 
-from eyas import __version__
 from eyas.errors import EyasError
 from eyas.lock import LOCK_FILE, open_lock_file
 from eyas.paths import atomic_write_json, fsync_dir, sha256_file, temp_file
-from eyas.store.format import (FORMAT, FORMAT_VERSION, MANIFEST, SHARD_PATTERN, first_nonfinite, next_shard_name,
-                               quantize_fp8, store_dtype, write_safetensors)
-from eyas.store.reader import Store, check_files, read_manifest
+from eyas.store.format import (MANIFEST, SHARD_PATTERN, check_files, first_nonfinite, new_manifest, next_shard_name,
+                               quantize_fp8, read_manifest, shard_entry, shard_metadata, store_dtype, with_shard,
+                               write_safetensors)
+from eyas.store.reader import Store
 
 LOCK = ".lock"
 Buffers = tuple[torch.Tensor, torch.Tensor | None]  # a shard's hidden [rows, L, H], fp8 scales [rows, L] or None
@@ -64,15 +64,6 @@ def _disk_full(path: Path) -> EyasError:
     )
 
 
-def _record(manifest: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
-    """`manifest` with `entry` appended to its shards and totals (and nothing pending)."""
-    manifest = {k: v for k, v in manifest.items() if k != "pending"}
-    manifest["shards"] = [*manifest["shards"], entry]
-    manifest["num_samples"] += entry["num_samples"]
-    manifest["num_tokens"] += entry["num_tokens"]
-    return manifest
-
-
 def settle_pending(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
     """Settle the shard a killed writer was recording: keep it if its file is whole, else forget
     the entry (its samples are captured again). Call holding the store lock."""
@@ -85,14 +76,15 @@ def settle_pending(path: Path, manifest: dict[str, Any]) -> dict[str, Any]:
         file = path / name if isinstance(name, str) and SHARD_PATTERN.fullmatch(name) else None  # a plain shard name
         if (file is not None and file.is_file() and not file.is_symlink()
                 and all(s["file"] != file.name for s in settled["shards"]) and sha256_file(file) == entry.get("sha256")):
-            settled = _record(settled, entry)
+            settled = with_shard(settled, entry)
     atomic_write_json(path / MANIFEST, settled)
     return read_manifest(path)
 
 
 class StoreWriter:
-    """Open (or resume) a store. `header` fixes what every shard must agree with: target
-    identity, layer ids, dtype, hidden size, and the prepared data it was captured from."""
+    """Open (or resume) a store. `header` (see `format.manifest_header`) fixes what every shard
+    must agree with: target identity, layer ids, dtype, hidden size, and the prepared data it
+    was captured from."""
 
     def __init__(self, path: str | Path, header: dict[str, Any], shard_bytes: int = 1 << 30, threads: int = 3,
                  expected_samples: int | None = None):
@@ -136,9 +128,7 @@ class StoreWriter:
             return manifest
         if any(p.name not in (LOCK, LOCK_FILE) for p in self.path.iterdir()):
             raise EyasError(f"{self.path} exists, is not empty and is not an eyas store; choose another --out.")
-        manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "eyas_version": __version__,
-                    **header, "shards": [], "num_samples": 0, "num_tokens": 0, "complete": False,
-                    **({"expected_samples": self.expected_samples} if self.expected_samples is not None else {})}
+        manifest = new_manifest(header, self.expected_samples)
         atomic_write_json(self.path / MANIFEST, manifest)
         return manifest
 
@@ -251,12 +241,11 @@ class StoreWriter:
                 on_disk = [p.name for p in self.path.iterdir()]
                 name = next_shard_name([s["file"] for s in manifest["shards"]] + on_disk)
                 indices = tensors["sample_index"].tolist()
-                entry = {"file": name, "sha256": sha256, "bytes": size, "num_samples": len(indices),
-                         "num_tokens": int(tensors["input_ids"].numel())}
+                entry = shard_entry(name, sha256, size, len(indices), int(tensors["input_ids"].numel()))
                 atomic_write_json(self.path / MANIFEST, {**manifest, "pending": [entry]})
                 os.replace(tmp, self.path / name)
                 fsync_dir(self.path)
-                self.manifest = _record(manifest, entry)
+                self.manifest = with_shard(manifest, entry)
                 atomic_write_json(self.path / MANIFEST, self.manifest)
         finally:
             Path(tmp).unlink(missing_ok=True)
@@ -267,7 +256,7 @@ class StoreWriter:
         fd, tmp = temp_file(self.path, ".shard.")
         try:
             with os.fdopen(fd, "wb") as f:
-                sha256 = write_safetensors(f, tensors, {"format": FORMAT, "layer_ids": ",".join(map(str, self.layer_ids))})
+                sha256 = write_safetensors(f, tensors, shard_metadata(self.layer_ids))
                 f.flush()
                 os.fsync(f.fileno())
                 size = f.tell()

@@ -1,10 +1,10 @@
 """Training checkpoints.
 
 out/
-  config.json, model.safetensors     the newest drafter: what eval and export read
+  config.json, model.safetensors     the newest drafter (draft/checkpoint.py): what eval and export read
   metrics.jsonl                      one row per logged step
   checkpoints/step-0000500/          a complete, resumable checkpoint:
-      config.json, model.safetensors the drafter at that step
+      config.json, model.safetensors the drafter at that step (draft/checkpoint.py)
       optimizer.pt                   AdamW state (tensors only; loaded with weights_only)
       trainer.json                   step, the run's settings, the stream position
   checkpoints/latest                 the name of the newest complete checkpoint folder
@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict, set_optimizer_state_dict
 
-from eyas.draft.checkpoint import WEIGHTS, save_drafter
+from eyas.draft.checkpoint import DRAFTER_FILES, load_config, save_drafter
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
 from eyas.lock import LOCK_FILE
@@ -65,7 +65,7 @@ def save_checkpoint(out: Path, step: int, drafter_cpu: nn.Module, optim_state: d
     os.replace(tmp, final)
     fsync_dir(root)
     atomic_write_bytes(root / LATEST, f"{name}\n".encode())
-    for file in ("config.json", WEIGHTS):
+    for file in DRAFTER_FILES:
         atomic_write_bytes(out / file, (final / file).read_bytes())
     for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
@@ -78,7 +78,7 @@ def _to_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-OUR_FILES = {"config.json", WEIGHTS, "metrics.jsonl", "tensorboard", CHECKPOINTS, LOCK_FILE}
+OUR_FILES = {*DRAFTER_FILES, "metrics.jsonl", "tensorboard", CHECKPOINTS, LOCK_FILE}
 
 
 def check_out_folder(out: Path) -> None:
@@ -116,7 +116,7 @@ def unfinished_note(folder: str | Path) -> str | None:
 
 
 def read_checkpoint(folder: Path) -> tuple[DraftConfig, dict[str, Any]]:
-    return DraftConfig.load(folder), json.loads((folder / TRAINER).read_text())
+    return load_config(folder), json.loads((folder / TRAINER).read_text())
 
 
 def read_optimizer(folder: Path) -> dict:

@@ -213,7 +213,7 @@ class OnlineSource:
         self.target.identity.check_same(self.prepared.identity, f"The prepared data in {data}")
         self.crop = crop
         self.identity: ModelIdentity = self.target.identity
-        self.chat_template: dict | None = self.prepared.meta.get("chat_template")
+        self.chat_template: dict | None = template.to_dict() if (template := self.prepared.chat_template) else None
         self.layer_ids = self.target.layer_ids
         self.hidden_size = self.target.hidden_size
         self.sample_index = list(range(len(self.prepared)))
