@@ -19,6 +19,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 ADAPTER = "eyas.vllm"
 OPTIONAL = ("vllm", "pyarrow", "torch.utils.tensorboard")
 ADAPTER_LAZY = (*OPTIONAL, "torch", "safetensors", ADAPTER)
+
+
 def _module(path: Path) -> str:
     parts = list(path.relative_to(SRC).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
