@@ -2,7 +2,8 @@
 
 `--device auto`, every stage's default, is CUDA when a GPU is visible and the CPU otherwise.
 Under torchrun each process takes its own LOCAL_RANK's GPU, whatever index was named.
-torch is imported inside the functions: the CLI's parser uses only the option below.
+torch is imported inside the functions: the CLI's parser uses only the names below
+(eyas.options device_option).
 """
 
 from __future__ import annotations
@@ -13,19 +14,12 @@ from typing import TYPE_CHECKING
 from eyas.errors import EyasError
 
 if TYPE_CHECKING:
-    import argparse
-
     import torch
 
 AUTO = "auto"
 DEVICE_HELP = "auto (default): CUDA when a GPU is visible, else the CPU; or cpu, cuda, cuda:I"
 TORCHRUN_NOTE = "under torchrun each process takes its LOCAL_RANK's GPU"
 GIB = 1 << 30
-
-
-def add_device_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup, note: str = "") -> None:
-    """Every stage's `--device`: same name, default and help (`note` says what it applies to)."""
-    p.add_argument("--device", default=AUTO, help=DEVICE_HELP + (f"; {note}" if note else ""))
 
 
 def resolve_device(name: str | None = AUTO) -> torch.device:

@@ -13,21 +13,23 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from eyas.data.config import PrepareConfig
 from eyas.data.prepared import PREPARED_FILES, PreparedSample, write_prepared
 from eyas.data.sources import BadRecord, TruncatedTail, interleave, iter_records, layout, normalize, parse_mix
 from eyas.data.template import ChatTemplate, encode_conversation, require_chat_template
 from eyas.errors import EyasError
 from eyas.lock import LOCK_FILE, output_lock
 from eyas.paths import check_confined
-from eyas.validate import COUNT, Number, check_options
+from eyas.options import rules
+from eyas.validate import check_options
 
 
 TAIL = "cut off at the end of the file"
 EXCLUDED = "shares 8 words in a row with an excluded prompt"
 
 
-def prepare(model: str, source: str | list[str], out: str | Path, max_len: int = 2048, limit: int | None = None,
-            strict: bool = False, chat_template: str | Path | ChatTemplate | None = None,
+def prepare(model: str, source: str | list[str], out: str | Path, max_len: int = PrepareConfig.max_len,
+            limit: int | None = None, strict: bool = False, chat_template: str | Path | ChatTemplate | None = None,
             progress: bool = True, workers: int | None = None, window: int | None = None,
             exclude: list[str] | None = None) -> dict[str, Any]:
     """`prepare_into` an output folder of its own: one that is none of the inputs, holds none
@@ -45,11 +47,11 @@ def prepare(model: str, source: str | list[str], out: str | Path, max_len: int =
                             exclude)
 
 
-# The number options of `eyas prepare` (see eyas.validate).
-OPTIONS = {"max_len": Number(lo=2, integer=True, required=True), "limit": COUNT, "workers": COUNT, "window": COUNT}
+# The number options of `eyas prepare` (data/config.py).
+OPTIONS = rules(PrepareConfig)
 
 
-def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: int = 2048,
+def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: int = PrepareConfig.max_len,
                  limit: int | None = None, strict: bool = False,
                  chat_template: str | Path | ChatTemplate | None = None, progress: bool = True,
                  workers: int | None = None, window: int | None = None,

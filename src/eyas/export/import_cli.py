@@ -17,21 +17,22 @@ from __future__ import annotations
 
 import argparse
 
+from eyas.export.config import ImportConfig
+from eyas.options import add_arguments as add_config_arguments, from_args
+
 HELP = "EAGLE-3 drafter from elsewhere -> an eyas checkpoint"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dir", help="the drafter folder (config.json + model.safetensors or pytorch_model.bin)")
-    p.add_argument("--out", required=True, help="the eyas checkpoint folder to write")
-    p.add_argument("--target", help="the model the drafter was trained for (needed unless the folder names it)")
-    p.add_argument("--force", action="store_true", help="replace the drafter files in a non-empty --out")
+    add_config_arguments(p, ImportConfig)
 
 
 def run(args: argparse.Namespace) -> int:
     from eyas.export.importer import import_drafter
 
-    s = import_drafter(args.dir, args.out, target=args.target, force=args.force)
-    print(f"imported {args.dir} ({s['layout']}) to {s['out']}: target {s['target']}, "
+    cfg = from_args(ImportConfig, args)
+    s = import_drafter(cfg.dir, cfg.out, target=cfg.target, force=cfg.force)
+    print(f"imported {cfg.dir} ({s['layout']}) to {s['out']}: target {s['target']}, "
           f"aux layer ids {s['aux_layer_ids']} (input of layer k), draft vocabulary {s['draft_vocab_size']}, "
           f"embed_tokens {s['embed_tokens']}")
     return 0

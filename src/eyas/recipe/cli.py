@@ -16,23 +16,31 @@ examples:
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+
+from eyas.options import add_arguments as add_config_arguments, from_args, option
 
 HELP = "the whole pipeline from a recipe file, resumable, ending with a report"
 ON_INTERRUPT = "interrupted; run the same command again to continue where it stopped."
 
 
+@dataclass(kw_only=True)
+class RecipeConfig:
+    recipe: str = option("the recipe (YAML)", positional=True)
+    work: str | None = option("folder for every stage's output (default: the recipe's `work`, else the recipe's path "
+                              "without .yaml)", None)
+    dry_run: bool = option("print the stages, their estimates and what is done; run nothing", False)
+    stop_after: str | None = option("stop once this stage is done (e.g. regenerate, train): to split a run over "
+                                    "several sessions", None, metavar="STAGE")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="the recipe (YAML)")
-    p.add_argument("--work", help="folder for every stage's output (default: the recipe's `work`, else the "
-                   "recipe's path without .yaml)")
-    p.add_argument("--dry-run", action="store_true", help="print the stages, their estimates and what is done; "
-                   "run nothing")
-    p.add_argument("--stop-after", metavar="STAGE", help="stop once this stage is done (e.g. regenerate, train): "
-                   "to split a run over several sessions")
+    add_config_arguments(p, RecipeConfig)
 
 
 def run(args: argparse.Namespace) -> int:
     from eyas.recipe.run import run_recipe
 
-    run_recipe(args.recipe, args.work, dry_run=args.dry_run, stop_after=args.stop_after)
+    cfg = from_args(RecipeConfig, args)
+    run_recipe(cfg.recipe, cfg.work, dry_run=cfg.dry_run, stop_after=cfg.stop_after)
     return 0

@@ -19,17 +19,24 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
+
+from eyas.options import add_arguments as add_config_arguments, from_args, option
 
 EXIT_INCOMPLETE = 3  # sound but unfinished; a damaged store exits 2, as every eyas error does
 
 HELP = "summarise a store; --verify checks checksums, shapes, layer ids and NaN/inf"
 
 
+@dataclass(kw_only=True)
+class InspectConfig:
+    store: str = option("store folder", positional=True)
+    verify: bool = option("check every shard completely", False)
+    repair: bool = option("rebuild the manifest from the shards that verify (the others are renamed *.dropped)", False)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("store", help="store folder")
-    p.add_argument("--verify", action="store_true", help="check every shard completely")
-    p.add_argument("--repair", action="store_true",
-                   help="rebuild the manifest from the shards that verify (the others are renamed *.dropped)")
+    add_config_arguments(p, InspectConfig)
 
 
 def summary(store) -> str:
@@ -50,15 +57,16 @@ def summary(store) -> str:
 def run(args: argparse.Namespace) -> int:
     from eyas.store import Store
 
-    if args.repair:
+    cfg = from_args(InspectConfig, args)
+    if cfg.repair:
         from eyas.store.repair import repair_store
 
-        kept, dropped = repair_store(args.store)
+        kept, dropped = repair_store(cfg.store)
         print(f"repair     kept {len(kept)} shard(s)" + "".join(
             f"\n           dropped {name} (renamed {name}.dropped): {reason}" for name, reason in dropped))
-    store = Store(args.store)
+    store = Store(cfg.store)
     print(summary(store))
-    if args.verify:
+    if cfg.verify:
         store.verify()
         print(f"verify     ok: {len(store.manifest['shards'])} shard(s), sha256, shapes, layer ids, no NaN/inf")
         if not store.manifest.get("complete") or len(store) == 0:

@@ -1,0 +1,348 @@
+"""Typed stage configs: each option is a dataclass field that states its default, its help
+and its rule, once; the command line and the recipe are both read through it.
+
+A stage's config is a dataclass whose option fields are made with `option(...)` (one flag
+each) or `nested(...)` (a group of options with a config class of its own, e.g. the vLLM
+engine's). From the class, `add_arguments` builds the stage's argparse options,
+`from_args` builds the config from what argparse parsed, and `from_mapping` builds it from
+plain keys and values (a recipe's stage, or a library caller's keywords), refusing an
+unknown key or a value of the wrong kind in one line that names it. `check_rules` applies
+every field's number rule (eyas.validate) and choices; each config calls it in
+`__post_init__`, so a config that exists is valid however it was made.
+
+This module and the config modules import no torch: `eyas --help` builds every stage's
+parser from them (tests/test_cli.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
+from typing import Any, Iterator, Mapping
+
+from eyas.device import AUTO, DEVICE_HELP
+from eyas.errors import EyasError
+from eyas.validate import Number, option_name
+
+KEY = "eyas.option"  # where a field's Option lives in its metadata
+
+
+@dataclass(frozen=True)
+class Option:
+    """What the command line needs of a field beyond its name, type and default."""
+
+    help: str
+    rule: Number | None = None  # a number option's accepted values
+    choices: tuple[str, ...] | None = None
+    flag: str | None = None  # the flag if not --name (e.g. --no-progress for `progress: bool = True`)
+    parse: Any = None  # text -> the field's value, where that is not the type's own (e.g. a comma list)
+    metavar: str | None = None
+    positional: bool = False
+    required: bool = False  # required on the command line (a field without default always is)
+    repeat: bool = False  # a list given by repeating the flag (action="append"); else by several values
+    negatable: bool = False  # a bool with both --x and --no-x
+    group: str | None = None  # the --help section it is listed in
+    show_default: bool = True  # append "(default X)" to the help
+
+
+@dataclass(frozen=True)
+class Nested:
+    """A field holding another config class, whose options are listed as one --help section."""
+
+    title: str
+    description: str | None = None
+
+
+def option(help: str, default: Any = MISSING, *, default_factory: Any = MISSING, **how: Any) -> Any:
+    """A config field that is a command-line option: `help` is its doc, `how` the Option's other fields."""
+    return field(default=default, default_factory=default_factory, metadata={KEY: Option(help=help, **how)})
+
+
+def nested(cls: type, title: str, description: str | None = None) -> Any:
+    return field(default_factory=cls, metadata={KEY: Nested(title, description)})
+
+
+def option_fields(cls: type) -> Iterator[tuple[dataclasses.Field, Option]]:
+    """Every option of `cls`, nested configs' options included, in --help order."""
+    for f in fields(cls):
+        meta = f.metadata.get(KEY)
+        if isinstance(meta, Nested):
+            yield from option_fields(_field_type(cls, f))
+        elif isinstance(meta, Option):
+            yield f, meta
+
+
+def default_of(f: dataclasses.Field) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    if f.default_factory is not MISSING:
+        return f.default_factory()
+    return None
+
+
+def help_text(f: dataclasses.Field) -> str:
+    """The --help line of a field: its doc, then its default (stated nowhere else)."""
+    meta: Option = f.metadata[KEY]
+    default = default_of(f)
+    if not meta.show_default or default is None or default is False or default in ([], ()):
+        return meta.help
+    shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+    return f"{meta.help} (default {shown})"
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    meta: Option = f.metadata[KEY]
+    return f.name if meta.positional else meta.flag or option_name(f.name)
+
+
+def key_of(f: dataclasses.Field) -> str:
+    """The option's name in a recipe: its flag's (`baseline` for --baseline), or the field's
+    for a --no-X flag (`progress: false` is --no-progress)."""
+    meta: Option = f.metadata[KEY]
+    if meta.flag and not meta.flag.startswith("--no-"):
+        return meta.flag[2:].replace("-", "_")
+    return f.name
+
+
+# ---------------------------------------------------------------- types
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _field_type(cls: type, f: dataclasses.Field) -> Any:
+    return _hints(cls)[f.name]
+
+
+def _base(tp: Any) -> Any:
+    """`int | None` -> int; `list[str]` stays a list type."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else str
+    return tp
+
+
+def _is_list(tp: Any) -> bool:
+    return typing.get_origin(tp) in (list, tuple)
+
+
+# ---------------------------------------------------------------- argparse
+
+
+def add_arguments(parser: argparse.ArgumentParser, cls: type) -> None:
+    """The options of config class `cls` on `parser`, in field order, sections as declared."""
+    groups: dict[str | None, Any] = {None: parser}
+    hints = _hints(cls)
+    for f in fields(cls):
+        meta = f.metadata.get(KEY)
+        if isinstance(meta, Nested):
+            _add_all(parser.add_argument_group(meta.title, meta.description), hints[f.name])
+        elif isinstance(meta, Option):
+            if meta.group not in groups:
+                groups[meta.group] = parser.add_argument_group(meta.group)
+            _add(groups[meta.group], f, meta, hints[f.name])
+
+
+def _add_all(group: Any, cls: type) -> None:
+    hints = _hints(cls)
+    for f, meta in option_fields(cls):
+        _add(group, f, meta, hints[f.name])
+
+
+def _add(target: Any, f: dataclasses.Field, meta: Option, tp: Any) -> None:
+    base, default = _base(tp), default_of(f)
+    kwargs: dict[str, Any] = {"help": help_text(f)}
+    if meta.parse is not None:
+        kwargs.update(type=meta.parse, default=default, dest=f.name)
+    elif base is bool:
+        if meta.negatable:
+            kwargs.update(action=argparse.BooleanOptionalAction, default=default, dest=f.name)
+        else:
+            kwargs.update(action="store_false" if default else "store_true", dest=f.name)
+    else:
+        kwargs.update(default=default, dest=f.name)
+        if _is_list(base):
+            kwargs["type"] = typing.get_args(base)[0]
+            if meta.repeat:
+                kwargs["action"] = "append"
+            else:
+                kwargs["nargs"] = "+"
+        elif base in (int, float):
+            kwargs["type"] = base
+        if meta.choices:
+            kwargs["choices"] = meta.choices
+        if meta.metavar:
+            kwargs["metavar"] = meta.metavar
+    if meta.positional:
+        if f.default is not MISSING or f.default_factory is not MISSING:
+            kwargs["nargs"] = "?"
+        kwargs.pop("dest", None)
+        target.add_argument(f.name, **kwargs)
+        return
+    if meta.required or (f.default is MISSING and f.default_factory is MISSING):
+        kwargs["required"] = True
+        kwargs.pop("default", None)
+    target.add_argument(flag_of(f), **kwargs)
+
+
+def from_args(cls: type, args: argparse.Namespace) -> Any:
+    """The config `cls` from what its generated options parsed into `args`."""
+    hints, values = _hints(cls), {}
+    for f in fields(cls):
+        meta = f.metadata.get(KEY)
+        if isinstance(meta, Nested):
+            values[f.name] = from_args(hints[f.name], args)
+        elif isinstance(meta, Option):
+            values[f.name] = getattr(args, f.name)
+    return cls(**values)
+
+
+# ---------------------------------------------------------------- plain keys and values
+
+
+def from_mapping(cls: type, values: Mapping[str, Any], where: str) -> Any:
+    """The config `cls` from `values` keyed by option name (`max_len` or `max-len`), a nested
+    config's options among them; an unknown key or a value of the wrong kind is one line
+    starting with `where`."""
+    check_mapping(cls, values, where)
+    return _build(cls, {str(k).replace("-", "_"): v for k, v in values.items()})
+
+
+def _build(cls: type, values: dict[str, Any]) -> Any:
+    hints, kwargs = _hints(cls), {}
+    for f in fields(cls):
+        meta = f.metadata.get(KEY)
+        if isinstance(meta, Nested):
+            kwargs[f.name] = _build(hints[f.name], values)
+        elif isinstance(meta, Option) and key_of(f) in values:
+            value = values[key_of(f)]
+            kwargs[f.name] = meta.parse(value) if meta.parse and isinstance(value, str) else \
+                _coerce(value, _base(hints[f.name]))
+    return cls(**kwargs)
+
+
+def check_mapping(cls: type, values: Mapping[str, Any], where: str, also: frozenset[str] = frozenset()) -> None:
+    """Every key of `values` names an option of `cls` (or is in `also`), with a value of its kind."""
+    known = {key_of(f): (meta, _base(_hints_of_owner(cls, f.name))) for f, meta in option_fields(cls)}
+    for key, value in values.items():
+        name = str(key).replace("-", "_")
+        if name in also:
+            continue
+        if name not in known:
+            raise EyasError(f"{where}: unknown option `{key}`; the options are those of its command's --help "
+                            f"({', '.join(sorted(known))}).")
+        meta, tp = known[name]
+        if not (meta.parse and isinstance(value, str)) and not _fits(value, tp):
+            raise EyasError(f"{where}: `{key}` takes {_kind(tp)}, not {value!r}.")
+
+
+def _hints_of_owner(cls: type, name: str) -> Any:
+    """The type of option `name` of `cls` or of one of its nested configs."""
+    hints = _hints(cls)
+    for f in fields(cls):
+        meta = f.metadata.get(KEY)
+        if isinstance(meta, Nested):
+            try:
+                return _hints_of_owner(hints[f.name], name)
+            except KeyError:
+                continue
+        elif f.name == name:
+            return hints[name]
+    raise KeyError(name)
+
+
+def _fits(value: Any, tp: Any) -> bool:
+    if value is None:
+        return True
+    if tp is bool:
+        return isinstance(value, bool)
+    if isinstance(value, bool):
+        return False
+    if tp is int:
+        return isinstance(value, int)
+    if tp is float:
+        return isinstance(value, (int, float))
+    if _is_list(tp):
+        return all(_fits(v, typing.get_args(tp)[0]) for v in (value if isinstance(value, list) else [value]))
+    return isinstance(value, (str, int, float))  # a text option: a YAML number is its text
+
+
+def _coerce(value: Any, tp: Any) -> Any:
+    if value is None:
+        return None
+    if _is_list(tp):
+        return [_coerce(v, typing.get_args(tp)[0]) for v in (value if isinstance(value, list) else [value])]
+    if tp is float:
+        return float(value)
+    if tp is str:
+        return str(value)
+    return value
+
+
+def _kind(tp: Any) -> str:
+    if _is_list(tp):
+        return f"a list of {_kind(typing.get_args(tp)[0])}s"
+    return {bool: "true or false", int: "an integer", float: "a number"}.get(tp, "a text")
+
+
+# ---------------------------------------------------------------- rules
+
+
+def check_rules(config: Any) -> None:
+    """Each option's number rule and choices (the first refused names its flag, its range and the value)."""
+    for f in fields(config):
+        meta = f.metadata.get(KEY)
+        if isinstance(meta, Option):
+            value = getattr(config, f.name)
+            if meta.rule is not None:
+                meta.rule.check(flag_of(f), value)
+            if meta.choices and value is not None and value not in meta.choices:
+                raise EyasError(f"{flag_of(f)} must be one of {', '.join(meta.choices)} (got {value!r}).")
+
+
+# ---------------------------------------------------------------- options several stages share
+
+AUTO_LAYERS = "auto"
+AUTO_LAYERS_MEANS = "(2, N//2, N-3)"  # models/layers.py default_aux_ids, for an N-layer target
+LAYERS_HELP = f"aux layer ids, e.g. 2,15,27; {AUTO_LAYERS} = {AUTO_LAYERS_MEANS}. Id N is always added"
+BATCH_TOKENS = 8192
+# A micro-batch holds at least one sample of two tokens (one next-token pair).
+BATCH_TOKENS_RULE = Number(lo=2, integer=True, required=True)
+
+
+def layers_option(note: str = "", **how: Any) -> Any:
+    """`--layers`: which aux states capture stores and online training computes."""
+    return option(LAYERS_HELP + (f" ({note})" if note else ""), AUTO_LAYERS, **how)
+
+
+def batch_tokens_option(help: str, **how: Any) -> Any:
+    """`--batch-tokens`: padded tokens per forward, in capture and in training."""
+    return option(help, BATCH_TOKENS, rule=BATCH_TOKENS_RULE, **how)
+
+
+def device_option(note: str = "", **how: Any) -> Any:
+    """Every stage's `--device`: same name, default and help (`note` says what it applies to)."""
+    return option(DEVICE_HELP + (f"; {note}" if note else ""), AUTO, show_default=False, **how)
+
+
+def rules(cls: type) -> dict[str, Number]:
+    """The number rules of `cls`'s options by field name, for functions that take them as keywords."""
+    return {f.name: meta.rule for f, meta in option_fields(cls) if meta.rule is not None}
+
+
+def keyword_signature(cls: type, leading: tuple[str, ...], **extra: Any) -> inspect.Signature:
+    """The signature of a function taking `cls`'s options as keywords (`leading` ones first,
+    positionally), plus `extra` keywords with their defaults: what `help()` and
+    `inspect.signature` show for a library entry point that builds `cls` from its keywords."""
+    params = {f.name: (f, _base(_hints_of_owner(cls, f.name))) for f, _ in option_fields(cls)}
+    out = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=params[name][1])
+           for name in leading]
+    out += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default_of(f), annotation=tp)
+            for name, (f, tp) in params.items() if name not in leading]
+    out += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=value) for name, value in extra.items()]
+    return inspect.Signature(out)
