@@ -90,7 +90,8 @@ def help_text(f: dataclasses.Field) -> str:
     default = default_of(f)
     if not meta.show_default or default is None or default is False or default in ([], ()):
         return meta.help
-    shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+    shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else \
+        f"{default:g}" if isinstance(default, float) else default
     return f"{meta.help} (default {shown})"
 
 
@@ -106,6 +107,18 @@ def key_of(f: dataclasses.Field) -> str:
     if meta.flag and not meta.flag.startswith("--no-"):
         return meta.flag[2:].replace("-", "_")
     return f.name
+
+
+def _keys(cls: type) -> dict[str, tuple[dataclasses.Field, Option, Any, bool]]:
+    """Each name a recipe may give an option of `cls`: its key, and for a bool with a --no-X
+    flag also `no_X` (true meaning false); -> (field, Option, type, inverted)."""
+    known = {}
+    for f, meta in option_fields(cls):
+        tp = option_type(cls, f.name)
+        known[key_of(f)] = (f, meta, tp, False)
+        if tp is bool and (meta.negatable or (meta.flag or "").startswith("--no-")):
+            known["no_" + f.name] = (f, meta, tp, True)
+    return known
 
 
 # ---------------------------------------------------------------- types
@@ -156,37 +169,30 @@ def _add_all(group: Any, cls: type) -> None:
 
 def _add(target: Any, f: dataclasses.Field, meta: Option, tp: Any) -> None:
     base, default = _base(tp), default_of(f)
-    kwargs: dict[str, Any] = {"help": help_text(f)}
-    if meta.parse is not None:
-        kwargs.update(type=meta.parse, default=default, dest=f.name)
-    elif base is bool:
+    kwargs: dict[str, Any] = {"help": help_text(f), "dest": f.name}
+    if base is bool and meta.parse is None:
         if meta.negatable:
-            kwargs.update(action=argparse.BooleanOptionalAction, default=default, dest=f.name)
+            kwargs.update(action=argparse.BooleanOptionalAction, default=default)
         else:
-            kwargs.update(action="store_false" if default else "store_true", dest=f.name)
+            kwargs["action"] = "store_false" if default else "store_true"
     else:
-        kwargs.update(default=default, dest=f.name)
-        if _is_list(base):
+        kwargs.update(default=default, choices=meta.choices, metavar=meta.metavar)
+        if meta.parse is not None:
+            kwargs["type"] = meta.parse
+        elif _is_list(base):
             kwargs["type"] = typing.get_args(base)[0]
-            if meta.repeat:
-                kwargs["action"] = "append"
-            else:
-                kwargs["nargs"] = "+"
+            kwargs["action" if meta.repeat else "nargs"] = "append" if meta.repeat else "+"
         elif base in (int, float):
             kwargs["type"] = base
-        if meta.choices:
-            kwargs["choices"] = meta.choices
-        if meta.metavar:
-            kwargs["metavar"] = meta.metavar
     if meta.positional:
+        del kwargs["dest"]  # a positional's name is its dest
         if f.default is not MISSING or f.default_factory is not MISSING:
             kwargs["nargs"] = "?"
-        kwargs.pop("dest", None)
         target.add_argument(f.name, **kwargs)
         return
     if meta.required or (f.default is MISSING and f.default_factory is MISSING):
         kwargs["required"] = True
-        kwargs.pop("default", None)
+        del kwargs["default"]
     target.add_argument(flag_of(f), **kwargs)
 
 
@@ -210,39 +216,55 @@ def from_mapping(cls: type, values: Mapping[str, Any], where: str) -> Any:
     config's options among them; an unknown key or a value of the wrong kind is one line
     starting with `where`."""
     check_mapping(cls, values, where)
-    return _build(cls, {str(k).replace("-", "_"): v for k, v in values.items()})
+    known, by_field = _keys(cls), {}
+    for key, value in values.items():
+        f, meta, tp, inverted = known[str(key).replace("-", "_")]
+        by_field[f.name] = (not value if inverted else meta.parse(value) if meta.parse and isinstance(value, str)
+                            else _coerce(value, tp))
+    return _build(cls, by_field)
 
 
 def _build(cls: type, values: dict[str, Any]) -> Any:
+    """`cls` from option values by field name, nested configs' among them."""
     hints, kwargs = _hints(cls), {}
     for f in fields(cls):
         meta = f.metadata.get(KEY)
         if isinstance(meta, Nested):
             kwargs[f.name] = _build(hints[f.name], values)
-        elif isinstance(meta, Option) and key_of(f) in values:
-            value = values[key_of(f)]
-            kwargs[f.name] = meta.parse(value) if meta.parse and isinstance(value, str) else \
-                _coerce(value, _base(hints[f.name]))
+        elif isinstance(meta, Option) and f.name in values:
+            kwargs[f.name] = values[f.name]
     return cls(**kwargs)
 
 
 def check_mapping(cls: type, values: Mapping[str, Any], where: str, also: frozenset[str] = frozenset()) -> None:
-    """Every key of `values` names an option of `cls` (or is in `also`), with a value of its kind."""
-    known = {key_of(f): (meta, _base(_hints_of_owner(cls, f.name))) for f, meta in option_fields(cls)}
+    """Every key of `values` names an option of `cls` (or is in `also`), with a value of its
+    kind that its rule and choices accept; else one line starting with `where` that names it."""
+    known = _keys(cls)
     for key, value in values.items():
         name = str(key).replace("-", "_")
         if name in also:
             continue
         if name not in known:
             raise EyasError(f"{where}: unknown option `{key}`; the options are those of its command's --help "
-                            f"({', '.join(sorted(known))}).")
-        meta, tp = known[name]
-        if not (meta.parse and isinstance(value, str)) and not _fits(value, tp):
+                            f"({', '.join(sorted(k for k, v in known.items() if not v[3]))}).")
+        f, meta, tp, _ = known[name]
+        if meta.parse and isinstance(value, str):
+            continue  # read as the command line reads it
+        if not _fits(value, tp):
             raise EyasError(f"{where}: `{key}` takes {_kind(tp)}, not {value!r}.")
+        try:
+            _check_value(f, meta, _coerce(value, tp))
+        except EyasError as e:
+            raise EyasError(f"{where}: {e}") from None
+
+
+def option_type(cls: type, name: str) -> Any:
+    """The value type of option `name` of `cls` (or of one of its nested configs): `int | None` -> int."""
+    return _base(_hints_of_owner(cls, name))
 
 
 def _hints_of_owner(cls: type, name: str) -> Any:
-    """The type of option `name` of `cls` or of one of its nested configs."""
+    """The annotation of option `name` of `cls` or of one of its nested configs."""
     hints = _hints(cls)
     for f in fields(cls):
         meta = f.metadata.get(KEY)
@@ -298,11 +320,14 @@ def check_rules(config: Any) -> None:
     for f in fields(config):
         meta = f.metadata.get(KEY)
         if isinstance(meta, Option):
-            value = getattr(config, f.name)
-            if meta.rule is not None:
-                meta.rule.check(flag_of(f), value)
-            if meta.choices and value is not None and value not in meta.choices:
-                raise EyasError(f"{flag_of(f)} must be one of {', '.join(meta.choices)} (got {value!r}).")
+            _check_value(f, meta, getattr(config, f.name))
+
+
+def _check_value(f: dataclasses.Field, meta: Option, value: Any) -> None:
+    if meta.rule is not None:
+        meta.rule.check(flag_of(f), value)
+    if meta.choices and value is not None and value not in meta.choices:
+        raise EyasError(f"{flag_of(f)} must be one of {', '.join(meta.choices)} (got {value!r}).")
 
 
 # ---------------------------------------------------------------- options several stages share
@@ -339,7 +364,7 @@ def keyword_signature(cls: type, leading: tuple[str, ...], **extra: Any) -> insp
     """The signature of a function taking `cls`'s options as keywords (`leading` ones first,
     positionally), plus `extra` keywords with their defaults: what `help()` and
     `inspect.signature` show for a library entry point that builds `cls` from its keywords."""
-    params = {f.name: (f, _base(_hints_of_owner(cls, f.name))) for f, _ in option_fields(cls)}
+    params = {f.name: (f, option_type(cls, f.name)) for f, _ in option_fields(cls)}
     out = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=params[name][1])
            for name in leading]
     out += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default_of(f), annotation=tp)

@@ -15,30 +15,24 @@ examples:
 
 from __future__ import annotations
 
-import argparse
 import os
 
 from eyas.capture.config import CaptureConfig
-from eyas.options import add_arguments as add_config_arguments, from_args
 
 HELP = "run the target and store its hidden states (transformers or vLLM)"
+CONFIG = CaptureConfig  # its options (eyas.options)
+# --data and --out are required except by --print-serve-command, which captures nothing.
+USAGE = ("%(prog)s --model MODEL --data PREPARED --out STORE [options]\n"
+         "       %(prog)s --backend vllm --model MODEL --print-serve-command [options]")
 ON_INTERRUPT = "interrupted; run the same command again to resume."
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    # --data and --out are required except by --print-serve-command, which captures nothing.
-    p.usage = ("%(prog)s --model MODEL --data PREPARED --out STORE [options]\n"
-               "       %(prog)s --backend vllm --model MODEL --print-serve-command [options]")
-    add_config_arguments(p, CaptureConfig)
-
-
-def run(args: argparse.Namespace) -> int:
+def run(cfg: CaptureConfig) -> int:
     from eyas.capture.run import run_capture
     from eyas.errors import EyasError
     from eyas.store import Store
     from eyas.store.cli import summary
 
-    cfg = from_args(CaptureConfig, args)
     if cfg.backend == "vllm" and cfg.vllm.print_serve_command:
         from eyas.capture.vllm import print_serve_command
 

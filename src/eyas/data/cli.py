@@ -19,25 +19,19 @@ examples:
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from eyas.data.config import PrepareConfig
-from eyas.options import add_arguments as add_config_arguments, from_args
 
 HELP = "conversations -> token ids + assistant-only loss mask"
+CONFIG = PrepareConfig  # its options (eyas.options)
 ON_INTERRUPT = "interrupted; nothing was written, run the same command again to start over."
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_config_arguments(p, PrepareConfig)
-
-
-def run(args: argparse.Namespace) -> int:
+def run(cfg: PrepareConfig) -> int:
     from eyas.data.prepare import format_summary, prepare, show_sample
     from eyas.errors import EyasError
 
-    cfg = from_args(PrepareConfig, args)
     if cfg.show is not None:
         if not cfg.dir:
             raise EyasError("--show N needs the prepared folder: eyas prepare --show N DIR")

@@ -22,23 +22,17 @@ examples:
 
 from __future__ import annotations
 
-import argparse
 
 from eyas.evaluate.config import EvalConfig
-from eyas.options import add_arguments as add_config_arguments, from_args
 
 HELP = "lossless speculative decoding: acceptance length tau, speed-up, per-position acceptance"
+CONFIG = EvalConfig  # its options (eyas.options)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_config_arguments(p, EvalConfig)
-
-
-def run(args: argparse.Namespace) -> int:
+def run(cfg: EvalConfig) -> int:
     from eyas.errors import EyasError
     from eyas.evaluate.run import evaluate
 
-    cfg = from_args(EvalConfig, args)
     if cfg.teacher_forced:
         from eyas.evaluate.teacher_forced import format_result, teacher_forced, write
 

@@ -17,6 +17,7 @@ import torch
 
 from eyas.device import resolve_device
 from eyas.errors import EyasError
+from eyas.options import BATCH_TOKENS
 
 
 def training_settings(draft: str | Path) -> dict[str, Any]:
@@ -31,7 +32,7 @@ def training_settings(draft: str | Path) -> dict[str, Any]:
 
 
 def teacher_forced(model: str, draft: str | Path, data: str | Path, held_out: bool = False,
-                   limit: int | None = None, batch_tokens: int = 8192, max_len: int | None = None,
+                   limit: int | None = None, batch_tokens: int = BATCH_TOKENS, max_len: int | None = None,
                    device: str | None = None) -> dict[str, Any]:
     """Loss, accuracy per TTT step and tau_sim of the drafter `draft` on the prepared `data`
     (all samples, the first `limit`, or with `held_out` the training run's held-out ones)."""

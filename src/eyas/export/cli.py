@@ -19,22 +19,16 @@ examples:
 
 from __future__ import annotations
 
-import argparse
 
 from eyas.export.config import ExportConfig
-from eyas.options import add_arguments as add_config_arguments, from_args
 
 HELP = "drafter checkpoint -> a folder vLLM or SGLang serves"
+CONFIG = ExportConfig  # its options (eyas.options)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_config_arguments(p, ExportConfig)
-
-
-def run(args: argparse.Namespace) -> int:
+def run(cfg: ExportConfig) -> int:
     from eyas.export.exporter import export_drafter, planned_serve_command
 
-    cfg = from_args(ExportConfig, args)
     if cfg.serve_command:
         print(planned_serve_command(cfg.ckpt, cfg.to, cfg.out, target=cfg.target,
                                     num_speculative_tokens=cfg.num_speculative_tokens))

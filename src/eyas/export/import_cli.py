@@ -15,22 +15,16 @@ examples:
 
 from __future__ import annotations
 
-import argparse
 
 from eyas.export.config import ImportConfig
-from eyas.options import add_arguments as add_config_arguments, from_args
 
 HELP = "EAGLE-3 drafter from elsewhere -> an eyas checkpoint"
+CONFIG = ImportConfig  # its options (eyas.options)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_config_arguments(p, ImportConfig)
-
-
-def run(args: argparse.Namespace) -> int:
+def run(cfg: ImportConfig) -> int:
     from eyas.export.importer import import_drafter
 
-    cfg = from_args(ImportConfig, args)
     s = import_drafter(cfg.dir, cfg.out, target=cfg.target, force=cfg.force)
     print(f"imported {cfg.dir} ({s['layout']}) to {s['out']}: target {s['target']}, "
           f"aux layer ids {s['aux_layer_ids']} (input of layer k), draft vocabulary {s['draft_vocab_size']}, "

@@ -15,10 +15,9 @@ examples:
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
-from eyas.options import add_arguments as add_config_arguments, from_args, option
+from eyas.options import option
 
 HELP = "the whole pipeline from a recipe file, resumable, ending with a report"
 ON_INTERRUPT = "interrupted; run the same command again to continue where it stopped."
@@ -34,13 +33,10 @@ class RecipeConfig:
                                     "several sessions", None, metavar="STAGE")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_config_arguments(p, RecipeConfig)
+CONFIG = RecipeConfig  # its options (eyas.options)
 
-
-def run(args: argparse.Namespace) -> int:
+def run(cfg: RecipeConfig) -> int:
     from eyas.recipe.run import run_recipe
 
-    cfg = from_args(RecipeConfig, args)
     run_recipe(cfg.recipe, cfg.work, dry_run=cfg.dry_run, stop_after=cfg.stop_after)
     return 0

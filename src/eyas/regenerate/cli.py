@@ -12,24 +12,18 @@ examples:
 
 from __future__ import annotations
 
-import argparse
 
-from eyas.options import add_arguments as add_config_arguments, from_args
 from eyas.regenerate.config import RegenerateConfig
 
 HELP = "replace assistant turns with the target's own answers (hf or vLLM)"
+CONFIG = RegenerateConfig  # its options (eyas.options)
 ON_INTERRUPT = "interrupted; run the same command again to resume."
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_config_arguments(p, RegenerateConfig)
-
-
-def run(args: argparse.Namespace) -> int:
+def run(cfg: RegenerateConfig) -> int:
     from eyas.data.prepare import format_summary
     from eyas.regenerate.run import run_regenerate
 
-    cfg = from_args(RegenerateConfig, args)
     summary = run_regenerate(cfg)
     print(format_summary(summary, cfg.out))
     t = summary.get("regenerate_seconds")

@@ -17,11 +17,10 @@ examples:
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 
-from eyas.options import add_arguments as add_config_arguments, from_args, option
+from eyas.options import option
 
 EXIT_INCOMPLETE = 3  # sound but unfinished; a damaged store exits 2, as every eyas error does
 
@@ -35,9 +34,7 @@ class InspectConfig:
     repair: bool = option("rebuild the manifest from the shards that verify (the others are renamed *.dropped)", False)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_config_arguments(p, InspectConfig)
-
+CONFIG = InspectConfig  # its options (eyas.options)
 
 def summary(store) -> str:
     m = store.manifest
@@ -54,10 +51,9 @@ def summary(store) -> str:
     ])
 
 
-def run(args: argparse.Namespace) -> int:
+def run(cfg: InspectConfig) -> int:
     from eyas.store import Store
 
-    cfg = from_args(InspectConfig, args)
     if cfg.repair:
         from eyas.store.repair import repair_store
 

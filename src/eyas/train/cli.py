@@ -32,21 +32,16 @@ examples:
 
 from __future__ import annotations
 
-import argparse
 
-from eyas.options import add_arguments as add_config_arguments, from_args
 from eyas.train.config import TrainConfig
 
 HELP = "train an EAGLE-3 (training-time test) or DFlash (block) drafter from a store or online"
+CONFIG = TrainConfig  # its options (eyas.options)
 ON_INTERRUPT = "interrupted; add --resume to the same command to continue from its last checkpoint."
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_config_arguments(p, TrainConfig)
-
-
-def run(args: argparse.Namespace) -> int:
+def run(cfg: TrainConfig) -> int:
     from eyas.train.loop import train
 
-    train(from_args(TrainConfig, args))
+    train(cfg)
     return 0
