@@ -52,8 +52,8 @@ def test_every_option_on_the_command_line_is_its_config_field(command):
 def _sample(f, meta, tp: str) -> object:
     """A value the option accepts, of the kind a recipe's YAML gives."""
     default = default_of(f)
-    if meta.parse is not None:
-        return ",".join(default)  # read from text, as on the command line
+    if meta.parse is not None:  # read from text, as on the command line
+        return "max_model_len=512" if isinstance(default, dict) else ",".join(default)
     if meta.choices:
         return meta.choices[-1]
     if default is not None and default != ():
@@ -85,6 +85,8 @@ def test_a_recipe_key_for_each_option_of_a_stage_is_accepted(stage):
     ("capture", {"batch_tokens": 1}, r"^r\.yaml: `capture`: --batch-tokens must be an integer >= 2 \(got 1\)"),
     ("capture", {"retries": -1}, r"^r\.yaml: `capture`: --retries must be an integer >= 0 \(got -1\)"),
     ("regenerate", {"data_parallel_size": 2}, r"^r\.yaml: `regenerate`: unknown option `data_parallel_size`"),
+    ("regenerate", {"engine_args": {"seed": 1}}, r"^r\.yaml: `regenerate`: unknown option `engine_args`.*engine_arg\b"),
+    ("regenerate", {"engine_arg": "seed"}, r"^r\.yaml: `regenerate`: --engine-arg takes key=value, not 'seed'"),
     ("eval", {"top_k": 0.5}, r"^r\.yaml: `eval`: `top_k` takes an integer, not 0\.5\.$"),
     ("export", {"dtype": "int4"}, r"^r\.yaml: `export`: --dtype must be one of keep, bf16, fp16, fp32 \(got 'int4'\)"),
     ("prepare", {"max_len": 1}, r"^r\.yaml: `prepare`: --max-len must be an integer >= 2 \(got 1\)"),
@@ -134,12 +136,19 @@ def test_library_entry_points_take_the_config_options_by_name_and_refuse_others(
 def test_vllm_options_are_a_typed_config():
     from eyas.capture.vllm.options import CaptureVLLMOptions
 
-    o = from_mapping(CaptureVLLMOptions, {"tensor-parallel-size": 2, "engine_arg": ["max_model_len=512"]}, "capture")
-    assert o.tensor_parallel_size == 2 and o.engine_args == {"max_model_len": 512} and o.retries == 3
+    o = from_mapping(CaptureVLLMOptions, {"tensor-parallel-size": 2, "engine_arg": ["max_model_len=512", "seed=1"]},
+                     "capture")
+    assert o.tensor_parallel_size == 2 and o.engine_args == {"max_model_len": 512, "seed": 1} and o.retries == 3
+    assert from_mapping(CaptureVLLMOptions, {"engine_args": {"enforce_eager": True}}, "capture").engine_args == \
+        {"enforce_eager": True}  # a library caller's mapping, as it is
     with pytest.raises(EyasError, match=r"--tensor-parallel-size must be an integer >= 1 \(got 0\)"):
         CaptureVLLMOptions(tensor_parallel_size=0)
-    with pytest.raises(EyasError, match=r"--engine-arg takes key=value"):
-        CaptureVLLMOptions(engine_arg=["max_model_len"])
+    with pytest.raises(EyasError, match=r"^capture: --engine-arg takes key=value"):
+        from_mapping(CaptureVLLMOptions, {"engine_arg": "max_model_len"}, "capture")
+    parser = build_parser()
+    args = parser.parse_args(["capture", "--model", "m", "--engine-arg", "max_model_len=512", "--engine-arg",
+                              "enforce_eager=true", "--engine-arg", "max_model_len=256"])
+    assert args.engine_args == {"max_model_len": 256, "enforce_eager": True}  # the later flag wins, as in vLLM
 
 
 def test_shared_defaults_are_stated_once_and_mean_what_the_help_says():

@@ -88,7 +88,7 @@ def help_text(f: dataclasses.Field) -> str:
     """The --help line of a field: its doc, then its default (stated nowhere else)."""
     meta: Option = f.metadata[KEY]
     default = default_of(f)
-    if not meta.show_default or default is None or default is False or default in ([], ()):
+    if not meta.show_default or default is None or default is False or default in ([], (), {}):
         return meta.help
     shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else \
         f"{default:g}" if isinstance(default, float) else default
@@ -109,13 +109,16 @@ def key_of(f: dataclasses.Field) -> str:
     return f.name
 
 
-def _keys(cls: type) -> dict[str, tuple[dataclasses.Field, Option, Any, bool]]:
-    """Each name a recipe may give an option of `cls`: its key, and for a bool with a --no-X
-    flag also `no_X` (true meaning false); -> (field, Option, type, inverted)."""
+def _keys(cls: type, flags_only: bool = False) -> dict[str, tuple[dataclasses.Field, Option, Any, bool]]:
+    """Each name a recipe or caller may give an option of `cls`: its key, its field's name
+    (unless `flags_only`: a recipe names flags), and for a bool with a --no-X flag also `no_X`
+    (true meaning false); -> (field, Option, type, inverted)."""
     known = {}
     for f, meta in option_fields(cls):
         tp = option_type(cls, f.name)
         known[key_of(f)] = (f, meta, tp, False)
+        if not flags_only:
+            known[f.name] = known[key_of(f)]
         if tp is bool and (meta.negatable or (meta.flag or "").startswith("--no-")):
             known["no_" + f.name] = (f, meta, tp, True)
     return known
@@ -133,11 +136,11 @@ def _field_type(cls: type, f: dataclasses.Field) -> Any:
 
 
 def _base(tp: Any) -> Any:
-    """`int | None` -> int; `list[str]` stays a list type."""
+    """`int | None` -> int; `list[str]` stays a list type; `dict[str, Any]` -> dict."""
     if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0] if len(args) == 1 else str
-    return tp
+        tp = args[0] if len(args) == 1 else str
+    return dict if typing.get_origin(tp) is dict else tp
 
 
 def _is_list(tp: Any) -> bool:
@@ -167,6 +170,25 @@ def _add_all(group: Any, cls: type) -> None:
         _add(group, f, meta, hints[f.name])
 
 
+def _argparse_type(parse: Any) -> Any:
+    """`parse` as argparse calls a type: a refusal becomes argparse's own one-line usage error."""
+    def read(text: str) -> Any:
+        try:
+            return parse(text)
+        except EyasError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    read.__name__ = parse.__name__
+    return read
+
+
+class _Merge(argparse.Action):
+    """A repeated flag whose values are mappings: the later ones update the earlier."""
+
+    def __call__(self, parser: Any, namespace: argparse.Namespace, values: Any, option_string: Any = None) -> None:
+        setattr(namespace, self.dest, {**(getattr(namespace, self.dest) or {}), **values})
+
+
 def _add(target: Any, f: dataclasses.Field, meta: Option, tp: Any) -> None:
     base, default = _base(tp), default_of(f)
     kwargs: dict[str, Any] = {"help": help_text(f), "dest": f.name}
@@ -178,7 +200,9 @@ def _add(target: Any, f: dataclasses.Field, meta: Option, tp: Any) -> None:
     else:
         kwargs.update(default=default, choices=meta.choices, metavar=meta.metavar)
         if meta.parse is not None:
-            kwargs["type"] = meta.parse
+            kwargs["type"] = _argparse_type(meta.parse)
+            if base is dict:
+                kwargs["action"] = _Merge  # each flag's mapping, merged in order
         elif _is_list(base):
             kwargs["type"] = typing.get_args(base)[0]
             kwargs["action" if meta.repeat else "nargs"] = "append" if meta.repeat else "+"
@@ -219,9 +243,25 @@ def from_mapping(cls: type, values: Mapping[str, Any], where: str) -> Any:
     known, by_field = _keys(cls), {}
     for key, value in values.items():
         f, meta, tp, inverted = known[str(key).replace("-", "_")]
-        by_field[f.name] = (not value if inverted else meta.parse(value) if meta.parse and isinstance(value, str)
-                            else _coerce(value, tp))
+        by_field[f.name] = not value if inverted else _value(meta, tp, value)
     return _build(cls, by_field)
+
+
+def _is_text(meta: Option, value: Any) -> bool:
+    """`value` is what the command line would give a `parse` option: its text (a list of texts if repeated)."""
+    return meta.parse is not None and (isinstance(value, str) or (
+        meta.repeat and isinstance(value, list) and all(isinstance(v, str) for v in value)))
+
+
+def _value(meta: Option, tp: Any, value: Any) -> Any:
+    """A recipe's or caller's value as the field holds it: text read by `parse` (repeated
+    texts merged, as the command line's action does), else converted to the field's type."""
+    if not _is_text(meta, value):
+        return _coerce(value, tp)
+    if isinstance(value, str):
+        return meta.parse(value)
+    parsed = [meta.parse(v) for v in value]
+    return {k: v for d in parsed for k, v in d.items()} if tp is dict else parsed
 
 
 def _build(cls: type, values: dict[str, Any]) -> Any:
@@ -236,10 +276,12 @@ def _build(cls: type, values: dict[str, Any]) -> Any:
     return cls(**kwargs)
 
 
-def check_mapping(cls: type, values: Mapping[str, Any], where: str, also: frozenset[str] = frozenset()) -> None:
-    """Every key of `values` names an option of `cls` (or is in `also`), with a value of its
-    kind that its rule and choices accept; else one line starting with `where` that names it."""
-    known = _keys(cls)
+def check_mapping(cls: type, values: Mapping[str, Any], where: str, also: frozenset[str] = frozenset(),
+                  flags_only: bool = False) -> None:
+    """Every key of `values` names an option of `cls` (or is in `also`; with `flags_only`, by
+    its flag's name), with a value of its kind that its rule and choices accept; else one
+    line starting with `where` that names it."""
+    known = _keys(cls, flags_only)
     for key, value in values.items():
         name = str(key).replace("-", "_")
         if name in also:
@@ -248,12 +290,10 @@ def check_mapping(cls: type, values: Mapping[str, Any], where: str, also: frozen
             raise EyasError(f"{where}: unknown option `{key}`; the options are those of its command's --help "
                             f"({', '.join(sorted(k for k, v in known.items() if not v[3]))}).")
         f, meta, tp, _ = known[name]
-        if meta.parse and isinstance(value, str):
-            continue  # read as the command line reads it
-        if not _fits(value, tp):
+        if not _is_text(meta, value) and not _fits(value, tp):
             raise EyasError(f"{where}: `{key}` takes {_kind(tp)}, not {value!r}.")
         try:
-            _check_value(f, meta, _coerce(value, tp))
+            _check_value(f, meta, _value(meta, tp, value))
         except EyasError as e:
             raise EyasError(f"{where}: {e}") from None
 
@@ -287,6 +327,8 @@ def _fits(value: Any, tp: Any) -> bool:
         return False
     if tp is int:
         return isinstance(value, int)
+    if tp is dict:
+        return isinstance(value, dict)
     if tp is float:
         return isinstance(value, (int, float))
     if _is_list(tp):
@@ -301,6 +343,8 @@ def _coerce(value: Any, tp: Any) -> Any:
         return [_coerce(v, typing.get_args(tp)[0]) for v in (value if isinstance(value, list) else [value])]
     if tp is float:
         return float(value)
+    if tp is dict:
+        return dict(value)
     if tp is str:
         return str(value)
     return value
@@ -309,7 +353,7 @@ def _coerce(value: Any, tp: Any) -> Any:
 def _kind(tp: Any) -> str:
     if _is_list(tp):
         return f"a list of {_kind(typing.get_args(tp)[0])}s"
-    return {bool: "true or false", int: "an integer", float: "a number"}.get(tp, "a text")
+    return {bool: "true or false", int: "an integer", float: "a number", dict: "a mapping"}.get(tp, "a text")
 
 
 # ---------------------------------------------------------------- rules

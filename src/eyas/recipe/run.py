@@ -103,7 +103,7 @@ def check_stage_options(stage: str, options: dict[str, Any], where: str, also: f
     for key in options:
         if str(key).replace("-", "_") in LINKED[stage]:
             raise EyasError(f"{where}: `{stage}: {key}` is set by the recipe itself (it links the stages).")
-    check_mapping(_config_class(stage), options, f"{where}: `{stage}`", also)
+    check_mapping(_config_class(stage), options, f"{where}: `{stage}`", also, flags_only=True)
 
 
 def _options(stage: str, options: dict[str, Any], where: str) -> list[str]:

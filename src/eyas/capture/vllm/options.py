@@ -9,6 +9,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+from eyas.capture.vllm.engine import parse_engine_args
 from eyas.errors import EyasError
 from eyas.options import check_rules, option
 from eyas.validate import COUNT, Number
@@ -21,6 +22,11 @@ CAPTURE_DESCRIPTION = (
 )
 
 
+def parse_engine_arg(text: str) -> dict[str, Any]:
+    """One `--engine-arg KEY=VALUE` as the keyword argument of `vllm.LLM` it sets."""
+    return parse_engine_args([text])
+
+
 @dataclass(kw_only=True)
 class EngineOptions:
     """How vLLM places the target (`capture` and `regenerate`), and any other engine argument."""
@@ -29,21 +35,13 @@ class EngineOptions:
                                        show_default=False)
     pipeline_parallel_size: int = option("pipeline stages (e.g. across nodes)", 1, rule=COUNT, metavar="N",
                                          show_default=False)
-    engine_arg: list[str] = option(
+    engine_args: dict[str, Any] = option(
         "any other vllm.LLM / `vllm serve` argument, repeatable: --engine-arg max_model_len=8192 "
         "--engine-arg gpu_memory_utilization=0.85 (values read as JSON when they parse)",
-        default_factory=list, repeat=True, metavar="KEY=VALUE")
+        default_factory=dict, flag="--engine-arg", parse=parse_engine_arg, repeat=True, metavar="KEY=VALUE")
 
     def __post_init__(self) -> None:
         check_rules(self)
-        self.engine_args  # noqa: B018  (a malformed --engine-arg is refused now, not when the engine starts)
-
-    @property
-    def engine_args(self) -> dict[str, Any]:
-        """`--engine-arg`s as keyword arguments of `vllm.LLM`."""
-        from eyas.capture.vllm.engine import parse_engine_args
-
-        return parse_engine_args(self.engine_arg)
 
 
 @dataclass(kw_only=True)
