@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import os
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
@@ -43,7 +44,7 @@ class Option:
     metavar: str | None = None
     positional: bool = False
     required: bool = False  # required on the command line (a field without default always is)
-    repeat: bool = False  # a list given by repeating the flag (action="append"); else by several values
+    repeat: bool = False  # given by repeating the flag (a list, or with `parse` a merged mapping); else several values
     negatable: bool = False  # a bool with both --x and --no-x
     group: str | None = None  # the --help section it is listed in
     show_default: bool = True  # append "(default X)" to the help
@@ -57,9 +58,15 @@ class Nested:
     description: str | None = None
 
 
-def option(help: str, default: Any = MISSING, *, default_factory: Any = MISSING, **how: Any) -> Any:
-    """A config field that is a command-line option: `help` is its doc, `how` the Option's other fields."""
-    return field(default=default, default_factory=default_factory, metadata={KEY: Option(help=help, **how)})
+def option(help: str, default: Any = MISSING, *, default_factory: Any = MISSING, rule: Number | None = None,
+           choices: tuple[str, ...] | None = None, flag: str | None = None, parse: Any = None,
+           metavar: str | None = None, positional: bool = False, required: bool = False, repeat: bool = False,
+           negatable: bool = False, group: str | None = None, show_default: bool = True) -> Any:
+    """A config field that is a command-line option: `help` is its doc, the rest as in Option."""
+    how = Option(help=help, rule=rule, choices=choices, flag=flag, parse=parse, metavar=metavar,
+                 positional=positional, required=required, repeat=repeat, negatable=negatable, group=group,
+                 show_default=show_default)
+    return field(default=default, default_factory=default_factory, metadata={KEY: how})
 
 
 def nested(cls: type, title: str, description: str | None = None) -> Any:
@@ -333,7 +340,7 @@ def _fits(value: Any, tp: Any) -> bool:
         return isinstance(value, (int, float))
     if _is_list(tp):
         return all(_fits(v, typing.get_args(tp)[0]) for v in (value if isinstance(value, list) else [value]))
-    return isinstance(value, (str, int, float))  # a text option: a YAML number is its text
+    return isinstance(value, (str, int, float, os.PathLike))  # a text option: a YAML number, a path, is its text
 
 
 def _coerce(value: Any, tp: Any) -> Any:
@@ -384,19 +391,19 @@ BATCH_TOKENS = 8192
 BATCH_TOKENS_RULE = Number(lo=2, integer=True, required=True)
 
 
-def layers_option(note: str = "", **how: Any) -> Any:
+def layers_option(note: str = "", group: str | None = None) -> Any:
     """`--layers`: which aux states capture stores and online training computes."""
-    return option(LAYERS_HELP + (f" ({note})" if note else ""), AUTO_LAYERS, **how)
+    return option(LAYERS_HELP + (f" ({note})" if note else ""), AUTO_LAYERS, group=group)
 
 
-def batch_tokens_option(help: str, **how: Any) -> Any:
+def batch_tokens_option(help: str, group: str | None = None) -> Any:
     """`--batch-tokens`: padded tokens per forward, in capture and in training."""
-    return option(help, BATCH_TOKENS, rule=BATCH_TOKENS_RULE, **how)
+    return option(help, BATCH_TOKENS, rule=BATCH_TOKENS_RULE, group=group)
 
 
-def device_option(note: str = "", **how: Any) -> Any:
+def device_option(note: str = "", group: str | None = None) -> Any:
     """Every stage's `--device`: same name, default and help (`note` says what it applies to)."""
-    return option(DEVICE_HELP + (f"; {note}" if note else ""), AUTO, show_default=False, **how)
+    return option(DEVICE_HELP + (f"; {note}" if note else ""), AUTO, show_default=False, group=group)
 
 
 def rules(cls: type) -> dict[str, Number]:
