@@ -1,9 +1,10 @@
 """The `eyas` command: one subcommand per pipeline stage.
 
-Each stage's CLI module exposes `HELP` (one line), `add_arguments(parser)` and
-`run(args) -> int`, and `run` loads the stage's code by name (`importlib.import_module`);
-the packages re-export lazily (`eyas.lazy`), so building this parser imports neither torch
-nor transformers and `eyas --help` returns at once (tests/test_cli.py). A stage that can continue after Ctrl-C
+Each stage's CLI module exposes `HELP` (one line), `CONFIG` (the stage's typed config, from
+which its options are generated: eyas.options) and `run(config) -> int`, and imports its
+heavy dependencies inside `run`; the packages re-export
+lazily (`eyas.lazy`), so building this parser imports neither torch nor transformers and
+`eyas --help` returns at once (tests/test_cli.py). A stage that can continue after Ctrl-C
 says how in `ON_INTERRUPT`.
 """
 
@@ -16,6 +17,7 @@ import sys
 
 from eyas import __version__
 from eyas.errors import EyasError
+from eyas.options import add_arguments, from_args
 
 # subcommand -> module; the order is the pipeline's.
 SUBCOMMANDS = {
@@ -42,12 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module_name in SUBCOMMANDS.items():
         module = importlib.import_module(module_name)
-        p = sub.add_parser(name, help=module.HELP, description=module.__doc__,
+        p = sub.add_parser(name, help=module.HELP, description=module.__doc__, usage=getattr(module, "USAGE", None),
                            formatter_class=argparse.RawDescriptionHelpFormatter)
-        module.add_arguments(p)
+        add_arguments(p, module.CONFIG)
         p.add_argument("--debug", dest="_debug", action="store_true", default=argparse.SUPPRESS,
                        help="show the traceback of an unexpected error")
-        p.set_defaults(_run=module.run, _on_interrupt=getattr(module, "ON_INTERRUPT", "interrupted."))
+        p.set_defaults(_run=module.run, _config=module.CONFIG,
+                       _on_interrupt=getattr(module, "ON_INTERRUPT", "interrupted."))
     return parser
 
 
@@ -64,7 +67,7 @@ ENVIRONMENT = {
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     try:
-        code = args._run(args)
+        code = run(args)
     except EyasError as e:
         print(f"eyas {args.command}: error: {e}", file=sys.stderr)
         code = 2
@@ -78,6 +81,11 @@ def main(argv: list[str] | None = None) -> None:
         code = 2 if isinstance(e, OSError) and e.errno in ENVIRONMENT else 1
     sys.stdout.flush()
     sys.exit(code or 0)
+
+
+def run(args: argparse.Namespace) -> int | None:
+    """The stage `args` names, given its typed config built from what was parsed."""
+    return args._run(from_args(args._config, args))
 
 
 def one_line(e: BaseException) -> str:

@@ -1,9 +1,10 @@
-"""Option rules: each stage lists its number options here, checked before any work starts.
+"""Option rules: the accepted range of a number option, checked before any work starts.
 
 argparse turns `--lr inf` or `--shard-mb nan` into floats without a word, and a 0 or a
 negative size would be taken as something else further down. A rule names the accepted
 range; `check_options` raises one line naming the option, that range and the value given.
-The rules are plain data keyed by option name, so a typed config layer can adopt them as they are.
+Each stage's options carry their rules in its typed config (eyas.options); a function that
+takes options as keywords checks them with `check_options(values, options.rules(Config))`.
 """
 
 from __future__ import annotations

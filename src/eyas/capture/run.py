@@ -4,76 +4,79 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from eyas.capture.config import BACKENDS, CaptureConfig
 from eyas.capture.hf import HFCapturer
 from eyas.capture.staging import HostStager
 from eyas.data.batching import token_budget_batches
 from eyas.data.prepared import PreparedData
 from eyas.data.template import check_same_template
+from eyas.device import parse_device
 from eyas.distributed import all_reduce, barrier, init, shutdown
 from eyas.errors import EyasError
-from eyas.device import parse_device
 from eyas.lock import output_lock
 from eyas.models.load import default_model_dtype
+from eyas.options import from_mapping, keyword_signature
 from eyas.paths import check_confined
 from eyas.store import StoreWriter
 from eyas.store.format import manifest_header, read_manifest
-from eyas.validate import COUNT, Number, check_options
 from eyas.vllm import make_vllm_backend  # light: vLLM itself is imported only when used
 
-
-def make_hf_backend(model: str, layers: str, model_dtype: str, device: str, **_: Any):
-    return HFCapturer(model, layers=layers, dtype=model_dtype, device=device)
-
-
-BACKENDS: dict[str, Callable[..., Any]] = {"hf": make_hf_backend, "vllm": make_vllm_backend}
-# The number options of `eyas capture` (see eyas.validate); the vLLM ones are checked by vLLM.
-OPTIONS = {"batch_tokens": COUNT, "shard_mb": Number(lo=0, lo_open=True, required=True)}
+def capture(model: str, data: str | Path, out: str | Path, *, progress: bool = True, **options: Any) -> dict[str, Any]:
+    """`run_capture` for library callers: `options` are CaptureConfig's (and its vLLM options'),
+    by name; an unknown one is refused with its name."""
+    config = from_mapping(CaptureConfig, {"model": model, "data": str(data), "out": str(out), **options}, "capture")
+    return run_capture(config, progress)
 
 
-def capture(model: str, data: str | Path, out: str | Path, backend: str = "hf", layers: str = "auto",
-            dtype: str = "bf16", device: str = "auto", model_dtype: str | None = None, batch_tokens: int = 8192,
-            shard_mb: float = 1024, progress: bool = True, chat_template: str | Path | None = None,
-            **backend_options: Any) -> dict[str, Any]:
-    """Capture every prepared sample of `data` not yet in the store at `out`; return the manifest.
-    The samples were rendered with the chat template recorded in `data`; a `chat_template`
-    file, if given, must be that template.
+capture.__signature__ = keyword_signature(CaptureConfig, ("model", "data", "out"), progress=True)
+
+
+def run_capture(cfg: CaptureConfig, progress: bool = True) -> dict[str, Any]:
+    """Capture every prepared sample of `cfg.data` not yet in the store at `cfg.out`; return the
+    manifest. The samples were rendered with the chat template recorded in the data; a
+    `cfg.chat_template` file, if given, must be that template.
 
     Under `torchrun`, rank r of W owns the samples whose position is r modulo W: ownership
     does not depend on what is already stored, so ranks resume independently and never
     capture a sample twice, whatever the other ranks have done. The ranks of one job share
     the store's lock; any other run on the same store is refused.
     """
-    check_options({"batch_tokens": batch_tokens, "shard_mb": shard_mb}, OPTIONS)
-    check_confined(out, {"--data": data, "--model": model, "--chat-template": chat_template})
-    if backend == "hf":
-        parse_device(device)
-    with output_lock(out, "capture"):
-        return _capture(model, data, out, backend, layers, dtype, device, model_dtype, batch_tokens, shard_mb,
-                        progress, chat_template, **backend_options)
+    check_confined(cfg.out, {"--data": cfg.data, "--model": cfg.model, "--chat-template": cfg.chat_template})
+    if cfg.backend == "hf":
+        parse_device(cfg.device)
+    with output_lock(cfg.out, "capture"):
+        return _capture(cfg, progress)
 
 
-def _capture(model: str, data: str | Path, out: str | Path, backend: str, layers: str, dtype: str, device: str,
-             model_dtype: str | None, batch_tokens: int, shard_mb: float, progress: bool,
-             chat_template: str | Path | None, **backend_options: Any) -> dict[str, Any]:
+def _open_backend(cfg: CaptureConfig, dev: torch.device):
+    """The capturer of `cfg.backend`; the target runs in `--model-dtype`, else the device's default
+    (transformers) or the checkpoint's own dtype (vLLM's `auto`)."""
+    if cfg.backend == "vllm":
+        return make_vllm_backend(cfg.model, cfg.layers, cfg.model_dtype or "auto", cfg.vllm)
+    return HFCapturer(cfg.model, layers=cfg.layers, dtype=cfg.model_dtype or default_model_dtype(dev.type),
+                      device=str(dev))
+
+
+def _capture(cfg: CaptureConfig, progress: bool) -> dict[str, Any]:
+    backend, data, out = cfg.backend, cfg.data, cfg.out
     if backend not in BACKENDS:
         raise EyasError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
     prepared = PreparedData(data)
     if prepared.chat_template is not None:
-        check_same_template(prepared.chat_template, chat_template, f"The prepared data in {data}")
-    ranks, dev = init(device if backend == "hf" else "cpu", fsdp=False)  # vLLM places the model itself
+        check_same_template(prepared.chat_template, cfg.chat_template, f"The prepared data in {data}")
+    ranks, dev = init(cfg.device if backend == "hf" else "cpu", fsdp=False)  # vLLM places the model itself
     if ranks.enabled and backend != "hf":
         raise EyasError(f"--backend {backend} parallelises inside the engine; run it without torchrun.")
-    engine = BACKENDS[backend](model=model, layers=layers, model_dtype=model_dtype or default_model_dtype(dev.type),
-                               device=str(dev), **backend_options)
+    engine = _open_backend(cfg, dev)
     engine.identity.check_same(prepared.identity, f"The prepared data in {data}")
-    header = manifest_header(engine.identity, engine.layer_ids, dtype, engine.hidden_size, prepared.fingerprint,
+    header = manifest_header(engine.identity, engine.layer_ids, cfg.dtype, engine.hidden_size, prepared.fingerprint,
                              prepared.chat_template)
-    writer = StoreWriter(out, header, shard_bytes=int(shard_mb * (1 << 20)), expected_samples=len(prepared))
+    writer = StoreWriter(out, header, shard_bytes=int(cfg.shard_mb * (1 << 20)), expected_samples=len(prepared))
     lengths = [prepared.length(i) for i in range(len(prepared))]
     todo = [i for i in range(ranks.rank, len(prepared), ranks.world) if i not in writer.done]
     desc = f"capture ({backend})" + (f" rank {ranks.rank}/{ranks.world}" if ranks.enabled else "")
@@ -89,7 +92,7 @@ def _capture(model: str, data: str | Path, out: str | Path, backend: str, layers
         bar.update(sum(lengths[i] for i in batch))
 
     try:
-        for batch in token_budget_batches(todo, lengths, batch_tokens):
+        for batch in token_budget_batches(todo, lengths, cfg.batch_tokens):
             samples = [prepared[i] for i in batch]
             staged = (batch, samples, stager.start(engine.capture(samples)))
             if pending:

@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig
 
+from eyas.data.config import PrepareConfig
 from eyas.data.prepared import PREPARED_FILES, PreparedData, PreparedSample, write_prepared
 from eyas.data.sources import BadRecord, TruncatedTail, interleave, iter_records, layout, normalize, parse_mix
 from eyas.data.synthetic import contaminated, ngram_set
@@ -22,15 +23,16 @@ from eyas.evaluate.prompts import load_prompts
 from eyas.lock import LOCK_FILE, output_lock
 from eyas.models import load_tokenizer, model_identity, resolve_model
 from eyas.paths import check_confined
-from eyas.validate import COUNT, Number, check_options
+from eyas.options import rules
+from eyas.validate import check_options
 
 
 TAIL = "cut off at the end of the file"
 EXCLUDED = "shares 8 words in a row with an excluded prompt"
 
 
-def prepare(model: str, source: str | list[str], out: str | Path, max_len: int = 2048, limit: int | None = None,
-            strict: bool = False, chat_template: str | Path | ChatTemplate | None = None,
+def prepare(model: str, source: str | list[str], out: str | Path, max_len: int = PrepareConfig.max_len,
+            limit: int | None = None, strict: bool = False, chat_template: str | Path | ChatTemplate | None = None,
             progress: bool = True, workers: int | None = None, window: int | None = None,
             exclude: list[str] | None = None) -> dict[str, Any]:
     """`prepare_into` an output folder of its own: one that is none of the inputs, holds none
@@ -48,11 +50,11 @@ def prepare(model: str, source: str | list[str], out: str | Path, max_len: int =
                             exclude)
 
 
-# The number options of `eyas prepare` (see eyas.validate).
-OPTIONS = {"max_len": Number(lo=2, integer=True, required=True), "limit": COUNT, "workers": COUNT, "window": COUNT}
+# The number options of `eyas prepare` (data/config.py).
+OPTIONS = rules(PrepareConfig)
 
 
-def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: int = 2048,
+def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: int = PrepareConfig.max_len,
                  limit: int | None = None, strict: bool = False,
                  chat_template: str | Path | ChatTemplate | None = None, progress: bool = True,
                  workers: int | None = None, window: int | None = None,

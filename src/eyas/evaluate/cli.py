@@ -22,68 +22,31 @@ examples:
 
 from __future__ import annotations
 
-import argparse
 import importlib
 
-from eyas.device_flag import add_device_argument
 from eyas.errors import EyasError
+from eyas.evaluate.config import EvalConfig
 
 HELP = "lossless speculative decoding: acceptance length tau, speed-up, per-position acceptance"
+CONFIG = EvalConfig  # its options (eyas.options)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="the target: packaged:smollm2-135m, a .gguf, a folder or a hub id")
-    p.add_argument("--draft", help="drafter checkpoint folder (from `eyas train`); without it only baselines run")
-    p.add_argument("--prompts", default="mt-bench",
-                   help="mt-bench (80 questions, both turns) or a JSONL file of {'prompt'}, {'turns'} or "
-                        "{'messages'} lines (default: %(default)s)")
-    p.add_argument("--limit", type=int, help="use only the first N prompts")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="per answer (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=7,
-                   help="draft tokens per step (chain), tree depth with --tree; also prompt lookup's length "
-                        "(default: %(default)s)")
-    p.add_argument("--tree", action="store_true", help="draft a dynamic tree instead of a chain")
-    p.add_argument("--top-k", type=int, default=10, help="tree: children per expanded node (default: %(default)s)")
-    p.add_argument("--draft-tokens", type=int, default=60,
-                   help="tree: drafted nodes verified per step (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default: %(default)s)")
-    p.add_argument("--baseline", default="prompt-lookup",
-                   help="comma-separated baselines besides plain decoding: prompt-lookup, or none "
-                        "(default: %(default)s)")
-    p.add_argument("--dtype", default="float32", help="float32, bfloat16 or float16 (default: %(default)s)")
-    add_device_argument(p)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed for T > 0 (default: %(default)s)")
-    p.add_argument("--output", default="results.json", help="results file (default: %(default)s)")
-    p.add_argument("--plot", help="PNG of per-position acceptance (default: the output path with .png)")
-    p.add_argument("--workers", type=int, default=1,
-                   help="processes sharing the prompts, dealt round-robin over categories; the same answers as one "
-                        "process, the timings contended (default: %(default)s)")
-    p.add_argument("--teacher-forced", metavar="PREPARED",
-                   help="instead of decoding: the drafter's accuracy per TTT step on this prepared folder, scored as "
-                        "the trainer scores its held-out samples")
-    p.add_argument("--held-out", action="store_true",
-                   help="with --teacher-forced: only the samples the drafter's training run held out (--draft is "
-                        "that run's folder)")
+def run(cfg: EvalConfig) -> int:
+    evaluate = importlib.import_module("eyas.evaluate.run").evaluate
 
+    if cfg.teacher_forced:
+        format_result = importlib.import_module("eyas.evaluate.teacher_forced").format_result
+        teacher_forced = importlib.import_module("eyas.evaluate.teacher_forced").teacher_forced
+        write = importlib.import_module("eyas.evaluate.teacher_forced").write
 
-def run(args: argparse.Namespace) -> int:
-    if args.teacher_forced:
-        forced = importlib.import_module("eyas.evaluate.teacher_forced")  # torch: loaded to run, never for --help
-        if not args.draft:
+        if not cfg.draft:
             raise EyasError("--teacher-forced scores a drafter: give --draft.")
-        result = forced.teacher_forced(args.model, args.draft, args.teacher_forced, held_out=args.held_out,
-                                limit=args.limit, device=args.device)
-        forced.write(result, args.output)
-        print(forced.format_result(result) + f"\nwrote {args.output}")
+        result = teacher_forced(cfg.model, cfg.draft, cfg.teacher_forced, held_out=cfg.held_out, limit=cfg.limit,
+                                device=cfg.device)
+        write(result, cfg.output)
+        print(format_result(result) + f"\nwrote {cfg.output}")
         return 0
-    if args.held_out:
+    if cfg.held_out:
         raise EyasError("--held-out goes with --teacher-forced PREPARED.")
-    baselines = tuple(b.strip() for b in args.baseline.split(",") if b.strip() and b.strip() != "none")
-    stage = importlib.import_module("eyas.evaluate.run")
-    stage.evaluate(stage.EvalConfig(
-        model=args.model, draft=args.draft, prompts=args.prompts, limit=args.limit,
-        max_new_tokens=args.max_new_tokens, steps=args.steps, tree=args.tree, top_k=args.top_k,
-        draft_tokens=args.draft_tokens, temperature=args.temperature, baselines=baselines, dtype=args.dtype,
-        device=args.device, seed=args.seed, output=args.output, plot=args.plot, workers=args.workers,
-    ))
+    evaluate(cfg)
     return 0

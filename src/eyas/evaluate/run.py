@@ -12,7 +12,7 @@ import multiprocessing
 import os
 import sys
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -24,6 +24,7 @@ from eyas.device import parse_device, resolve_device
 from eyas.draft import DraftConfig, Eagle3Drafter, load_config, load_drafter
 from eyas.errors import EyasError
 from eyas.evaluate.dflash import DFlash, DFlashSession
+from eyas.evaluate.config import EvalConfig
 from eyas.evaluate.drafter import DrafterSession
 from eyas.evaluate.generate import generate
 from eyas.evaluate.plot import plot_acceptance
@@ -35,47 +36,8 @@ from eyas.models import ModelIdentity, load_target, model_identity
 from eyas.models.eos import eos_ids
 from eyas.paths import atomic_write_json, check_confined, check_writable
 from eyas.train.checkpoint import unfinished_note
-from eyas.validate import COUNT, Number, check_options
 
-BASELINES = ("prompt-lookup",)
-# The number options of `eyas eval` (see eyas.validate).
-OPTIONS = {"limit": COUNT, "max_new_tokens": COUNT, "steps": COUNT, "top_k": COUNT, "draft_tokens": COUNT,
-           "workers": COUNT,
-           "temperature": Number(lo=0, required=True), "seed": Number(integer=True, required=True)}
-
-
-@dataclass(kw_only=True)
-class EvalConfig:
-    model: str
-    draft: str | None = None
-    prompts: str = "mt-bench"
-    limit: int | None = None
-    max_new_tokens: int = 256
-    steps: int = 7
-    tree: bool = False
-    top_k: int = 10
-    draft_tokens: int = 60
-    temperature: float = 0.0
-    baselines: tuple[str, ...] = ("prompt-lookup",)
-    dtype: str = "float32"
-    device: str = "auto"  # eyas.device.resolve_device
-    seed: int = 0
-    output: str = "results.json"
-    plot: str | None = None  # default: the output path with .png
-    workers: int = 1  # processes sharing the prompts
-
-    def __post_init__(self) -> None:
-        unknown = [b for b in self.baselines if b not in BASELINES]
-        if unknown:
-            raise EyasError(f"Unknown baseline(s) {unknown}; choose from none, {', '.join(BASELINES)}.")
-        check_options(self, OPTIONS)
-
-    def check_paths(self) -> None:
-        """Before any work: the outputs can be written, and neither is one of the inputs."""
-        plot = self.plot or str(Path(self.output).with_suffix(".png"))
-        for option, path in (("--output", self.output), ("--plot", plot)):
-            check_writable(path, option)
-            check_confined(path, {"--prompts": self.prompts, "--model": self.model, "--draft": self.draft}, option)
+__all__ = ["EvalConfig", "evaluate"]  # EvalConfig lives in evaluate/config.py (torch-free)
 
 
 def check_drafter(identity: ModelIdentity, drafter_cfg, where: str) -> None:

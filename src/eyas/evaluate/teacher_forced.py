@@ -21,6 +21,7 @@ from eyas.draft import DraftConfig, load_config, load_drafter
 from eyas.errors import EyasError
 from eyas.models import resolve_model
 from eyas.models.target_head import load_target_head
+from eyas.options import BATCH_TOKENS
 from eyas.paths import atomic_write_json
 from eyas.train.checkpoint import latest_checkpoint, read_checkpoint
 from eyas.train.data import OnlineSource, split
@@ -39,7 +40,7 @@ def training_settings(draft: str | Path) -> dict[str, Any]:
 
 
 def teacher_forced(model: str, draft: str | Path, data: str | Path, held_out: bool = False,
-                   limit: int | None = None, batch_tokens: int = 8192, max_len: int | None = None,
+                   limit: int | None = None, batch_tokens: int = BATCH_TOKENS, max_len: int | None = None,
                    device: str | None = None) -> dict[str, Any]:
     """Loss, accuracy per TTT step and tau_sim of the drafter `draft` on the prepared `data`
     (all samples, the first `limit`, or with `held_out` the training run's held-out ones)."""

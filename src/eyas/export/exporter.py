@@ -14,6 +14,7 @@ from transformers import AutoConfig
 from eyas.draft.checkpoint import load_config
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
+from eyas.export.config import ExportConfig
 from eyas.export.layouts import Layout, get_layout, layout_for
 from eyas.export.weights import build_drafter, owned_out, read_tensors, write_folder
 from eyas.models import load_tokenizer, model_identity
@@ -26,8 +27,9 @@ from eyas.vllm.preflight import preflight_where_installed
 from eyas.vllm.serve import serve_launcher
 
 
-def export_drafter(ckpt: str | Path, to: str, out: str | Path, *, target: str | None = None, dtype: str = "keep",
-                   num_speculative_tokens: int | None = None, force: bool = False) -> dict[str, Any]:
+def export_drafter(ckpt: str | Path, to: str, out: str | Path, *, target: str | None = None,
+                   dtype: str = ExportConfig.dtype, num_speculative_tokens: int | None = None,
+                   force: bool = False) -> dict[str, Any]:
     """Export the drafter in `ckpt` as `to` (vllm, speculators or sglang) into `out`; return a summary."""
     layout = get_layout(to)
     COUNT.check("--num-speculative-tokens", num_speculative_tokens)

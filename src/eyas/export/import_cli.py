@@ -15,23 +15,19 @@ examples:
 
 from __future__ import annotations
 
-import argparse
 import importlib
 
+from eyas.export.config import ImportConfig
+
 HELP = "EAGLE-3 drafter from elsewhere -> an eyas checkpoint"
+CONFIG = ImportConfig  # its options (eyas.options)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("dir", help="the drafter folder (config.json + model.safetensors or pytorch_model.bin)")
-    p.add_argument("--out", required=True, help="the eyas checkpoint folder to write")
-    p.add_argument("--target", help="the model the drafter was trained for (needed unless the folder names it)")
-    p.add_argument("--force", action="store_true", help="replace the drafter files in a non-empty --out")
+def run(cfg: ImportConfig) -> int:
+    import_drafter = importlib.import_module("eyas.export.importer").import_drafter
 
-
-def run(args: argparse.Namespace) -> int:
-    import_drafter = importlib.import_module("eyas.export.importer").import_drafter  # torch: loaded to run, not for --help
-    s = import_drafter(args.dir, args.out, target=args.target, force=args.force)
-    print(f"imported {args.dir} ({s['layout']}) to {s['out']}: target {s['target']}, "
+    s = import_drafter(cfg.dir, cfg.out, target=cfg.target, force=cfg.force)
+    print(f"imported {cfg.dir} ({s['layout']}) to {s['out']}: target {s['target']}, "
           f"aux layer ids {s['aux_layer_ids']} (input of layer k), draft vocabulary {s['draft_vocab_size']}, "
           f"embed_tokens {s['embed_tokens']}")
     return 0

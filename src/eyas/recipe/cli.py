@@ -15,24 +15,29 @@ examples:
 
 from __future__ import annotations
 
-import argparse
 import importlib
+from dataclasses import dataclass
+
+from eyas.options import option
 
 HELP = "the whole pipeline from a recipe file, resumable, ending with a report"
 ON_INTERRUPT = "interrupted; run the same command again to continue where it stopped."
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", help="the recipe (YAML)")
-    p.add_argument("--work", help="folder for every stage's output (default: the recipe's `work`, else the "
-                   "recipe's path without .yaml)")
-    p.add_argument("--dry-run", action="store_true", help="print the stages, their estimates and what is done; "
-                   "run nothing")
-    p.add_argument("--stop-after", metavar="STAGE", help="stop once this stage is done (e.g. regenerate, train): "
-                   "to split a run over several sessions")
+@dataclass(kw_only=True)
+class RecipeConfig:
+    recipe: str = option("the recipe (YAML)", positional=True)
+    work: str | None = option("folder for every stage's output (default: the recipe's `work`, else the recipe's path "
+                              "without .yaml)", None)
+    dry_run: bool = option("print the stages, their estimates and what is done; run nothing", False)
+    stop_after: str | None = option("stop once this stage is done (e.g. regenerate, train): to split a run over "
+                                    "several sessions", None, metavar="STAGE")
 
 
-def run(args: argparse.Namespace) -> int:
-    run_recipe = importlib.import_module("eyas.recipe.run").run_recipe  # loaded to run, never for --help
-    run_recipe(args.recipe, args.work, dry_run=args.dry_run, stop_after=args.stop_after)
+CONFIG = RecipeConfig  # its options (eyas.options)
+
+def run(cfg: RecipeConfig) -> int:
+    run_recipe = importlib.import_module("eyas.recipe.run").run_recipe
+
+    run_recipe(cfg.recipe, cfg.work, dry_run=cfg.dry_run, stop_after=cfg.stop_after)
     return 0

@@ -26,6 +26,7 @@ error, never silently redone.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shlex
 import subprocess
@@ -36,8 +37,9 @@ from typing import Any
 
 import yaml
 
-from eyas.cli import build_parser
+from eyas.cli import SUBCOMMANDS, build_parser, run as run_stage
 from eyas.errors import EyasError
+from eyas.options import check_mapping, from_args
 from eyas.paths import atomic_write_json
 from eyas.recipe.estimate import describe
 from eyas.recipe.report import write_report
@@ -91,15 +93,29 @@ def _stage_parser(command: str) -> argparse.ArgumentParser:
     return sub.choices[command]
 
 
+def _config_class(command: str) -> type:
+    """The typed config of `eyas command` (eyas.options), whose options a recipe stage may set."""
+    return importlib.import_module(SUBCOMMANDS[command]).CONFIG
+
+
+def check_stage_options(stage: str, options: dict[str, Any], where: str, also: frozenset[str] = frozenset()) -> None:
+    """Before any stage runs: each key names an option of the stage's command, with a value it
+    takes, and none is one the recipe sets itself; else one line naming the stage and the key."""
+    for key in options:
+        if str(key).replace("-", "_") in LINKED[stage]:
+            raise EyasError(f"{where}: `{stage}: {key}` is set by the recipe itself (it links the stages).")
+    check_mapping(_config_class(stage), options, f"{where}: `{stage}`", also, flags_only=True)
+
+
 def _options(stage: str, options: dict[str, Any], where: str) -> list[str]:
-    """A stage's recipe options as command-line arguments (True: the flag; False: its --no-
-    form where the command has one, else nothing; a list: several values)."""
+    """A stage's recipe options, checked (`check_stage_options`), as command-line arguments
+    (True: the flag; False: its --no- form where the command has one, else nothing; a list:
+    several values)."""
+    check_stage_options(stage, options, where)
     known = _stage_parser(stage)._option_string_actions
     argv: list[str] = []
     for key, value in options.items():
         name = str(key).replace("-", "_")
-        if name in LINKED[stage]:
-            raise EyasError(f"{where}: `{stage}: {key}` is set by the recipe itself (it links the stages).")
         flag = "--" + name.replace("_", "-")
         if value is True:
             argv.append(flag)
@@ -128,6 +144,7 @@ def plan(recipe: dict[str, Any], work: Path, where: str) -> list[Stage]:
                             + _options("regenerate", opts["regenerate"], where), data))
     drafter = work / "drafter"
     train = opts["train"]
+    check_stage_options("train", train, where, also=frozenset({"nproc_per_node"}))
     online = bool(train.pop("online", False))
     if online:
         source = ["--online", "--model", model, "--data", str(data)]
@@ -144,6 +161,7 @@ def plan(recipe: dict[str, Any], work: Path, where: str) -> list[Stage]:
     export = opts["export"]
     formats = export.pop("to", ["vllm"])
     for fmt in [formats] if isinstance(formats, str) else formats:
+        check_stage_options("export", {"to": fmt}, where)
         stages.append(Stage(f"export-{fmt}", "export", [str(drafter), "--to", fmt, "--out", str(work / "export" / fmt),
                                                         "--force"] + _options("export", export, where),
                             work / "export" / fmt))
@@ -169,6 +187,15 @@ def _parse(stage: Stage) -> argparse.Namespace:
     except SystemExit:  # argparse has printed the reason
         raise EyasError(f"the {stage.name} stage's options are not valid for eyas {stage.command} "
                         f"(see above, and eyas {stage.command} --help): {stage.line}") from None
+
+
+def _check(stage: Stage, where: str) -> None:
+    """The stage's command line makes a valid config (the rules between its options included)."""
+    args = _parse(stage)
+    try:
+        from_args(args._config, args)
+    except EyasError as e:
+        raise EyasError(f"{where}: the {stage.name} stage: {e}") from None
 
 
 class State:
@@ -203,8 +230,7 @@ def _run_stage(stage: Stage) -> None:
             raise EyasError(f"the {stage.name} stage failed under torchrun (see above); run the recipe again to "
                             f"continue from its last checkpoint.")
         return
-    args = _parse(stage)
-    args._run(args)
+    run_stage(_parse(stage))
 
 
 def run_recipe(path: str | Path, work: str | Path | None = None, dry_run: bool = False,
@@ -215,7 +241,7 @@ def run_recipe(path: str | Path, work: str | Path | None = None, dry_run: bool =
     work = Path(work or recipe.get("work") or Path(path).with_suffix(""))
     stages = plan(recipe, work, str(path))
     for stage in stages:
-        _parse(stage)  # every stage's options are checked before the first one runs
+        _check(stage, str(path))  # every stage's options are checked before the first one runs
     names = [s.name for s in stages]
     if stop_after is not None and stop_after not in names:
         raise EyasError(f"--stop-after {stop_after!r}: this recipe's stages are {', '.join(names)}.")

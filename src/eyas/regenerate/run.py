@@ -28,47 +28,53 @@ from tqdm import tqdm
 
 from eyas.data.prepare import prepare_into
 from eyas.data.prepared import PreparedData
-from eyas.errors import EyasError
 from eyas.device import parse_device, resolve_device
+from eyas.errors import EyasError
 from eyas.lock import output_lock
 from eyas.models import load_tokenizer
 from eyas.models.load import default_model_dtype
+from eyas.options import from_mapping, keyword_signature
 from eyas.paths import check_confined
+from eyas.regenerate.config import RegenerateConfig
 from eyas.regenerate.generate import HFGenerator, VLLMGenerator
-from eyas.validate import COUNT, POSITIVE, Number, check_options
 from eyas.vllm.target import read_target
 
-# The number options of `eyas regenerate` (see eyas.validate).
-OPTIONS = {"temperature": Number(lo=0, required=True), "max_new_tokens": COUNT, "group_size": COUNT,
-           "minutes": POSITIVE}
 PROGRESS = "regenerated.jsonl"
 CONVERSATIONS = "regenerated-conversations.jsonl"  # the input handed to `prepare`
 
 
-def make_generator(backend: str, model: str, model_dtype: str | None, device: str, max_len: int, **vllm: Any):
-    if backend == "hf":
-        dev = resolve_device(device)
-        return HFGenerator(model, dtype=model_dtype or default_model_dtype(dev.type), device=str(dev))
-    if backend == "vllm":
-        return VLLMGenerator(model, dtype=model_dtype or "auto", max_len=max_len, **vllm)
-    raise EyasError(f"Unknown backend {backend!r}; choose hf or vllm.")
+def make_generator(cfg: RegenerateConfig, max_len: int):
+    if cfg.backend == "vllm":
+        return VLLMGenerator(cfg.model, dtype=cfg.model_dtype or "auto", max_len=max_len,
+                             tensor_parallel_size=cfg.vllm.tensor_parallel_size,
+                             pipeline_parallel_size=cfg.vllm.pipeline_parallel_size, engine_args=cfg.vllm.engine_args)
+    dev = resolve_device(cfg.device)
+    return HFGenerator(cfg.model, dtype=cfg.model_dtype or default_model_dtype(dev.type), device=str(dev))
 
 
-def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf", temperature: float = 0.0,
-               max_new_tokens: int = 1024, group_size: int = 64, seed: int = 0, device: str = "auto",
-               model_dtype: str | None = None, progress: bool = True, minutes: float | None = None,
-               **vllm: Any) -> dict[str, Any]:
-    """Regenerate every conversation of `data` not yet in `out` (or as many as `minutes`
-    allow), then prepare `out` from the finished ones; return prepare's summary."""
-    check_options({"temperature": temperature, "max_new_tokens": max_new_tokens, "group_size": group_size,
-                   "minutes": minutes}, OPTIONS)
-    check_confined(out, {"--data": data, "--model": model})
-    if backend == "hf":
-        parse_device(device)
+def regenerate(model: str, data: str | Path, out: str | Path, *, progress: bool = True,
+               **options: Any) -> dict[str, Any]:
+    """`run_regenerate` for library callers: `options` are RegenerateConfig's (and its vLLM
+    options'), by name; an unknown one is refused with its name."""
+    config = from_mapping(RegenerateConfig, {"model": model, "data": str(data), "out": str(out), **options},
+                          "regenerate")
+    return run_regenerate(config, progress)
+
+
+regenerate.__signature__ = keyword_signature(RegenerateConfig, ("model", "data", "out"), progress=True)
+
+
+def run_regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict[str, Any]:
+    """Regenerate every conversation of `cfg.data` not yet in `cfg.out` (or as many as
+    `cfg.minutes` allow), then prepare `cfg.out` from the finished ones; return prepare's summary."""
+    model, data, minutes = cfg.model, cfg.data, cfg.minutes
+    check_confined(cfg.out, {"--data": data, "--model": model})
+    if cfg.backend == "hf":
+        parse_device(cfg.device)
     started = time.monotonic()
     seconds = {"load": 0.0, "render": 0.0, "generate": 0.0, "prepare": 0.0}  # where this run's time went
     source = PreparedData(data)
-    out = Path(out)
+    out = Path(cfg.out)
     conversations, max_len, fingerprint = source.conversations(), source.max_len, source.fingerprint
     read_target(model)[2].check_same(source.identity, f"The prepared data in {data}")  # no layer ids: any depth
     tokenizer = load_tokenizer(model)
@@ -80,17 +86,18 @@ def regenerate(model: str, data: str | Path, out: str | Path, backend: str = "hf
         generator = None
         if todo:
             t0 = time.monotonic()
-            generator = make_generator(backend, model, model_dtype, device, max_len, **vllm)
+            generator = make_generator(cfg, max_len)
             seconds["load"] = time.monotonic() - t0
-            bar = tqdm(total=len(todo), unit=" conv", desc=f"regenerate ({backend})", disable=not progress)
+            bar = tqdm(total=len(todo), unit=" conv", desc=f"regenerate ({cfg.backend})", disable=not progress)
             try:
                 with open(out / PROGRESS, "a", encoding="utf-8") as log:
                     if log.tell() == 0:
                         _append(log, {"data": str(source.path.resolve()), "fingerprint": fingerprint})
-                    for start in range(0, len(todo), group_size):
-                        group = todo[start:start + group_size]
+                    for start in range(0, len(todo), cfg.group_size):
+                        group = todo[start:start + cfg.group_size]
                         answers = regenerate_group(generator, tokenizer, [conversations[i] for i in group],
-                                                   max_len, max_new_tokens, temperature, seed + start, seconds)
+                                                   max_len, cfg.max_new_tokens, cfg.temperature, cfg.seed + start,
+                                                   seconds)
                         for i, messages in zip(group, answers):
                             _append(log, {"index": i, "messages": messages})
                             done[i] = messages

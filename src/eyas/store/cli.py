@@ -17,21 +17,25 @@ examples:
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
+from dataclasses import dataclass
+
+from eyas.options import option
 
 EXIT_INCOMPLETE = 3  # sound but unfinished; a damaged store exits 2, as every eyas error does
 
 HELP = "summarise a store; --verify checks checksums, shapes, layer ids and NaN/inf"
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("store", help="store folder")
-    p.add_argument("--verify", action="store_true", help="check every shard completely")
-    p.add_argument("--repair", action="store_true",
-                   help="rebuild the manifest from the shards that verify (the others are renamed *.dropped)")
+@dataclass(kw_only=True)
+class InspectConfig:
+    store: str = option("store folder", positional=True)
+    verify: bool = option("check every shard completely", False)
+    repair: bool = option("rebuild the manifest from the shards that verify (the others are renamed *.dropped)", False)
 
+
+CONFIG = InspectConfig  # its options (eyas.options)
 
 def summary(store) -> str:
     m = store.manifest
@@ -48,15 +52,18 @@ def summary(store) -> str:
     ])
 
 
-def run(args: argparse.Namespace) -> int:
-    Store = importlib.import_module("eyas.store.reader").Store  # torch: loaded to run, never for --help
-    if args.repair:
-        kept, dropped = importlib.import_module("eyas.store.repair").repair_store(args.store)
+def run(cfg: InspectConfig) -> int:
+    Store = importlib.import_module("eyas.store.reader").Store
+
+    if cfg.repair:
+        repair_store = importlib.import_module("eyas.store.repair").repair_store
+
+        kept, dropped = repair_store(cfg.store)
         print(f"repair     kept {len(kept)} shard(s)" + "".join(
             f"\n           dropped {name} (renamed {name}.dropped): {reason}" for name, reason in dropped))
-    store = Store(args.store)
+    store = Store(cfg.store)
     print(summary(store))
-    if args.verify:
+    if cfg.verify:
         store.verify()
         print(f"verify     ok: {len(store.manifest['shards'])} shard(s), sha256, shapes, layer ids, no NaN/inf")
         if not store.manifest.get("complete") or len(store) == 0:

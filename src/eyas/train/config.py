@@ -1,74 +1,96 @@
-"""Every training option, in one dataclass: the CLI fills it, the checkpoint records it, and
-`--resume` checks that the run it continues was started with the same settings."""
+"""Every training option, in one typed config (eyas.options): the CLI is generated from it, the
+recipe's `train:` keys are checked against it, the checkpoint records it, and `--resume`
+checks that the run it continues was started with the same settings."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from eyas.draft.kinds import DRAFTERS, default_num_layers
 from eyas.errors import EyasError
-from eyas.validate import COUNT, POSITIVE, SHARE, Number, check_options
-
-# Every number option of `eyas train`, with its accepted range (see eyas.validate).
-OPTIONS = {
-    "draft_vocab": COUNT, "ttt_steps": COUNT, "ttt_decay": Number(lo=0, hi=1, lo_open=True, required=True),
-    "intermediate_size": COUNT, "epochs": POSITIVE, "steps": COUNT, "minutes": POSITIVE,
-    "lr": Number(lo=0, lo_open=True, required=True), "warmup": Number(lo=0, required=True),
-    "weight_decay": Number(lo=0, required=True), "clip": Number(lo=0, lo_open=True, required=True),
-    "batch_tokens": Number(lo=2, integer=True, required=True), "grad_accum": COUNT,
-    "max_len": Number(lo=2, integer=True),
-    "eval_fraction": SHARE, "seed": Number(integer=True, required=True),
-    "save_every": COUNT, "eval_every": COUNT, "log_every": COUNT, "keep": COUNT,
-}
-
+from eyas.device_flag import TORCHRUN_NOTE
+from eyas.draft.config import DraftConfig
+from eyas.draft.kinds import DRAFTERS, default_num_layers
+from eyas.options import batch_tokens_option, check_rules, device_option, layers_option, option
+from eyas.validate import COUNT, POSITIVE, SHARE, Number
 
 # Options added after runs were recorded, with the value such a run had (its drafter, restored
 # from the checkpoint, keeps the attention it was built with).
 ADDED = {"draft_attention": "auto"}
 
 
+DATA, DRAFTER, SCHEDULE, RUN = "data", "drafter", "schedule", "run"  # the --help sections
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
-    out: str
-    store: str | None = None  # offline: a hidden-state store
-    online: bool = False  # online: capture with the target on the fly, no store
-    model: str | None = None  # the target (offline: defaults to the one the store records)
-    data: str | None = None  # online: a prepared folder
-    layers: str = "auto"  # online: aux layer ids
-    draft_vocab: int | None = None  # default min(32000, target vocab)
-    ttt_steps: int = 7
-    ttt_decay: float = 0.8
-    intermediate_size: int | None = None  # the drafter's MLP width (default: the target's)
-    draft_attention: str = "auto"  # gqa, mla, or auto (the target's kind: draft/mla.py)
-    fc_norm: bool = False
-    norm_output: bool = False
-    drafter: str = "eagle3"  # the kind (draft/kinds.py)
-    block_size: int | None = None  # dflash: slot 0 plus the drafted tokens (sets ttt_steps = block_size - 1)
-    draft_layers: int | None = None  # dflash: decoder layers (default draft/kinds.py default_num_layers)
-    mask_token_id: int | None = None  # dflash: default the target vocabulary's last id
-    epochs: float | None = None  # default 1 unless steps is given
-    steps: int | None = None
-    lr: float = 1e-4
-    warmup: float = 0.03  # share of the steps (< 1) or a number of steps (>= 1)
-    weight_decay: float = 0.0
-    clip: float = 0.5
-    batch_tokens: int = 8192  # padded tokens per micro-batch and process
-    grad_accum: int = 1
-    max_len: int | None = None  # crop longer samples (default: batch_tokens)
-    eval_fraction: float = 0.05
-    seed: int = 0
-    device: str | None = "auto"  # eyas.device.resolve_device: CUDA (the local rank's) when visible, else cpu
-    fsdp: bool = False
+    store: str | None = option("hidden-state store (offline training)", None, group=DATA)
+    online: bool = option("capture on the fly with --model over --data (no store)", False, group=DATA)
+    model: str | None = option("the target (offline: default is the model the store records)", None, group=DATA)
+    data: str | None = option("prepared folder (with --online)", None, group=DATA)
+    layers: str = layers_option("with --online", group=DATA)
+    out: str = option("output folder: the drafter, metrics.jsonl, checkpoints/", group=DATA)
+    eval_fraction: float = option("share of samples held out", 0.05, rule=SHARE, group=DATA)
+    max_len: int | None = option("crop samples to this many tokens (default: --batch-tokens)", None,
+                                 rule=Number(lo=2, integer=True), group=DATA)
+    allow_incomplete: bool = option(
+        "train on a store whose capture has not finished (refused otherwise, naming what is missing)", False,
+        group=DATA)
+
+    drafter: str = option("eagle3: K tokens, one forward pass each; dflash: a block of K in one pass", "eagle3",
+                          choices=("eagle3", "dflash"), group=DRAFTER)  # the kinds of draft/kinds.py
+    block_size: int | None = option(
+        f"dflash: the last token plus the K drafted ones (default --ttt-steps + 1 = {DraftConfig.ttt_steps + 1})",
+        None, group=DRAFTER)  # sets ttt_steps = block_size - 1
+    draft_layers: int | None = option("dflash: decoder layers (default: a tenth of the target's, >= 1)", None,
+                                      group=DRAFTER)
+    mask_token_id: int | None = option(
+        "dflash: the token whose (frozen) embedding marks the slots to fill (default: the last id)", None,
+        group=DRAFTER)
+    draft_vocab: int | None = option("draft vocabulary size (default min(32000, target vocab))", None, rule=COUNT,
+                                     group=DRAFTER)
+    ttt_steps: int = option("unrolled training-time-test steps", DraftConfig.ttt_steps, rule=COUNT, group=DRAFTER)
+    ttt_decay: float = option("loss weight decay^k of step k (dflash: of block slot k+1)", DraftConfig.ttt_decay,
+                              rule=Number(lo=0, hi=1, lo_open=True, required=True), group=DRAFTER)
+    intermediate_size: int | None = option(
+        "the drafter's MLP width (default: the target's); vLLM and SGLang read it from the exported config", None,
+        rule=COUNT, group=DRAFTER)
+    draft_attention: str = option(
+        "the drafter layer's attention: gqa (Llama-style) or mla (the target's multi-head latent attention, its "
+        "ranks and head dims); auto = mla for DeepSeek-V2/V3-style targets (Kimi-K2/K2.5 included), else gqa",
+        "auto", choices=("auto", "gqa", "mla"), group=DRAFTER)  # draft/mla.py
+    fc_norm: bool = option("an RMSNorm on each aux state before fc (EAGLE 3.1; served by vLLM, not SGLang)", False,
+                           negatable=True, group=DRAFTER)
+    norm_output: bool = option("feed the normed output back between steps (EAGLE 3.1; served by vLLM, not SGLang)",
+                               False, negatable=True, group=DRAFTER)
+
+    epochs: float | None = option("passes over the training samples (default 1)", None, rule=POSITIVE,
+                                  group=SCHEDULE)
+    steps: int | None = option("optimizer steps instead of --epochs", None, rule=COUNT, group=SCHEDULE)
+    minutes: float | None = option(
+        "fit the whole schedule into this many minutes: its length follows the steady-state rate (after warm-up), "
+        "at most --steps/--epochs when given", None, rule=POSITIVE, group=SCHEDULE)
+    lr: float = option("peak learning rate, cosine to 0", 1e-4, rule=Number(lo=0, lo_open=True, required=True),
+                       group=SCHEDULE)
+    warmup: float = option("warm-up: share of steps if < 1, else steps", 0.03, rule=Number(lo=0, required=True),
+                           group=SCHEDULE)
+    weight_decay: float = option("AdamW weight decay", 0.0, rule=Number(lo=0, required=True), group=SCHEDULE)
+    clip: float = option("gradient-norm clipping", 0.5, rule=Number(lo=0, lo_open=True, required=True),
+                         group=SCHEDULE)
+    batch_tokens: int = batch_tokens_option("padded tokens per micro-batch per process", group=SCHEDULE)
+    grad_accum: int = option("micro-batches per process per step", 1, rule=COUNT, group=SCHEDULE)
+    seed: int = option("seed for initialisation, split and order", 0, rule=Number(integer=True, required=True),
+                       group=SCHEDULE)
+
     # How a run is watched and stopped; these may change on --resume.
-    resume: bool = False
-    minutes: float | None = None  # size the schedule to end within this long (at most steps/epochs)
-    save_every: int = 500
-    eval_every: int = 500
-    log_every: int = 10
-    keep: int = 2  # checkpoints kept under out/checkpoints
-    progress: bool = True
-    allow_incomplete: bool = False  # train on a store whose capture has not finished
+    resume: bool = option("continue the run in --out from its last checkpoint", False, group=RUN)
+    device: str | None = device_option(TORCHRUN_NOTE, group=RUN)  # None: auto
+    fsdp: bool = option("under torchrun: shard the drafter across GPUs (FSDP2)", False, group=RUN)
+    save_every: int = option("checkpoint every N steps, and at the end", 500, rule=COUNT, group=RUN)
+    eval_every: int = option("held-out metrics every N steps, and at the end", 500, rule=COUNT, group=RUN)
+    log_every: int = option("metrics row every N steps", 10, rule=COUNT, group=RUN)
+    keep: int = option("checkpoints kept in OUT/checkpoints", 2, rule=COUNT, group=RUN)
+    progress: bool = option("no progress bar", True, flag="--no-progress", show_default=False, group=RUN)
 
     # May differ on --resume: how the run is watched, and where the same data comes from (a
     # moved store, offline <-> online); the data's model and layer ids are checked separately.
@@ -86,7 +108,7 @@ class TrainConfig:
             raise EyasError("Give --store STORE (offline), or --online --model MODEL --data PREPARED.")
         if self.data and not self.online:
             raise EyasError("--data is for --online; offline training reads --store.")
-        check_options(self, OPTIONS)
+        check_rules(self)
         if self.steps is not None and self.epochs is not None:
             raise EyasError("give --steps or --epochs, not both.")
         self._check_kind()

@@ -8,12 +8,12 @@ installed vLLM's own classes.
   target     identity and layer ids from config + tokenizer, before any engine starts
   preflight  what the installed vLLM cannot run (EAGLE-3 support, layer ids, head size, model config), from its own classes
   backend    in-process `vllm.LLM`            endpoint   client of a running `vllm serve`
-  serve      the `vllm serve` command line    options    CLI flags and the backend factory
+  serve      the `vllm serve` command line    options    typed options and the backend factory
 
 eyas never builds vLLM's Scheduler, Request or KVCacheConfig objects: it passes configs
 to `vllm.LLM` / `vllm serve` and implements the connector interface, nothing more.
 """
 
-from eyas.vllm.options import add_vllm_arguments, make_vllm_backend, print_serve_command, vllm_options
+from eyas.vllm.options import CaptureVLLMOptions, EngineOptions, make_vllm_backend, print_serve_command
 
-__all__ = ["add_vllm_arguments", "make_vllm_backend", "print_serve_command", "vllm_options"]
+__all__ = ["CaptureVLLMOptions", "EngineOptions", "make_vllm_backend", "print_serve_command"]

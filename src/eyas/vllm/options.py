@@ -1,100 +1,109 @@
-"""The vLLM options of `eyas capture`, and the factory the capture loop calls for
-`--backend vllm` (in-process engine, or `--endpoint` client)."""
+"""The vLLM options of `eyas capture` and `eyas regenerate` as typed configs, and the
+factory the capture loop calls for `--backend vllm` (in-process engine, or `--endpoint`
+client). The options are fields (eyas.options): a recipe or caller naming one that does not
+exist is refused with its name."""
 
 from __future__ import annotations
 
-import argparse
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from eyas.errors import EyasError
+from eyas.options import check_rules, option
+from eyas.validate import COUNT, Number
 from eyas.vllm.engine import parse_engine_args, text_only
 from eyas.vllm.preflight import preflight_where_installed
 
-
-def add_vllm_arguments(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group(
-        "vLLM backend (--backend vllm)",
-        "Runs the target in vLLM with its extract_hidden_states method and eyas's KV connector, prefill only. "
-        "In process by default; with --endpoint, through a running `vllm serve` that writes to a shared --spool. "
-        "--model-dtype defaults to vLLM's 'auto' (the checkpoint's dtype); use float32 to compare with transformers.",
-    )
-    add_engine_arguments(g)
-    g.add_argument("--endpoint", metavar="URL", help="capture through a running `vllm serve` at URL (http://host:8000)")
-    g.add_argument("--spool", metavar="DIR",
-                   help="folder the engine writes states to before they enter the store (default: a temp folder); "
-                        "with --endpoint, the server's folder as this machine sees it (a shared filesystem)")
-    g.add_argument("--served-model-name", metavar="NAME", help="with --endpoint, when the server serves several models")
-    g.add_argument("--concurrency", type=int, default=16, metavar="N", help="with --endpoint, requests in flight (default 16)")
-    g.add_argument("--request-timeout", type=float, default=300.0, metavar="S",
-                   help="with --endpoint, seconds per request before it counts as failed (default 300)")
-    g.add_argument("--retries", type=int, default=3, metavar="N", help="with --endpoint, retries per sample (default 3)")
-    g.add_argument("--print-serve-command", action="store_true",
-                   help="print the `vllm serve` command a server for --endpoint needs (with --model, --layers, --spool, "
-                        "parallel sizes, --engine-arg) and exit")
+VLLM_GROUP = "vLLM backend (--backend vllm)"
+CAPTURE_DESCRIPTION = (
+    "Runs the target in vLLM with its extract_hidden_states method and eyas's KV connector, prefill only. "
+    "In process by default; with --endpoint, through a running `vllm serve` that writes to a shared --spool. "
+    "--model-dtype defaults to vLLM's 'auto' (the checkpoint's dtype); use float32 to compare with transformers."
+)
 
 
-def add_engine_arguments(g, data_parallel: bool = True) -> None:
-    """Parallel sizes and free-form engine arguments: shared by `capture` and `regenerate`."""
-    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help="GPUs per model replica (tensor parallel)")
-    g.add_argument("--pipeline-parallel-size", type=int, default=1, metavar="N", help="pipeline stages (e.g. across nodes)")
-    if data_parallel:
-        g.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
-                       help="model replicas; vLLM runs them only as a server (--print-serve-command, then --endpoint)")
-    g.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
-                   help="any other vllm.LLM / `vllm serve` argument, repeatable: --engine-arg max_model_len=8192 "
-                        "--engine-arg gpu_memory_utilization=0.85 (values read as JSON when they parse)")
+def parse_engine_arg(text: str) -> dict[str, Any]:
+    """One `--engine-arg KEY=VALUE` as the keyword argument of `vllm.LLM` it sets."""
+    return parse_engine_args([text])
 
 
-def vllm_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The keyword arguments `capture(...)` forwards to `make_vllm_backend`."""
-    return {
-        "tensor_parallel_size": args.tensor_parallel_size, "pipeline_parallel_size": args.pipeline_parallel_size,
-        "data_parallel_size": args.data_parallel_size, "engine_args": parse_engine_args(args.engine_arg),
-        "endpoint": args.endpoint, "spool": args.spool, "served_model_name": args.served_model_name,
-        "concurrency": args.concurrency, "request_timeout": args.request_timeout, "retries": args.retries,
-    }
+@dataclass(kw_only=True)
+class EngineOptions:
+    """How vLLM places the target (`capture` and `regenerate`), and any other engine argument."""
+
+    tensor_parallel_size: int = option("GPUs per model replica (tensor parallel)", 1, rule=COUNT, metavar="N",
+                                       show_default=False)
+    pipeline_parallel_size: int = option("pipeline stages (e.g. across nodes)", 1, rule=COUNT, metavar="N",
+                                         show_default=False)
+    engine_args: dict[str, Any] = option(
+        "any other vllm.LLM / `vllm serve` argument, repeatable: --engine-arg max_model_len=8192 "
+        "--engine-arg gpu_memory_utilization=0.85 (values read as JSON when they parse)",
+        default_factory=dict, flag="--engine-arg", parse=parse_engine_arg, repeat=True, metavar="KEY=VALUE")
+
+    def __post_init__(self) -> None:
+        check_rules(self)
 
 
-def print_serve_command(args: argparse.Namespace) -> None:
+@dataclass(kw_only=True)
+class CaptureVLLMOptions(EngineOptions):
+    """`eyas capture --backend vllm`: the engine, data parallel replicas, and the `--endpoint` client."""
+
+    data_parallel_size: int = option(
+        "model replicas; vLLM runs them only as a server (--print-serve-command, then --endpoint)", 1, rule=COUNT,
+        metavar="N", show_default=False)
+    endpoint: str | None = option("capture through a running `vllm serve` at URL (http://host:8000)", None,
+                                  metavar="URL")
+    spool: str | None = option(
+        "folder the engine writes states to before they enter the store (default: a temp folder); with "
+        "--endpoint, the server's folder as this machine sees it (a shared filesystem)", None, metavar="DIR")
+    served_model_name: str | None = option("with --endpoint, when the server serves several models", None,
+                                           metavar="NAME")
+    concurrency: int = option("with --endpoint, requests in flight", 16, rule=COUNT, metavar="N")
+    request_timeout: float = option("with --endpoint, seconds per request before it counts as failed", 300.0,
+                                    rule=Number(lo=0, lo_open=True, required=True), metavar="S")
+    retries: int = option("with --endpoint, retries per sample", 3, rule=Number(lo=0, integer=True, required=True),
+                          metavar="N")
+    print_serve_command: bool = option(
+        "print the `vllm serve` command a server for --endpoint needs (with --model, --layers, --spool, parallel "
+        "sizes, --engine-arg) and exit", False)
+
+
+def print_serve_command(model: str, layers: str, model_dtype: str | None, options: CaptureVLLMOptions) -> None:
+    """`--print-serve-command`: the `vllm serve` line a server for `--endpoint` needs, checked here first."""
     from eyas.vllm.serve import serve_command
     from eyas.vllm.target import describe_target
 
-    if not args.spool:
+    if not options.spool:
         raise EyasError("--print-serve-command needs --spool DIR: the folder the server writes states to.")
-    o = vllm_options(args)
     print("# eyas must be installed where vLLM runs (its connector is imported from eyas); the server writes to "
-          f"{args.spool}, which must be the same folder for the capture client.", file=sys.stderr)
-    target = describe_target(args.model, args.layers)
-    engine_args = text_only(target.config, o["engine_args"])
-    preflight_where_installed(target.config, args.model, target.layer_ids, args.model_dtype or "auto",
+          f"{options.spool}, which must be the same folder for the capture client.", file=sys.stderr)
+    target = describe_target(model, layers)
+    engine_args = text_only(target.config, options.engine_args)
+    preflight_where_installed(target.config, model, target.layer_ids, model_dtype or "auto",
                               "use --backend hf", engine_args, target.folder)
-    print(serve_command(target, args.spool, args.model_dtype or "auto", o["tensor_parallel_size"],
-                        o["pipeline_parallel_size"], o["data_parallel_size"], engine_args))
+    print(serve_command(target, options.spool, model_dtype or "auto", options.tensor_parallel_size,
+                        options.pipeline_parallel_size, options.data_parallel_size, engine_args))
 
 
-def make_vllm_backend(model: str, layers: str, model_dtype: str, endpoint: str | None = None, spool: str | None = None,
-                      tensor_parallel_size: int = 1, pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
-                      engine_args: dict[str, Any] | None = None, served_model_name: str | None = None,
-                      concurrency: int = 16, request_timeout: float = 300.0, retries: int = 3, **_: Any):
-    """`--backend vllm`: the endpoint client when `endpoint` is given, else an in-process engine."""
-    for name, n in (("tensor", tensor_parallel_size), ("pipeline", pipeline_parallel_size), ("data", data_parallel_size)):
-        if n < 1:
-            raise EyasError(f"--{name}-parallel-size must be at least 1.")
-    if data_parallel_size > 1 and not endpoint:
+def make_vllm_backend(model: str, layers: str, model_dtype: str, options: CaptureVLLMOptions):
+    """`--backend vllm`: the endpoint client when `options.endpoint` is given, else an in-process engine."""
+    if options.data_parallel_size > 1 and not options.endpoint:
         raise EyasError(
             "vLLM runs data parallel only across processes (vllm.LLM refuses data_parallel_size > 1). Start a server "
             "with the command from `eyas capture --backend vllm --print-serve-command --data-parallel-size N --spool DIR` "
             "and capture through it with --endpoint URL --spool DIR."
         )
-    if endpoint:
+    if options.endpoint:
         from eyas.vllm.endpoint import EndpointCapturer
 
-        if not spool:
+        if not options.spool:
             raise EyasError("--endpoint needs --spool DIR: the folder the server writes states to, as this machine sees it.")
-        return EndpointCapturer(model, endpoint, spool, layers=layers, served_model_name=served_model_name,
-                                concurrency=concurrency, request_timeout=request_timeout, retries=retries)
+        return EndpointCapturer(model, options.endpoint, options.spool, layers=layers,
+                                served_model_name=options.served_model_name, concurrency=options.concurrency,
+                                request_timeout=options.request_timeout, retries=options.retries)
     from eyas.vllm.backend import VLLMCapturer
 
-    return VLLMCapturer(model, layers=layers, dtype=model_dtype, tensor_parallel_size=tensor_parallel_size,
-                        pipeline_parallel_size=pipeline_parallel_size, engine_args=engine_args, spool=spool)
+    return VLLMCapturer(model, layers=layers, dtype=model_dtype, tensor_parallel_size=options.tensor_parallel_size,
+                        pipeline_parallel_size=options.pipeline_parallel_size, engine_args=options.engine_args,
+                        spool=options.spool)

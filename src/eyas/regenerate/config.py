@@ -1,0 +1,32 @@
+"""Every option of `eyas regenerate`, in one typed config: the CLI is generated from it, the
+recipe's `regenerate:` keys are checked against it, and `run_regenerate` reads it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eyas.vllm.options import VLLM_GROUP, EngineOptions
+from eyas.options import check_rules, device_option, nested, option
+from eyas.validate import COUNT, POSITIVE, Number
+
+
+@dataclass(kw_only=True)
+class RegenerateConfig:
+    model: str = option("target model (the one the data was prepared for)")
+    data: str = option("prepared folder (from eyas prepare)")
+    out: str = option("new prepared folder (resumed if it exists)")
+    backend: str = option("hf (transformers) or vllm", "hf", choices=("hf", "vllm"))
+    temperature: float = option("sampling temperature; 0 = greedy", 0.0, rule=Number(lo=0, required=True))
+    max_new_tokens: int = option("longest answer per turn", 1024, rule=COUNT)
+    group_size: int = option("conversations generated together, and saved together for resume", 64, rule=COUNT)
+    minutes: float | None = option(
+        "stop after the group that ends past this many minutes; the output holds what is done, and the same "
+        "command continues", None, rule=POSITIVE)
+    seed: int = option("sampling seed (with --temperature > 0)", 0)
+    device: str = device_option("hf backend only (vLLM places the model itself)")
+    model_dtype: str | None = option(
+        "dtype the target runs in (hf: float32 on cpu, bf16 on cuda; vllm: the checkpoint's)", None)
+    vllm: EngineOptions = nested(EngineOptions, VLLM_GROUP)
+
+    def __post_init__(self) -> None:
+        check_rules(self)
