@@ -16,20 +16,10 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from eyas.draft.config import DraftConfig
+from eyas.draft.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary_pos_emb
 from eyas.draft.mla import MLAAttention
-
-
-def _llama_config(cfg: DraftConfig) -> LlamaConfig:
-    return LlamaConfig(
-        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, hidden_act=cfg.hidden_act,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
-        rope_parameters=dict(cfg.rope_parameters), mlp_bias=False, attention_bias=False,
-    )
 
 
 class DraftAttention(nn.Module):
@@ -64,11 +54,11 @@ class DraftLayer(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.norm_before_residual = cfg.norm_before_residual
-        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.self_attn = MLAAttention(cfg) if cfg.attention == "mla" else DraftAttention(cfg)
-        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(_llama_config(cfg))
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def pre_attention(self, embeds: torch.Tensor, hidden: torch.Tensor):
         """embeds, hidden [B, T, H] -> attention input [B, T, 2H] and the residual [B, T, H]."""
@@ -98,14 +88,14 @@ class Eagle3Drafter(nn.Module):
         H = cfg.hidden_size
         self.embed_tokens = frozen_embedding(cfg, embed_weight)
         if cfg.fc_norm:  # one RMSNorm per aux state: the target's layers differ in scale by 10x and more
-            self.fc_norm = nn.ModuleList(LlamaRMSNorm(H, eps=cfg.rms_norm_eps) for _ in cfg.aux_layer_ids)
+            self.fc_norm = nn.ModuleList(RMSNorm(H, eps=cfg.rms_norm_eps) for _ in cfg.aux_layer_ids)
         if cfg.norm_before_fc:  # one RMSNorm over the concatenated aux states (vLLM's and speculators' `input_norm`)
-            self.input_norm = LlamaRMSNorm(len(cfg.aux_layer_ids) * H, eps=cfg.rms_norm_eps)
+            self.input_norm = RMSNorm(len(cfg.aux_layer_ids) * H, eps=cfg.rms_norm_eps)
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * H, H, bias=False)
         self.midlayer = DraftLayer(cfg)
-        self.norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
+        self.norm = RMSNorm(H, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        self.rotary = LlamaRotaryEmbedding(_llama_config(cfg))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_parameters, cfg.max_position_embeddings)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))  # target = draft + d2t[draft]
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # target ids in the draft vocab
 

@@ -16,12 +16,12 @@ from eyas.errors import EyasError
 # M-RoPE reduces to the plain rope over the whole head.
 _MROPE_KEYS = ("mrope_section", "mrope_interleaved")
 FULL = "full_attention"
+# The rope types the drafter computes (draft/layers.py), named as transformers names them.
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
 
 
 def drafter_rope(text_config) -> tuple[dict[str, Any], str]:
     """-> (rope_parameters for the drafter's Llama layer, where they came from)."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     name = type(text_config).__name__
     rope = getattr(text_config, "rope_parameters", None)
     source = "the target's rope_parameters"
@@ -44,9 +44,9 @@ def drafter_rope(text_config) -> tuple[dict[str, Any], str]:
     if dropped:
         source += "; M-RoPE as plain 1-D rope (text positions are equal on every axis)"
     rope_type = rope["rope_type"] = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
-    if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+    if rope_type not in ROPE_TYPES:
         raise EyasError(f"{name}'s rope_type {rope_type!r} has no Llama equivalent for the drafter "
-                        f"(it takes default, {', '.join(ROPE_INIT_FUNCTIONS)}).")
+                        f"(it takes {', '.join(ROPE_TYPES)}).")
     if "rope_theta" not in rope:
         raise EyasError(f"{name}'s rope settings {rope} have no rope_theta.")
     return rope, source
