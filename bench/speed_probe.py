@@ -163,13 +163,13 @@ def probe_train(model_dir: Path, prepared: Path, work: Path, batch_tokens: int, 
 
 
 def phase_times(run, steps: int) -> dict:
-    """The parts of a training step, each synchronised (speed_gpu.py's instrumented step):
-    their sum against an unsynchronised step shows how much overlaps."""
-    from speed_gpu import Timer, instrumented_step
+    """The parts of a training step, each synchronised (the trainer's own StepTimer): their
+    sum against an unsynchronised step shows how much overlaps."""
+    from eyas.train.loop import StepTimer, train_step
 
-    timer = Timer(run.device)
+    timer = StepTimer(run.device)
     for _ in range(steps):
-        instrumented_step(run, timer)
+        train_step(run, timer)
     return {k: round(1e3 * v / steps, 1) for k, v in timer.seconds.items()}
 
 

@@ -213,7 +213,7 @@ def ttt_attention_flex(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
     pad = -T % FLEX_PAD
     k = torch.cat([F.pad(kj, (0, 0, 0, pad)) for kj in (k0, *(kj for kj, _ in extra))], dim=2)
     v = torch.cat([F.pad(vj, (0, 0, 0, pad)) for vj in (v0, *(vj for _, vj in extra))], dim=2)
-    out = _compiled_flex()(F.pad(q, (0, 0, 0, pad)), k, v, block_mask=_ttt_block_mask(T + pad, 1 + len(extra), q.device),
+    out = _compiled_flex()(F.pad(q, (0, 0, 0, pad)), k, v, block_mask=ttt_block_mask(T + pad, 1 + len(extra), q.device),
                            scale=scale)
     return out[..., :T, :]
 
@@ -229,7 +229,9 @@ def _compiled_flex():
 
 
 @functools.lru_cache(maxsize=512)
-def _ttt_block_mask(T: int, steps: int, device: torch.device):
+def ttt_block_mask(T: int, steps: int, device: torch.device):
+    """The flex-attention block mask of `ttt_attention_flex` for T (padded) positions and
+    `steps` TTT steps, cached per shape (`cache_info()` tells a benchmark how often it was built)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def mask(b, h, q_idx, kv_idx):  # kv_idx = step * T + position
