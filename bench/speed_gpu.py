@@ -1,12 +1,10 @@
 """Issue 12's speed benchmark: capture and drafter training at real shapes, on one GPU, in one run.
 
 A random-weight Llama target of `--shape` (8b: Llama-3.1-8B's shape, bf16 on the GPU) and
-random prepared samples of 256-2048 tokens are built in this process; the target stays on
-the GPU and every part that needs it (pure forward, `eyas capture`, the batch-1 loop,
-online training) uses that one copy: the model folder on disk holds its config, tokenizer
-and only the three tensors training reads (embeddings, final norm, lm_head), and
-`eyas.capture.hf.load_target` is pointed at the resident model (loading is outside
-every figure anyway). Parts, in order, each timed on its own:
+random prepared samples of 256-2048 tokens are built in this process and the target is saved
+to a model folder (16 GB at 8b), which `eyas capture` and online training load as any model;
+the pure forward and the batch-1 loop use the copy that built it (loading is outside every
+figure). Parts, in order, each timed on its own:
 
   forward         pure forward over capture's own token-budget batches; padding share
   capture_fp8     `eyas capture --dtype fp8` end to end (capture's own summary line)
@@ -15,8 +13,9 @@ every figure anyway). Parts, in order, each timed on its own:
   batch1_loop     the peers' way: batch 1, output_hidden_states, torch.save per sample
   train           `eyas train`'s own step (loop.train_step) from the fp8 store: tok/s,
                   TFLOP/s by FLOP_FORMULA, peak memory, compile/recompile counters
-  train_parts     an instrumented copy of train_step, synchronised around each piece:
-                  data loading + dequantisation, labels, drafter forward, backward, optimizer
+  train_parts     the trainer's step with its per-part timer (loop.StepTimer), synchronised
+                  around each part: data loading + dequantisation, labels, forward, backward,
+                  clip, checks, optimizer
   train_preloaded the same step over batches already on the GPU (loading taken out)
   profile         torch.profiler over a few train steps: top CUDA kernels, GPU busy share
   fixed_4x2048    the trainer's step on in-memory 4 x 2048-token batches (the shape of the
@@ -241,21 +240,6 @@ class Peak:
         return {"peak_gib": round(_gib(self.peak), 2), "resident_before_gib": round(_gib(self.base), 2)} if self.cuda else {}
 
 
-class Timer:
-    """Seconds per named piece, synchronised before and after each (the instrumented pass)."""
-
-    def __init__(self, device: torch.device):
-        self.device, self.seconds = device, {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        _sync(self.device)
-        start = time.perf_counter()
-        yield
-        _sync(self.device)
-        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-
 class _Tee(io.TextIOBase):
     def __init__(self, *streams):
         self.streams = streams
@@ -297,8 +281,7 @@ class Context:
 
 
 def build(ctx: Context) -> dict[str, Any]:
-    """The random target on the device, its head-only folder, the prepared samples."""
-    from safetensors.torch import save_file
+    """The random target on the device, saved as a model folder; the prepared samples."""
     from transformers import AutoModelForCausalLM
 
     config, tokenizer = random_target_config(ctx.args.shape)
@@ -308,47 +291,12 @@ def build(ctx: Context) -> dict[str, Any]:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval().requires_grad_(False)
     ctx.folder.mkdir(parents=True, exist_ok=True)
-    model.config.save_pretrained(ctx.folder)
+    model.save_pretrained(ctx.folder)
     tokenizer.save_pretrained(ctx.folder)
-    keep = ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
-    state = model.state_dict()
-    save_file({k: state[k].detach().contiguous().cpu() for k in keep}, str(ctx.folder / "model.safetensors"),
-              metadata={"format": "pt"})
     ctx.model, ctx.tokenizer = model, tokenizer
-    _share_target(ctx)
     ctx.lengths = build_prepared(ctx.prepared, ctx.folder, model.config, tokenizer, ctx.args.tokens)
     return {"samples": len(ctx.lengths), "tokens": sum(ctx.lengths), "model_dtype": str(dtype),
             "target_params": sum(p.numel() for p in model.parameters())}
-
-
-def _share_target(ctx: Context) -> None:
-    """Make capture's loader hand out the resident model for our folder, with the forward
-    pre-hooks an earlier capturer left on it removed."""
-    import eyas.capture.hf as hf
-
-    from eyas.models.load import parse_dtype
-
-    original = hf.load_target
-    own = {name: set(m._forward_pre_hooks) for name, m in ctx.model.named_modules()}
-
-    def load_target(spec, dtype="float32", device="cpu", attn=None):
-        model = ctx.model  # looked up at each call: a freed target is not kept alive here
-        if model is None or Path(str(spec)).resolve() != ctx.folder.resolve():
-            return original(spec, dtype=dtype, device=device, attn=attn)
-        for name, m in model.named_modules():
-            for key in set(m._forward_pre_hooks) - own[name]:
-                del m._forward_pre_hooks[key]
-                m._forward_pre_hooks_with_kwargs.pop(key, None)
-        if parse_dtype(dtype) != model.dtype or not _same_device(torch.device(device), model.device):
-            raise RuntimeError(f"the resident target is {model.dtype} on {model.device}, asked for {dtype} on {device}")
-        return model, ctx.tokenizer
-
-    hf.load_target = load_target
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    index = torch.cuda.current_device() if a.type == "cuda" else 0
-    return a.type == b.type and (a.index if a.index is not None else index) == (b.index if b.index is not None else index)
 
 
 def _batches_share(lengths: list[int], batch_tokens: int) -> tuple[int, int, int]:
@@ -506,9 +454,9 @@ DYNAMO_WARNINGS = DynamoWarnings()
 
 
 def _mask_cache() -> dict[str, int]:
-    from eyas.draft.model import _ttt_block_mask
+    from eyas.draft.model import ttt_block_mask
 
-    info = _ttt_block_mask.cache_info()
+    info = ttt_block_mask.cache_info()
     return {"hits": info.hits, "misses": info.misses, "currsize": info.currsize, "maxsize": info.maxsize}
 
 
@@ -539,55 +487,23 @@ def part_train(ctx: Context) -> dict[str, Any]:
             "note": "peak_gib is above the memory resident before setup (the bench's own target model)"}
 
 
-def instrumented_step(run, timer: Timer) -> list[int]:
-    """loop.train_step, piece by piece, synchronised around each piece (same computation)."""
-    from eyas import distributed
-    from eyas.train.loop import _autocast, _check_inputs, _draft_ids, _weights, lr_at
-    from eyas.train.objective import make_labels
-
-    for g in run.optimizer.param_groups:
-        g["lr"] = lr_at(run.cfg, run.step, run.total_steps)
-    micro = run.train_stream.for_step(run.step, run.group, run.d.rank, run.d.world)
-    with timer("weights"):
-        weights = _weights(run, micro)
-    for i, positions in enumerate(micro):
-        with timer("load"):
-            batch = run.source.load(positions, run.device)
-        with timer("check_inputs"):
-            _check_inputs(batch)
-        with distributed.no_sync(run.model, last=i == len(micro) - 1):
-            with timer("labels"), _autocast(run.device):
-                labels = make_labels(run.head, batch.hidden[:, :, -1], batch.loss_mask, _draft_ids(run))
-            with timer("drafter_forward"), _autocast(run.device):
-                loss, _, rows = run.model(batch.input_ids, batch.hidden[:, :, :-1], labels, weights)
-            with timer("drafter_backward"):
-                loss.backward()
-        with timer("finite_check"):
-            (~torch.isfinite(rows)).nonzero().flatten().tolist()
-    with timer("clip"):
-        norm = torch.nn.utils.clip_grad_norm_([p for p in run.model.parameters() if p.requires_grad], run.cfg.clip)
-        bool(torch.isfinite(norm))
-    with timer("optimizer"):
-        run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
-    run.step += 1
-    return [run.source.lengths[p] for b in micro for p in b]
-
-
 def part_train_parts(ctx: Context) -> dict[str, Any]:
+    from eyas.train.loop import StepTimer, train_step
+
     run = ctx.run
-    timer = Timer(run.device)
+    timer = StepTimer(run.device)
     V = run.head.lm_head_weight.shape[0]
     lengths: list[int] = []
     start = time.perf_counter()
     steps = 0
     while steps < ctx.args.parts_steps:
-        lengths += instrumented_step(run, timer)
+        lengths += _step_lengths(run)
+        train_step(run, timer)
         steps += 1
     wall = time.perf_counter() - start
     f = train_flops(run.draft, V, lengths)
     n = sum(lengths)
-    flops_of = {"labels": f["labels"], "drafter_forward": f["forward"], "drafter_backward": f["backward"]}
+    flops_of = {"labels": f["labels"], "forward": f["forward"], "backward": f["backward"]}
     pieces = {name: {"s_per_step": s / steps, "share": s / wall, "tok_s": n / s,
                      **({"tflops": flops_of[name] / s / 1e12} if name in flops_of else {})}
               for name, s in sorted(timer.seconds.items(), key=lambda kv: -kv[1])}
@@ -604,30 +520,41 @@ def _time_block_masks(device: torch.device) -> dict[str, Any]:
     """Seconds to build one TTT block mask (what an lru_cache miss costs), for 2047 tokens."""
     if device.type != "cuda":
         return {"skipped": "flex attention is used on CUDA only"}
-    from eyas.draft.model import _ttt_block_mask
+    from eyas.draft.model import ttt_block_mask
 
     out = {}
     for steps in (2, 7):
         _sync(device)
         start = time.perf_counter()
-        _ttt_block_mask.__wrapped__(2047, steps, device)
+        ttt_block_mask.__wrapped__(2047, steps, device)
         _sync(device)
         out[f"steps_{steps}_s"] = time.perf_counter() - start
     return out
 
 
+class PreloadedSource:
+    """A training source answering `load` from the batches of the next `steps` steps of
+    `run`, loaded (onto the device) by its own source beforehand."""
+
+    def __init__(self, run, steps: int):
+        source = run.source
+        self.lengths, self.sample_index, self.tokens = source.lengths, source.sample_index, source.tokens
+        self.batches = {tuple(positions): source.load(positions, run.device) for s in range(run.step, run.step + steps)
+                        for positions in run.train_stream.for_step(s, run.group, 0, 1)}
+
+    def load(self, positions: list[int], device: torch.device):
+        return self.batches[tuple(positions)]
+
+
 @contextlib.contextmanager
 def _preloaded(run, steps: int):
-    """run.source.load answers from batches loaded (to the device) beforehand."""
-    cache = {}
-    for s in range(run.step, run.step + steps):
-        for positions in run.train_stream.for_step(s, run.group, 0, 1):
-            cache[tuple(positions)] = run.source.load(positions, run.device)
-    run.source.load = lambda positions, device: cache[tuple(positions)]
+    """run's source swapped for a PreloadedSource of its next `steps` steps."""
+    saved = run.source
+    run.source = PreloadedSource(run, steps)
     try:
         yield
     finally:
-        del run.source.load  # the instance attribute; the class's method shows again
+        run.source = saved
 
 
 def part_train_preloaded(ctx: Context) -> dict[str, Any]:

@@ -80,36 +80,33 @@ def profile_decode(model_dir: Path, rows: int = 2048, prompt: int = 256, steps: 
     written slots rounded up to KV_ALIGN (the default), the exact written slots, and the
     whole cache (as before `kv_limit`)."""
     from torch.profiler import ProfilerActivity, profile
-    from transformers import AttentionInterface
 
     import eyas.regenerate.static as static
     from eyas.models import load_target
 
     model, _ = load_target(str(model_dir), dtype="bf16", device=DEVICE)
     prompts = [[1 + (i * 7 + j) % 4000 for j in range(prompt - i % 64)] for i in range(rows)]
+    # One batch of all rows (the cache holds them): generate's length sort only reorders them.
     greedy = static.StaticGreedy(model, pad_id=0, stops=[], cache_tokens=1 << 21)
-    greedy._batch(prompts[:64], [4] * len(prompts[:64]))  # warm-up
+    greedy.generate(prompts[:64], [4] * len(prompts[:64]))  # warm-up
 
-    def timed(new_tokens: int) -> float:
+    def timed(new_tokens: int, g=greedy) -> float:
         _sync()
         t0 = time.monotonic()
-        greedy._batch(prompts, [new_tokens] * rows)
+        g.generate(prompts, [new_tokens] * rows)
         _sync()
         return time.monotonic() - t0
 
-    def step_ms() -> float:
-        return 1e3 * (timed(steps) - timed(1)) / (steps - 1)
+    def step_ms(g=greedy) -> float:
+        return 1e3 * (timed(steps, g) - timed(1, g)) / (steps - 1)
 
     prefill, aligned = timed(1), step_ms()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        greedy._batch(prompts, [8] * rows)
+        greedy.generate(prompts, [8] * rows)
         _sync()
-    align, static.KV_ALIGN = static.KV_ALIGN, 1
-    exact = step_ms()
-    static.KV_ALIGN = align
-    AttentionInterface.register(static.ATTENTION, lambda *a, kv_limit=None, **kw: static.grouped_sdpa(*a, **kw))
-    whole = step_ms()
-    AttentionInterface.register(static.ATTENTION, static.grouped_sdpa)
+    align = greedy.kv_align
+    exact = step_ms(static.StaticGreedy(model, pad_id=0, stops=[], cache_tokens=1 << 21, kv_align=1))
+    whole = step_ms(static.StaticGreedy(model, pad_id=0, stops=[], cache_tokens=1 << 21, kv_align=1 << 30))
     return {"rows": rows, "prompt": prompt, "steps": steps, "prefill_s": round(prefill, 3), "kv_align": align,
             "decode_step_ms": round(aligned, 2), "decode_tokens_per_s": round(rows / aligned * 1e3, 1),
             "decode_step_ms_exact_slots": round(exact, 2), "decode_step_ms_reading_whole_cache": round(whole, 2),
@@ -163,13 +160,13 @@ def probe_train(model_dir: Path, prepared: Path, work: Path, batch_tokens: int, 
 
 
 def phase_times(run, steps: int) -> dict:
-    """The parts of a training step, each synchronised (speed_gpu.py's instrumented step):
-    their sum against an unsynchronised step shows how much overlaps."""
-    from speed_gpu import Timer, instrumented_step
+    """The parts of a training step, each synchronised (the trainer's own StepTimer): their
+    sum against an unsynchronised step shows how much overlaps."""
+    from eyas.train.loop import StepTimer, train_step
 
-    timer = Timer(run.device)
+    timer = StepTimer(run.device)
     for _ in range(steps):
-        instrumented_step(run, timer)
+        train_step(run, timer)
     return {k: round(1e3 * v / steps, 1) for k, v in timer.seconds.items()}
 
 

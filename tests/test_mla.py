@@ -25,7 +25,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from eyas.draft import DraftConfig, Eagle3Drafter
 from eyas.draft.checkpoint import load_config, save_config
-from eyas.draft.model import _llama_config
+from test_draft_layers import llama_config as _llama_config
 from eyas.errors import EyasError
 from test_ttt import H, V, VD, assert_objective_matches_reference, make_setup, tiny_config
 

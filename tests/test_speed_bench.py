@@ -1,5 +1,5 @@
-"""bench/speed_gpu.py's own pieces compute what they claim (CPU, tiny shapes): the
-instrumented training step is the trainer's step, the plain peer-style step trains the same
+"""bench/speed_gpu.py's own pieces compute what they claim (CPU, tiny shapes): the timed
+training step is the trainer's step, the plain peer-style step trains the same
 objective, and the FLOP formula counts what it says."""
 
 from __future__ import annotations
@@ -37,16 +37,22 @@ def tiny_run(lengths=(9, 12, 7, 12, 5, 10)):
     return speed._in_memory_run(cfg, draft, head, source, torch.device("cpu"))
 
 
-def test_instrumented_step_is_the_trainers_step():
-    from eyas.train.loop import train_step
+def test_a_timed_step_is_the_trainers_step_and_times_each_part():
+    """train_parts times the trainer's own step (loop.StepTimer): the same weights after each
+    step as an untimed run, and a duration for every part of it."""
+    from eyas.train.loop import StepTimer, train_step
 
     a, b = tiny_run(), tiny_run()
+    timer = StepTimer(torch.device("cpu"))
     for _ in range(3):
         train_step(a)
-        speed.instrumented_step(b, speed.Timer(torch.device("cpu")))
+        train_step(b, timer)
     assert a.step == b.step == 3
     for (name, pa), (_, pb) in zip(a.model.named_parameters(), b.model.named_parameters()):
         torch.testing.assert_close(pa, pb, rtol=0, atol=0, msg=name)
+    assert set(timer.seconds) == {"weights", "load", "labels", "forward", "backward", "clip", "checks", "optimizer",
+                                  "weight_check"}
+    assert all(s > 0 for s in timer.seconds.values())
 
 
 def test_plain_step_trains_eyas_objective():

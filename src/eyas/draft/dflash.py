@@ -26,10 +26,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from eyas.draft.config import DraftConfig
-from eyas.draft.model import FLEX_PAD, Eagle3Drafter, _compiled_flex, _llama_config, frozen_embedding
+from eyas.draft.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary_pos_emb
+from eyas.draft.model import FLEX_PAD, Eagle3Drafter, _compiled_flex, frozen_embedding
 
 
 class DFlashAttention(nn.Module):
@@ -41,8 +41,8 @@ class DFlashAttention(nn.Module):
         self.k_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(H, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, H, bias=False)
-        self.q_norm = LlamaRMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
-        self.k_norm = LlamaRMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.q_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=cfg.rms_norm_eps)
 
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         """[B, T, n*d] -> [B, n, T, d]"""
@@ -70,10 +70,10 @@ class DFlashAttention(nn.Module):
 class DFlashLayer(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
-        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.self_attn = DFlashAttention(cfg)
-        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(_llama_config(cfg))
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def finish(self, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """x [B, T, H] the layer's input, attn_out [B, T, nH*d] -> the layer's output [B, T, H]."""
@@ -91,11 +91,11 @@ class DFlashDrafter(nn.Module):
         H = cfg.hidden_size
         self.embed_tokens = frozen_embedding(cfg, embed_weight)
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * H, H, bias=False)
-        self.hidden_norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, eps=cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
+        self.norm = RMSNorm(H, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        self.rotary = LlamaRotaryEmbedding(_llama_config(cfg))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_parameters, cfg.max_position_embeddings)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))  # target = draft + d2t[draft]
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # target ids in the draft vocab
 

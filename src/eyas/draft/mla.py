@@ -24,8 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
-from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
+from eyas.draft.layers import RMSNorm
 from eyas.draft.mla_config import softmax_scale
 
 def rotate_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -50,12 +50,12 @@ class MLAAttention(nn.Module):
         H2, nH = 2 * cfg.hidden_size, self.n_heads
         if self.q_lora:
             self.q_a_proj = nn.Linear(H2, self.q_lora, bias=False)
-            self.q_a_layernorm = LlamaRMSNorm(self.q_lora, eps=cfg.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(self.q_lora, eps=cfg.rms_norm_eps)
             self.q_b_proj = nn.Linear(self.q_lora, nH * self.qk_dim, bias=False)
         else:
             self.q_proj = nn.Linear(H2, nH * self.qk_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(H2, self.kv_lora + self.rope_dim, bias=False)
-        self.kv_a_layernorm = LlamaRMSNorm(self.kv_lora, eps=cfg.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora, eps=cfg.rms_norm_eps)
         self.kv_b_proj = nn.Linear(self.kv_lora, nH * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(nH * self.v_dim, cfg.hidden_size, bias=False)
 

@@ -17,20 +17,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from eyas.draft.config import DraftConfig
+from eyas.draft.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary_pos_emb
 from eyas.draft.mla import MLAAttention
-
-
-def _llama_config(cfg: DraftConfig) -> LlamaConfig:
-    return LlamaConfig(
-        hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, hidden_act=cfg.hidden_act,
-        num_attention_heads=cfg.num_attention_heads, num_key_value_heads=cfg.num_key_value_heads,
-        head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps, max_position_embeddings=cfg.max_position_embeddings,
-        rope_parameters=dict(cfg.rope_parameters), mlp_bias=False, attention_bias=False,
-    )
 
 
 class DraftAttention(nn.Module):
@@ -65,11 +55,11 @@ class DraftLayer(nn.Module):
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.norm_before_residual = cfg.norm_before_residual
-        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.self_attn = MLAAttention(cfg) if cfg.attention == "mla" else DraftAttention(cfg)
-        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(_llama_config(cfg))
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
 
     def pre_attention(self, embeds: torch.Tensor, hidden: torch.Tensor):
         """embeds, hidden [B, T, H] -> attention input [B, T, 2H] and the residual [B, T, H]."""
@@ -99,14 +89,14 @@ class Eagle3Drafter(nn.Module):
         H = cfg.hidden_size
         self.embed_tokens = frozen_embedding(cfg, embed_weight)
         if cfg.fc_norm:  # one RMSNorm per aux state: the target's layers differ in scale by 10x and more
-            self.fc_norm = nn.ModuleList(LlamaRMSNorm(H, eps=cfg.rms_norm_eps) for _ in cfg.aux_layer_ids)
+            self.fc_norm = nn.ModuleList(RMSNorm(H, eps=cfg.rms_norm_eps) for _ in cfg.aux_layer_ids)
         if cfg.norm_before_fc:  # one RMSNorm over the concatenated aux states (vLLM's and speculators' `input_norm`)
-            self.input_norm = LlamaRMSNorm(len(cfg.aux_layer_ids) * H, eps=cfg.rms_norm_eps)
+            self.input_norm = RMSNorm(len(cfg.aux_layer_ids) * H, eps=cfg.rms_norm_eps)
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * H, H, bias=False)
         self.midlayer = DraftLayer(cfg)
-        self.norm = LlamaRMSNorm(H, eps=cfg.rms_norm_eps)
+        self.norm = RMSNorm(H, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        self.rotary = LlamaRotaryEmbedding(_llama_config(cfg))
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_parameters, cfg.max_position_embeddings)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))  # target = draft + d2t[draft]
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # target ids in the draft vocab
 
@@ -224,7 +214,7 @@ def ttt_attention_flex(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
     pad = -T % FLEX_PAD
     k = torch.cat([F.pad(kj, (0, 0, 0, pad)) for kj in (k0, *(kj for kj, _ in extra))], dim=2)
     v = torch.cat([F.pad(vj, (0, 0, 0, pad)) for vj in (v0, *(vj for _, vj in extra))], dim=2)
-    out = _compiled_flex()(F.pad(q, (0, 0, 0, pad)), k, v, block_mask=_ttt_block_mask(T + pad, 1 + len(extra), q.device),
+    out = _compiled_flex()(F.pad(q, (0, 0, 0, pad)), k, v, block_mask=ttt_block_mask(T + pad, 1 + len(extra), q.device),
                            scale=scale)
     return out[..., :T, :]
 
@@ -238,7 +228,9 @@ def _compiled_flex():
 
 
 @functools.lru_cache(maxsize=512)
-def _ttt_block_mask(T: int, steps: int, device: torch.device):
+def ttt_block_mask(T: int, steps: int, device: torch.device):
+    """The flex-attention block mask of `ttt_attention_flex` for T (padded) positions and
+    `steps` TTT steps, cached per shape (`cache_info()` tells a benchmark how often it was built)."""
     def mask(b, h, q_idx, kv_idx):  # kv_idx = step * T + position
         step, pos = kv_idx // T, kv_idx % T
         return ((step == 0) & (pos <= q_idx)) | ((step > 0) & (pos == q_idx))

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
 from eyas.errors import EyasError
 
 # Keys M-RoPE adds to a 1-D rope: text-only positions are the same on every axis, so
 # M-RoPE reduces to the plain rope over the whole head.
 _MROPE_KEYS = ("mrope_section", "mrope_interleaved")
 FULL = "full_attention"
+# The rope types the drafter computes (draft/layers.py), named as transformers names them.
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional")
 
 
 def drafter_rope(text_config) -> tuple[dict[str, Any], str]:
@@ -44,9 +44,9 @@ def drafter_rope(text_config) -> tuple[dict[str, Any], str]:
     if dropped:
         source += "; M-RoPE as plain 1-D rope (text positions are equal on every axis)"
     rope_type = rope["rope_type"] = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
-    if rope_type != "default" and rope_type not in ROPE_INIT_FUNCTIONS:
+    if rope_type not in ROPE_TYPES:
         raise EyasError(f"{name}'s rope_type {rope_type!r} has no Llama equivalent for the drafter "
-                        f"(it takes default, {', '.join(ROPE_INIT_FUNCTIONS)}).")
+                        f"(it takes {', '.join(ROPE_TYPES)}).")
     if "rope_theta" not in rope:
         raise EyasError(f"{name}'s rope settings {rope} have no rope_theta.")
     return rope, source

@@ -27,10 +27,10 @@ from eyas.device import synchronize
 from eyas.models.eos import cut_at_stop
 
 ATTENTION = "eyas_grouped_sdpa"
-# `kv_limit` reads are rounded up to a multiple of this many slots (the extra slots are
-# masked). Cut at the exact written length, the cache slice and its mask lose the alignment
-# sdpa's kernels want, and on an H200 a decode step took 110 ms instead of the 46 ms of
-# reading the whole cache (bench/speed_probe.py --parts decode).
+# `StaticGreedy` rounds its cache reads up to a multiple of this many slots by default (the
+# extra slots are masked). Cut at the exact written length, the cache slice and its mask lose
+# the alignment sdpa's kernels want, and on an H200 a decode step took 110 ms instead of the
+# 46 ms of reading the whole cache (bench/speed_probe.py --parts decode).
 KV_ALIGN = 64
 
 
@@ -40,12 +40,11 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
     mask [B, 1, q, S] -> output [B, q, nH, d]. One query position per row (decoding) with
     grouped heads takes the folded path; anything else is transformers' own sdpa.
 
-    `kv_limit` (passed through the model's forward) is the number of cache slots written so
-    far: the slots after it are masked for every query, so they need not be read. A static
-    cache is sized for the batch's last step, and decoding is bound by reading it; the read
-    is rounded up to KV_ALIGN slots."""
+    `kv_limit` (passed through the model's forward) is the number of cache slots to read: the
+    slots after it are masked for every query. A static cache is sized for the batch's last
+    step, and decoding is bound by reading it."""
     limit = kwargs.pop("kv_limit", None)
-    if limit is not None and (limit := KV_ALIGN * -(-limit // KV_ALIGN)) < key.shape[2]:
+    if limit is not None and limit < key.shape[2]:
         key, value = key[:, :, :limit], value[:, :, :limit]  # [B, nKV, limit, d]
         attention_mask = attention_mask[..., :limit] if attention_mask is not None else None
     B, n_heads, q_len, d = query.shape
@@ -74,13 +73,18 @@ def supports_static(model) -> bool:
 
 class StaticGreedy:
     """Greedy continuations of many prompts; equal, token for token, to `model.generate`
-    with do_sample=False (tests/test_regenerate.py checks it on the real SmolLM2)."""
+    with do_sample=False (tests/test_regenerate.py checks it on the real SmolLM2).
 
-    def __init__(self, model, pad_id: int, stops: list[int], cache_tokens: int, max_rows: int = 4096):
+    Each forward reads the cache slots written so far, rounded up to a multiple of `kv_align`
+    (KV_ALIGN unless given; one at least as long as the cache reads all of it)."""
+
+    def __init__(self, model, pad_id: int, stops: list[int], cache_tokens: int, max_rows: int = 4096,
+                 kv_align: int | None = None):
         _register()
         model.set_attn_implementation(ATTENTION)
         self.model, self.pad, self.stops = model, pad_id, stops
         self.cache_tokens, self.max_rows = cache_tokens, max_rows
+        self.kv_align = kv_align or KV_ALIGN
         self.device = next(model.parameters()).device
         # Where the time goes, summed over batches: prefill and decode seconds, and decode's
         # row-steps computed against those that produced a kept token (rows that stopped ride
@@ -112,6 +116,10 @@ class StaticGreedy:
         if rows:
             yield rows
 
+    def _slots(self, written: int) -> int:
+        """The cache slots a forward reads when `written` are written: rounded up to kv_align."""
+        return self.kv_align * -(-written // self.kv_align)
+
     @torch.inference_mode()
     def _batch(self, prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
         dev = self.device
@@ -137,7 +145,7 @@ class StaticGreedy:
             logits = self.model(input_ids=ids[:, q], attention_mask=mask[:, None],
                                 position_ids=(q[None] - (T - lengths)[:, None]).clamp_min(0), past_key_values=cache,
                                 cache_position=q, use_cache=True, logits_to_keep=1,
-                                kv_limit=min(c0 + chunk, T)).logits[:, -1]  # [B, V]
+                                kv_limit=self._slots(min(c0 + chunk, T))).logits[:, -1]  # [B, V]
         synchronize(dev)
         prefilled = time.monotonic()
         stops = torch.tensor(self.stops, device=dev)
@@ -172,7 +180,7 @@ class StaticGreedy:
             mask = (real & (slots[None] <= slot))[:, None, None]  # [b, 1, 1, L]
             logits = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=(lengths + s)[:, None],
                                 past_key_values=cache, cache_position=slots[slot:slot + 1], use_cache=True,
-                                kv_limit=slot + 1).logits[:, -1]
+                                kv_limit=self._slots(slot + 1)).logits[:, -1]
         out = [cut_at_stop(g[:n], self.stops) for g, n in zip(generated.tolist(), budgets)]
         st = self.stats
         st["batches"] += 1

@@ -24,7 +24,7 @@ from eyas.draft.config import DraftConfig
 from eyas.draft.model import Eagle3Drafter
 from eyas.draft.vocab import TokenCounter, build_draft_vocab, coverage, default_draft_vocab_size
 from eyas.errors import EyasError
-from eyas.device import check_fits
+from eyas.device import check_fits, synchronize
 from eyas.lock import output_lock, reading_lock
 from eyas.models import load_tokenizer, model_identity, resolve_model
 from eyas.models.target_head import TargetHead, load_target_head
@@ -260,13 +260,42 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
-def forward(run: Run, batch: Batch, weights: torch.Tensor, wrapped: bool = True):
+class StepTimer:
+    """Seconds spent in each part of `train_step`, summed over the steps it is given to:
+    weights, load, labels, forward, backward (per micro-batch), clip, checks (the step's one
+    read of its flags), optimizer and weight_check. Each part runs with the device
+    synchronised before and after it, so parts never overlap as they do in a plain step and
+    their sum exceeds its time: for benchmarks (bench/speed_gpu.py). A step given none pays
+    nothing for it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def part(self, name: str) -> Iterator[None]:
+        synchronize(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            synchronize(self.device)
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+def _part(timer: StepTimer | None, name: str):
+    return timer.part(name) if timer is not None else contextlib.nullcontext()
+
+
+def forward(run: Run, batch: Batch, weights: torch.Tensor, wrapped: bool = True, timer: StepTimer | None = None):
     """One micro-batch: labels from the target head, then the TTT objective (through the
     DDP/FSDP wrapper when `wrapped`, which training needs for its gradient hooks)."""
     model = run.model if wrapped else run.objective
     with _autocast(run.device):
-        labels = make_labels(run.head, batch.hidden[:, :, -1], batch.loss_mask, _draft_ids(run))
-        return model(batch.input_ids, batch.hidden[:, :, :-1], labels, weights)
+        with _part(timer, "labels"):
+            labels = make_labels(run.head, batch.hidden[:, :, -1], batch.loss_mask, _draft_ids(run))
+        with _part(timer, "forward"):
+            return model(batch.input_ids, batch.hidden[:, :, :-1], labels, weights)
 
 
 def _draft_ids(run: Run) -> torch.Tensor:
@@ -296,37 +325,44 @@ def _upcoming(run: Run) -> Iterator[list[int]]:
         step += 1
 
 
-def accumulate(run: Run) -> tuple[torch.Tensor, list[tuple[list[int], torch.Tensor, torch.Tensor]]]:
+def accumulate(run: Run, timer: StepTimer | None = None
+               ) -> tuple[torch.Tensor, list[tuple[list[int], torch.Tensor, torch.Tensor]]]:
     """Forward and backward over this process's micro-batches of the current step, leaving
     the step's gradient in `.grad`; returns the statistics [K, 4] and, per micro-batch, its
     prepared indices with [B] device flags: NaN/inf hidden states, a loss that is not finite.
     The flags are read on the host once per step (`train_step`), so nothing here waits for the GPU."""
     run.source.read_ahead(_upcoming(run), run.device)  # a store's next batches, read on the host in a thread
     micro = run.train_stream.for_step(run.step, run.group, run.d.rank, run.d.world)
-    weights = _weights(run, micro)
+    with _part(timer, "weights"):
+        weights = _weights(run, micro)
     stats, checks = torch.zeros(run.draft.ttt_steps, 4, device=run.device), []
     for i, positions in enumerate(micro):
-        batch = run.source.load(positions, run.device)
+        with _part(timer, "load"):
+            batch = run.source.load(positions, run.device)
         with distributed.no_sync(run.model, last=i == len(micro) - 1):
-            loss, s, rows = forward(run, batch, weights)
-            loss.backward()
+            loss, s, rows = forward(run, batch, weights, timer=timer)
+            with _part(timer, "backward"):
+                loss.backward()
         stats += s
         checks.append((batch.sample_index, _nonfinite_rows(batch.hidden), ~torch.isfinite(rows)))
     return stats, checks
 
 
-def train_step(run: Run) -> torch.Tensor:
-    """One optimizer step; returns the summed statistics [K, 4] of its micro-batches."""
+def train_step(run: Run, timer: StepTimer | None = None) -> torch.Tensor:
+    """One optimizer step; returns the summed statistics [K, 4] of its micro-batches.
+    `timer`, if given, records the seconds of each part of the step (see StepTimer)."""
     lr = lr_at(run.cfg, run.step, run.total_steps)
     for g in run.optimizer.param_groups:
         g["lr"] = lr
-    stats, checks = accumulate(run)
-    norm = torch.nn.utils.clip_grad_norm_([p for p in run.model.parameters() if p.requires_grad], run.cfg.clip)
-    norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    stats, checks = accumulate(run, timer)
+    with _part(timer, "clip"):
+        norm = torch.nn.utils.clip_grad_norm_([p for p in run.model.parameters() if p.requires_grad], run.cfg.clip)
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     # The step's one wait for the GPU: every micro-batch's flags and the norm, read together.
     samples = [index for sample_index, _, _ in checks for index in sample_index]
-    flags = torch.cat([torch.cat([torch.stack([h, l]) for _, h, l in checks], dim=1),
-                       torch.isfinite(norm).expand(2, 1)], dim=1).tolist()  # [2, rows + 1]
+    with _part(timer, "checks"):
+        flags = torch.cat([torch.cat([torch.stack([h, l]) for _, h, l in checks], dim=1),
+                           torch.isfinite(norm).expand(2, 1)], dim=1).tolist()  # [2, rows + 1]
     if bad_inputs := [index for index, bad in zip(samples, flags[0]) if bad]:
         raise _bad_inputs(bad_inputs)  # before any weight update, as a bad loss below
     if not flags[1][-1]:
@@ -336,10 +372,12 @@ def train_step(run: Run) -> torch.Tensor:
         kept = f"the newest checkpoint, {latest.name}, is untouched" if latest else "no checkpoint was written"
         raise EyasError(f"The loss or its gradient is not finite at step {run.step + 1} ({where}); training stopped "
                         f"before updating the weights and {kept}. Check those samples, or lower --lr.")
-    run.optimizer.step()
-    run.optimizer.zero_grad(set_to_none=True)
+    with _part(timer, "optimizer"):
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
-    _check_weights(run)
+    with _part(timer, "weight_check"):
+        _check_weights(run)
     return stats
 
 
