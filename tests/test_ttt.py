@@ -277,6 +277,35 @@ def test_flex_ttt_attention_with_padded_positions_equals_dense(monkeypatch):
         torch.testing.assert_close(flex, dm.ttt_attention_dense(q, k0, v0, extra), atol=1e-5, rtol=1e-5)
 
 
+def test_merging_later_steps_into_step0_attention_by_its_logsumexp_equals_dense_with_gradients():
+    """The flex path attends to step-0 keys alone and merges each later step's same-position key
+    through the step-0 log-sum-exp. CPU flex has no backward, so step-0's (out, lse) here come
+    from plain causal scores: values and gradients of every input, through lse included, must
+    be the dense path's (float32, 1e-5; MLA-like dims, q/k 24 and v 16)."""
+    import eyas.draft.model as dm
+
+    g = torch.Generator().manual_seed(6)
+    T, steps, scale = 37, 4, 0.3
+    dims = [24, 24, 16] + [24, 16] * (steps - 1)  # q, k0, v0, then (k_j, v_j)
+    leaves = [torch.randn(2, 3, T, d, generator=g, requires_grad=True) for d in dims]
+    q, k0, v0, rest = leaves[0], leaves[1], leaves[2], leaves[3:]
+    extra = list(zip(rest[0::2], rest[1::2]))
+
+    def merged():
+        scores = (q @ k0.transpose(-1, -2) * scale).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        return dm.merge_same_position(scores.softmax(-1) @ v0, scores.logsumexp(-1), q, extra, scale)
+
+    weights = torch.linspace(-1, 1, T)[:, None]
+    out = {}
+    for name, fn in (("merged", merged), ("dense", lambda: dm.ttt_attention_dense(q, k0, v0, extra, scale))):
+        y = fn()
+        out[name] = (y.detach(), torch.autograd.grad((y * weights).sum(), leaves))
+    torch.testing.assert_close(out["merged"][0], out["dense"][0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(out["merged"][1], out["dense"][1]):
+        assert b.abs().sum() > 0
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_labels_are_the_targets_softmax_over_the_draft_vocab_and_its_argmax(setup):
     """Labels by their definition, from the full logits: the softmax of the target's logits
     restricted to the draft vocabulary, and the target's argmax mapped into it (or -1)."""
@@ -322,12 +351,15 @@ def test_a_batch_with_nothing_to_score_still_trains_every_weight(setup):
 def test_compiled_flex_on_cuda_equals_dense_across_lengths():
     """Training on CUDA runs flex attention compiled with dynamic shapes, its block mask cached
     per padded length; batches of many lengths follow one another in one process. Values and
-    gradients must stay the dense path's for every length in turn (float32; 1e-4)."""
+    gradients (through flex's log-sum-exp too) must stay the dense path's for every length in turn
+    (float32; 1e-4)."""
     import eyas.draft.model as dm
 
     g = torch.Generator(device="cuda").manual_seed(5)
-    for T, steps in ((300, 7), (1000, 7), (130, 3), (700, 7), (300, 2), (64, 7)):
-        leaves = [torch.randn(2, 3, T, 64, device="cuda", generator=g, requires_grad=True) for _ in range(2 * steps + 1)]
+    for T, steps, dk, dv in ((300, 7, 64, 64), (1000, 7, 64, 64), (130, 3, 64, 64), (700, 7, 192, 128),
+                             (300, 2, 64, 64), (64, 7, 192, 128)):  # 192/128: MLA's q/k and v head dims
+        dims = [dk, dk, dv] + [dk, dv] * (steps - 1)
+        leaves = [torch.randn(2, 3, T, d, device="cuda", generator=g, requires_grad=True) for d in dims]
         q, k0, v0, rest = leaves[0], leaves[1], leaves[2], leaves[3:]
         extra = list(zip(rest[0::2], rest[1::2]))
         out = {}

@@ -18,6 +18,15 @@ from eyas.validate import COUNT, Number
 CONFIG_VERSION = 1
 
 
+
+def _gqa_head_dim(tc) -> int:
+    """The Llama layer's head width. An MLA target's `head_dim` is its rotary width (64 for
+    DeepSeek-V3 and Kimi-K2.5), not an attention head's: there the head is v_head_dim wide,
+    the width of the target's own heads and of published MHA drafters for it (Kimi-K2.5: 64 x 128)."""
+    if latent.target_uses_mla(tc) and getattr(tc, "v_head_dim", None):
+        return tc.v_head_dim
+    return getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+
 @dataclass(kw_only=True)
 class DraftConfig:
     hidden_size: int
@@ -103,7 +112,7 @@ class DraftConfig:
             intermediate_size=getattr(tc, "intermediate_size", 4 * tc.hidden_size),
             num_attention_heads=heads,
             num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+            head_dim=_gqa_head_dim(tc),
             vocab_size=tc.vocab_size,
             draft_vocab_size=draft_vocab_size,
             aux_layer_ids=layer_ids[:-1],

@@ -211,21 +211,44 @@ def ttt_attention_dense(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
 
 def ttt_attention_flex(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
                        extra: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None) -> torch.Tensor:
-    """The same attention as one flex-attention call over the keys of all steps laid end to
-    end ([B, nH, (1+k)T', d]); the block mask skips every block that is neither causal step-0
-    nor on a same-position diagonal, so the cost is ~T^2/2 + kT, never (1+k)T^2.
+    """The same attention as one causal flex-attention call over the step-0 keys, which also
+    returns its log-sum-exp, merged with the later steps' same-position keys (`merge_same_position`).
+
+    Laying all steps' keys end to end in one flex call would cost a 128-wide block per query
+    block for each later step (of which only the diagonal is used), and each step would
+    concatenate, and keep for backward, copies of all earlier steps' keys and values: memory
+    quadratic in the TTT steps, ~4x the step-0 keys and values at 7 steps. Here every step's
+    keys and values are kept once.
 
     Positions are padded to T' (a multiple of FLEX_PAD): building a block mask costs more
     than the attention itself, and batches come in every length, so masks are built once per
-    padded length and reused. Real queries never see a padded key (step-0 keys only up to
-    their own position, later steps only at it); the padded queries' rows are dropped."""
+    padded length and reused. Real queries never see a padded key (causal); the padded
+    queries' rows are dropped."""
+    from torch.nn.attention.flex_attention import AuxRequest
+
     T = q.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     pad = -T % FLEX_PAD
-    k = torch.cat([F.pad(kj, (0, 0, 0, pad)) for kj in (k0, *(kj for kj, _ in extra))], dim=2)
-    v = torch.cat([F.pad(vj, (0, 0, 0, pad)) for vj in (v0, *(vj for _, vj in extra))], dim=2)
-    out = _compiled_flex()(F.pad(q, (0, 0, 0, pad)), k, v, block_mask=_ttt_block_mask(T + pad, 1 + len(extra), q.device),
-                           scale=scale)
-    return out[..., :T, :]
+    qp, kp, vp = (F.pad(t, (0, 0, 0, pad)) if pad else t for t in (q, k0, v0))
+    out0, aux = _compiled_flex()(qp, kp, vp, block_mask=_causal_block_mask(T + pad, q.device), scale=scale,
+                                 return_aux=AuxRequest(lse=True))
+    # the padded q's real rows (a view: flex keeps qp for backward anyway, so q is not kept twice)
+    return merge_same_position(out0[..., :T, :], aux.lse[..., :T], qp[..., :T, :], extra, scale)
+
+
+def merge_same_position(out0: torch.Tensor, lse0: torch.Tensor, q: torch.Tensor,
+                        extra: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+    """Attention over step-0 keys (out0 [B, nH, T, d_v], its log-sum-exp lse0 [B, nH, T]) joined
+    with one same-position key per later step (extra: (k_j, v_j)) into the softmax over all
+    T + k scores: step-0's share is exp(lse0) / Z, step j's exp(q.k_j * scale) / Z."""
+    if not extra:
+        return out0
+    diag = torch.stack([(q * kj).sum(-1, dtype=torch.float32) for kj, _ in extra], dim=-1) * scale  # [B, nH, T, k]
+    weights = torch.cat([lse0.float().unsqueeze(-1), diag], dim=-1).softmax(-1)  # [B, nH, T, 1 + k]
+    out = out0 * weights[..., :1]  # float32
+    for j, (_, vj) in enumerate(extra):
+        out = out + weights[..., 1 + j : 2 + j] * vj
+    return out.to(out0.dtype)
 
 
 FLEX_PAD = 128  # flex attention's block size
@@ -239,11 +262,8 @@ def _compiled_flex():
 
 
 @functools.lru_cache(maxsize=512)
-def _ttt_block_mask(T: int, steps: int, device: torch.device):
+def _causal_block_mask(T: int, device: torch.device):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    def mask(b, h, q_idx, kv_idx):  # kv_idx = step * T + position
-        step, pos = kv_idx // T, kv_idx % T
-        return ((step == 0) & (pos <= q_idx)) | ((step > 0) & (pos == q_idx))
-
-    return create_block_mask(mask, B=None, H=None, Q_LEN=T, KV_LEN=steps * T, device=device)
+    return create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, B=None, H=None, Q_LEN=T, KV_LEN=T,
+                             device=device)
