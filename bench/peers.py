@@ -487,6 +487,7 @@ def main() -> None:
         args.limit, args.regen_minutes, args.arm_minutes, args.batch_tokens, args.max_len = 40, 0.0, 0.4, 1024, 256
         args.heldout_samples, args.questions, args.second_set, args.max_new_tokens = 2, 1, 1, 8
         args.workers, args.eval_seconds = 1, 120.0
+        args.minutes = 60.0  # the CPU is slow at the peer's set-up: a smoke run proves the path, not the budget
     args.device = args.device or ("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     out = Path(args.out)
     from importlib.metadata import version
@@ -528,6 +529,7 @@ def add_quality_args(p) -> None:
 # eyas's SmolLM2 recipe (bench/quality_gpu.py RECIPE + its train settings)
 EYAS_RECIPE = {"fc_norm": True, "norm_output": True, "ttt_steps": 7, "ttt_decay": 0.8}
 ARMS = ("eyas", "peer_matched", "peer_defaults")
+PEER_RESERVE_S = 220
 
 
 def part_quality(args, record: Record) -> None:
@@ -543,8 +545,10 @@ def part_quality(args, record: Record) -> None:
     steps = [("data", 60, lambda: q_data(args, ctx)),
              ("eyas", 60 * args.arm_minutes + 20, lambda: q_eyas(args, ctx)),
              ("convert", 20, lambda: q_convert(args, ctx)),
-             ("peer_matched", 60 * args.arm_minutes + 20, lambda: q_peer(args, ctx, matched=True)),
-             ("peer_defaults", 60 * args.arm_minutes + 20, lambda: q_peer(args, ctx, matched=False)),
+             # A peer arm also needs its set-up (~90 s on an H200: imports, data, compiling its step) and
+             # leaves the scoring its time (import, held-out, decoding: ~130 s); else it is skipped.
+             ("peer_matched", 60 * args.arm_minutes + 20 + PEER_RESERVE_S, lambda: q_peer(args, ctx, matched=True)),
+             ("peer_defaults", 60 * args.arm_minutes + 20 + PEER_RESERVE_S, lambda: q_peer(args, ctx, matched=False)),
              ("import", 10, lambda: q_import(args, ctx)),
              ("heldout", 20, lambda: q_heldout(args, ctx)),
              ("decode", 40, lambda: q_decode(args, ctx))]
@@ -718,7 +722,7 @@ def _lengths(ctx, positions: list[int]) -> list[int]:
 
 def q_peer(args, ctx, matched: bool) -> dict[str, Any]:
     """The peer's own trainer in a child process for the arm's minutes, counted from the end of
-    its first step (its progress bar's "| 1/"): imports, data, model set-up and the compilation
+    its first step (FIRST_STEP in its log): imports, data, model set-up and the compilation
     of its step in that first one are not counted, as eyas's probe run (which compiles eyas's
     step) is not; at the deadline it gets SIGINT, on which it saves its `interrupted`
     checkpoint (its graceful shutdown)."""
@@ -734,7 +738,7 @@ def q_peer(args, ctx, matched: bool) -> dict[str, Any]:
     with open(log, "w") as f:
         child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
         while child.poll() is None and not FIRST_STEP.search(log.read_text(errors="replace")) \
-                and time.monotonic() - t0 < 600:
+                and time.monotonic() - t0 < SETUP_CAP_S:
             time.sleep(0.5)
         started = time.monotonic()
         try:
@@ -756,7 +760,10 @@ def q_peer(args, ctx, matched: bool) -> dict[str, Any]:
             "wall_s": round(wall, 1), "setup_s": round(setup, 1), "checkpoint": str(ckpt), "steps_done": steps_done, "log_tail": tail[-1200:]}
 
 
-FIRST_STEP = re.compile(r"Epoch 0:[^\r\n]*\|\s*[1-9]\d*/\d+")  # its tqdm bar after a step
+# The end of its first step: its metric logger's record of step 0 (always logged: 0 % log_freq
+# is 0), or its progress bar past 0.
+FIRST_STEP = re.compile(r"global_step=\d|Epoch 0:[^\r\n]*\|\s*[1-9]\d*/\d+")
+SETUP_CAP_S = 300  # past this without a first step, the arm's minutes start anyway
 
 
 def _peer_checkpoint(save: Path) -> Path | None:
