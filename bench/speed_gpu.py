@@ -815,7 +815,8 @@ def plain_step(drafter, head, optimizer, draft_ids: torch.Tensor, input_ids, aux
             keys.append(kk)
             values.append(vv)
             mask = torch.cat([causal, *([eye] * k)], dim=1)  # [T, (k+1)T]
-            out = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
+                                                 enable_gqa=True)
             logits, hidden = drafter.outputs(layer.post_attention(out.transpose(1, 2).flatten(2), residual))
             n = T - 1 - k
             logp = logits[:, :n].float().log_softmax(-1)

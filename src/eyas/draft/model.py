@@ -43,14 +43,15 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, T, 2H] -> q [B, nH, T, d], k and v [B, nH, T, d] (kv heads repeated for GQA)."""
+        """x [B, T, 2H] -> q [B, nH, T, d], k and v [B, nKV, T, d]. The kv heads are not repeated:
+        attention maps query head h to kv head h // (nH / nKV) itself (GQA), so training keeps
+        nKV-head keys for backward instead of nH-head copies (4x less at Llama-3's 32/8)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        rep = self.n_heads // self.n_kv
-        return q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return q, k, v
 
     def merge_heads(self, out: torch.Tensor) -> torch.Tensor:
         """out [B, nH, T, d] -> o_proj's input [B, T, nH*d]."""
@@ -165,19 +166,44 @@ class Eagle3Drafter(nn.Module):
         k0 = v0 = None
         extra: list[tuple[torch.Tensor, torch.Tensor]] = []
         states = []
+        pre, post = _step_parts(input_ids.is_cuda and COMPILE_STEP_PARTS)
         for k in range(steps):
-            x, residual = self.midlayer.pre_attention(self.embed_tokens(padded[:, 1 + k : 1 + k + T]), hidden)
+            x, residual = pre(self.midlayer, self.embed_tokens(padded[:, 1 + k : 1 + k + T]), hidden)
             cos, sin = self.rope(x, base_pos + k)
-            q, kk, vv = self.midlayer.self_attn.qkv(x, cos, sin)  # [B, nH, T, d], v [B, nH, T, d_v]
+            q, kk, vv = self.midlayer.self_attn.qkv(x, cos, sin)  # q [B, nH, T, d], k/v [B, nKV, T, d(_v)]
             if k == 0:
                 k0, v0 = kk, vv
             else:
                 extra.append((kk, vv))
             attn = self.midlayer.self_attn
             out = ttt_attention(q, k0, v0, extra, attn.scale)  # [B, nH, T, d_v]
-            normed, hidden = self.normed_outputs(self.midlayer.post_attention(attn.merge_heads(out), residual))
+            normed, hidden = post(self, attn.merge_heads(out), residual)
             states.append(normed)
         return states
+
+
+def _pre_attention(layer: DraftLayer, embeds: torch.Tensor, hidden: torch.Tensor):
+    return layer.pre_attention(embeds, hidden)
+
+
+def _post_attention(drafter: Eagle3Drafter, attn_out: torch.Tensor, residual: torch.Tensor):
+    return drafter.normed_outputs(drafter.midlayer.post_attention(attn_out, residual))
+
+
+# On CUDA the parts of a TTT step around attention (norms, concatenation, o_proj, MLP, final
+# norm) run compiled, as speculators compiles its whole step: eager RMSNorm keeps float32
+# copies of its input for backward and the MLP its pointwise outputs, ~1.3 GB per step at the
+# 8B shape; compiled, the fused kernels keep the bf16 inputs and recompute the rest, and the
+# pointwise passes between the matrix products run as one kernel each. A switch, so that
+# bench/peers.py can measure what it brings.
+COMPILE_STEP_PARTS = True
+
+
+@functools.cache
+def _step_parts(compiled: bool):
+    if not compiled:
+        return _pre_attention, _post_attention
+    return torch.compile(_pre_attention, dynamic=True), torch.compile(_post_attention, dynamic=True)
 
 
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
@@ -191,11 +217,14 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
 
 def ttt_attention_dense(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
                         extra: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None) -> torch.Tensor:
-    """q, k0 [B, nH, T, d], v0 [B, nH, T, d_v]; extra: (k_j, v_j) for steps 1..k. Scores against
-    step-0 keys are causal [B, nH, T, T]; each later step contributes one same-position score
-    [B, nH, T, 1]; one softmax runs over all T + k of them. `scale` defaults to d^-0.5.
+    """q [B, nH, T, d], k0 [B, nKV, T, d], v0 [B, nKV, T, d_v]; extra: (k_j, v_j) for steps 1..k
+    (nKV divides nH: GQA). Scores against step-0 keys are causal [B, nH, T, T]; each later step
+    contributes one same-position score [B, nH, T, 1]; one softmax runs over all T + k of them.
+    `scale` defaults to d^-0.5.
     """
-    T = q.shape[-2]
+    T, heads = q.shape[-2], q.shape[1]
+    k0, v0 = _per_query_head(k0, heads), _per_query_head(v0, heads)
+    extra = [(_per_query_head(kj, heads), _per_query_head(vj, heads)) for kj, vj in extra]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     scores = (q @ k0.transpose(-1, -2)).float().mul(scale).masked_fill(~causal, float("-inf"))
@@ -207,6 +236,11 @@ def ttt_attention_dense(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
     for j, (_, vj) in enumerate(extra):
         out = out + probs[..., T + j : T + j + 1] * vj
     return out
+
+
+def _per_query_head(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, nKV, T, d] -> [B, heads, T, d]: kv head j serves query heads j*rep .. j*rep+rep-1."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
 
 
 def ttt_attention_flex(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
@@ -231,7 +265,7 @@ def ttt_attention_flex(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
     pad = -T % FLEX_PAD
     qp, kp, vp = (F.pad(t, (0, 0, 0, pad)) if pad else t for t in (q, k0, v0))
     out0, aux = _compiled_flex()(qp, kp, vp, block_mask=_causal_block_mask(T + pad, q.device), scale=scale,
-                                 return_aux=AuxRequest(lse=True))
+                                 return_aux=AuxRequest(lse=True), enable_gqa=kp.shape[1] != qp.shape[1])
     # the padded q's real rows (a view: flex keeps qp for backward anyway, so q is not kept twice)
     return merge_same_position(out0[..., :T, :], aux.lse[..., :T], qp[..., :T, :], extra, scale)
 
@@ -239,15 +273,22 @@ def ttt_attention_flex(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
 def merge_same_position(out0: torch.Tensor, lse0: torch.Tensor, q: torch.Tensor,
                         extra: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
     """Attention over step-0 keys (out0 [B, nH, T, d_v], its log-sum-exp lse0 [B, nH, T]) joined
-    with one same-position key per later step (extra: (k_j, v_j)) into the softmax over all
-    T + k scores: step-0's share is exp(lse0) / Z, step j's exp(q.k_j * scale) / Z."""
+    with one same-position key per later step (extra: (k_j [B, nKV, T, d], v_j [B, nKV, T, d_v]))
+    into the softmax over all T + k scores: step-0's share is exp(lse0) / Z, step j's
+    exp(q.k_j * scale) / Z. Query heads are grouped by kv head (GQA), so k_j and v_j are read
+    in place rather than repeated per query head."""
     if not extra:
         return out0
-    diag = torch.stack([(q * kj).sum(-1, dtype=torch.float32) for kj, _ in extra], dim=-1) * scale  # [B, nH, T, k]
+    B, nH, T, d = q.shape
+    nkv = extra[0][0].shape[1]
+    qg = q.view(B, nkv, nH // nkv, T, d)  # [B, nKV, rep, T, d]
+    diag = torch.stack([(qg * kj.unsqueeze(2)).sum(-1, dtype=torch.float32) for kj, _ in extra], dim=-1)
+    diag = diag.view(B, nH, T, len(extra)) * scale  # [B, nH, T, k]
     weights = torch.cat([lse0.float().unsqueeze(-1), diag], dim=-1).softmax(-1)  # [B, nH, T, 1 + k]
-    out = out0 * weights[..., :1]  # float32
+    out = out0 * weights[..., :1]  # float32 [B, nH, T, d_v]
     for j, (_, vj) in enumerate(extra):
-        out = out + weights[..., 1 + j : 2 + j] * vj
+        w = weights[..., 1 + j : 2 + j].view(B, nkv, nH // nkv, T, 1)
+        out = out + (w * vj.unsqueeze(2)).view(B, nH, T, vj.shape[-1])
     return out.to(out0.dtype)
 
 
