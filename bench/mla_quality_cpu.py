@@ -2,15 +2,17 @@
 
 No packaged real model uses MLA, so the target is tests/tiny.py's random DeepseekV3 (8 layers,
 hidden 64, 4 heads, MLA kv_lora_rank 16, q_lora_rank 24, qk_nope 16, qk_rope 8, v_head 16,
-MoE). Its answers to chitchat prompts are meaningless but deterministic (greedy), so a drafter
-can learn them: `eyas prepare` -> `eyas regenerate` (the target's own answers) -> `eyas capture`
--> `eyas train` twice on the same store, `--draft-attention gqa` and `mla`, the same steps,
-seed and schedule, the whole target vocabulary as draft vocabulary, the GQA drafter's MLP width chosen so that both have the same number of
-trainable parameters (as close as one MLP unit allows). Reported: held-out top-1 accuracy per
-TTT step and tau_sim (training's own held-out pass), parameters, and the KV cache bytes per
-token each drafter costs a serving engine (bf16).
+MoE), sharpened so that a drafter can learn it (`sharpen`: embeddings x16, lm_head x8). Its
+answers to chitchat prompts are meaningless but deterministic (greedy): `eyas prepare` ->
+`eyas regenerate` (the target's own answers) -> `eyas capture` -> `eyas train` twice on the
+same store, `--draft-attention gqa` and `mla`, the same steps, seed and schedule, the whole
+target vocabulary as draft vocabulary, the GQA drafter's MLP width chosen so that both have
+the same number of trainable parameters (as close as one MLP unit allows). Reported:
+held-out top-1 accuracy per TTT step and tau_sim (training's own held-out pass), parameters,
+and the KV cache bytes per token each drafter costs a serving engine (bf16).
 
-  PYTHONPATH=src python3 bench/mla_quality_cpu.py --out bench/results/mla_quality_cpu.json
+  PYTHONPATH=src python3 bench/mla_quality_cpu.py --work /tmp/mlaq --conversations 64 \
+      --max-new-tokens 48 --steps 300 --mlp 128 --batch-tokens 2048 --out bench/results/mla_quality_cpu.json
 """
 
 from __future__ import annotations
