@@ -203,10 +203,11 @@ def trainer_config(save: Path, *, optimizer: str, lr: float, steps: int, ttt: in
 
 
 def peer_batches(lengths: list[int], draft, device: torch.device, step_tokens: int, seed: int = 0) -> list[dict]:
-    """The peer's own CollateFn(+shift_batch) packing of random samples into `step_tokens` rows,
-    moved to `device` once (its Trainer's `.to(device)` is then a no-op)."""
+    """Random samples packed into `step_tokens` rows by the peer's own sampler and CollateFn
+    (+shift_batch), moved to `device` once (its Trainer's `.to(device)` is then a no-op)."""
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
     g = torch.Generator().manual_seed(seed)
     L, H = len(draft.aux_layer_ids), draft.hidden_size
@@ -221,17 +222,13 @@ def peer_batches(lengths: list[int], draft, device: torch.device, step_tokens: i
         samples.append({"hidden_states": aux[:n], "input_ids": torch.randint(2, draft.vocab_size, (n,), generator=g),
                         "verifier_last_hidden_states": last[:n], "loss_mask": mask,
                         "lengths": torch.tensor([n]), "position_ids": torch.arange(n)})
-    rows, row, used = [], [], 0
-    for s, n in zip(samples, lengths):
-        if row and used + n > collate.max_len:
-            rows.append(row)
-            row, used = [], 0
-        row.append(s)
-        used += n
-    rows.append(row)
+    # Its own sampler packs the rows (as its dataloader does: one process, seed 0), so both sides
+    # train the same real tokens per step (on these lengths 7124 of 8192, as eyas's batches).
+    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=collate.max_len, lengths=lengths, num_replicas=1,
+                                                 rank=0, seed=seed)
     out = []
-    for row in rows:
-        b = collate(row)
+    for row in sampler:
+        b = collate([samples[i] for i in row])
         out.append({k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()})
     return out
 
