@@ -184,7 +184,7 @@ def set_peer_vocab(model, draft_to_target: torch.Tensor, embed: torch.Tensor, no
             model.lm_head.weight.copy_(lm_head[draft_to_target])
 
 
-PEER_LOSS = ["fused"]  # the peer's --loss-implementation on a GPU, set from --peer-loss
+PEER_LOSS = ["eager"]  # the peer's --loss-implementation on a GPU, set from --peer-loss
 
 
 def trainer_config(save: Path, *, optimizer: str, lr: float, steps: int, ttt: int, decay: float, device: torch.device,
@@ -467,8 +467,10 @@ def main() -> None:
                    help="comma-separated subset of speed_8b, speed_seed_shape, longest_eyas_8b, longest_peer_8b, "
                         "peer_defaults_8b, eyas_uncompiled_8b (default: all, in that order), so one part can have a "
                         "call of its own")
-    p.add_argument("--peer-loss", choices=["fused", "eager"], default="fused",
-                   help="the peer's loss implementation on a GPU (its default, fused, fails to compile on torch 2.11)")
+    p.add_argument("--peer-loss", choices=["fused", "eager"], default="eager",
+                   help="the peer's loss implementation on a GPU. Default eager: the peer's own default, its fused "
+                        "Triton KL loss, failed inside torch.compile on torch 2.11 on an H200 (\"ListVariable ... "
+                        "already tracked for mutation\"); its eager loss still runs inside its compiled step")
     p.add_argument("--minutes", type=float, default=8.5, help="the run's budget; parts that would not fit are skipped")
     p.add_argument("--warm-steps", type=int, default=3)
     p.add_argument("--train-seconds", type=float, default=10.0, help="eyas's timed seconds per shape")
