@@ -233,9 +233,10 @@ FLEX_PAD = 128  # flex attention's block size
 
 @functools.cache
 def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
+    """TTT's compiled flex attention, with a compile cache of its own (see draft/flex.py)."""
+    from eyas.draft.flex import compiled
 
-    return torch.compile(flex_attention, dynamic=True)
+    return compiled("eagle3-ttt")
 
 
 @functools.lru_cache(maxsize=512)
