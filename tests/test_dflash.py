@@ -112,7 +112,7 @@ def test_sampled_anchors_train_as_the_reference_on_those_rows():
     gradients equal the reference's over exactly those rows (1e-5; gradients 1e-4 relative),
     and the normaliser counts their trained pairs only."""
     drafter, head, draft_ids, input_ids, hidden, loss_mask = make_setup()
-    rows = torch.stack([anchor_rows(loss_mask[b], K, 3, (0, 5, b)) for b in range(3)])
+    rows = anchor_rows(loss_mask, K, 3, (0, 5))
     assert (rows.sum(1) <= 3).all() and rows.sum() >= 7
     assert (rows & ~eligible_rows_of(loss_mask)).sum() == 0
     labels = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids)
@@ -150,10 +150,12 @@ def eligible_rows_of(loss_mask: torch.Tensor) -> torch.Tensor:
 
 def test_anchor_draws_are_keyed_bounded_and_cover_the_eligible_rows():
     """The draw depends only on its key; with room for all, every eligible row anchors."""
-    mask = torch.rand(200, generator=torch.Generator().manual_seed(1)) < 0.6
+    mask = torch.rand(2, 200, generator=torch.Generator().manual_seed(1)) < 0.6
+    mask[1, 150:] = False
     a, b, c = (anchor_rows(mask, K, 16, key) for key in ((0, 1, 7), (0, 1, 7), (0, 2, 7)))
-    assert torch.equal(a, b) and not torch.equal(a, c) and a.sum() == 16
-    assert torch.equal(anchor_rows(mask, K, 1000, (0, 1, 7)), eligible_rows_of(mask[None])[0])
+    assert torch.equal(a, b) and not torch.equal(a, c) and a.sum(1).tolist() == [16, 16]
+    assert (a & ~eligible_rows_of(mask)).sum() == 0
+    assert torch.equal(anchor_rows(mask, K, 1000, (0, 1, 7)), eligible_rows_of(mask))
 
 
 def test_block_attention_sees_each_anchors_context_and_its_own_block():
@@ -217,7 +219,7 @@ def test_compiled_flex_block_attention_on_cuda_equals_dense_across_lengths():
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     drafter, head, draft_ids, input_ids, hidden, loss_mask = make_setup(head_dim=16)
     drafter, head = drafter.cuda(), head.to("cuda")
-    rows = torch.stack([anchor_rows(loss_mask[b], K, 3, (0, 0, b)) for b in range(3)]).cuda()
+    rows = anchor_rows(loss_mask, K, 3, (0, 0)).cuda()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         labels = make_labels(head, hidden[:, :, -1].cuda(), loss_mask.cuda(), draft_ids.cuda())
         loss = TTTObjective(drafter)(input_ids.cuda(), hidden[:, :, :3].cuda(), labels, torch.ones(K, device="cuda"),
@@ -305,7 +307,8 @@ def tiny_llama_data(tiny_llama_dir, tmp_path_factory):
 
 def test_train_dflash_offline_equals_online_and_reloads(tiny_llama_dir, tiny_llama_data, tmp_path):
     """`eyas train --drafter dflash` from a store and online from the same prepared data take
-    the same steps; the folder reloads as the same DFlash drafter, block size and layers kept."""
+    the same steps (the same anchors drawn); the folder reloads as the same DFlash drafter,
+    block size and layers kept."""
     import json
 
     from safetensors.torch import load_file
@@ -315,7 +318,7 @@ def test_train_dflash_offline_equals_online_and_reloads(tiny_llama_dir, tiny_lla
 
     prep, store = tiny_llama_data
     common = dict(steps=3, batch_tokens=128, drafter="dflash", block_size=4, draft_layers=2, eval_fraction=0.25,
-                  progress=False, lr=1e-3)
+                  progress=False, lr=1e-3, anchors=5)  # 5 of each sample's rows, drawn per step
     offline = train(TrainConfig(out=str(tmp_path / "off"), store=str(store), **common))
     online = train(TrainConfig(out=str(tmp_path / "on"), online=True, model=str(tiny_llama_dir), data=str(prep),
                                **common))
@@ -330,8 +333,9 @@ def test_train_dflash_offline_equals_online_and_reloads(tiny_llama_dir, tiny_lla
     assert config["num_hidden_layers"] == 2 and config["dflash_config"]["mask_token_id"] == config["vocab_size"] - 1
     drafter = load_drafter(tmp_path / "off")
     assert type(drafter).__name__ == "DFlashDrafter" and drafter.block_size == 4
-    with pytest.raises(EyasError, match="--block-size"):
-        TrainConfig(out="x", store=str(store), block_size=4)
+    for option in ({"block_size": 4}, {"anchors": 5}):
+        with pytest.raises(EyasError, match="--block-size, --draft-layers, --mask-token-id and --anchors"):
+            TrainConfig(out="x", store=str(store), **option)
 
 
 def test_export_writes_vllms_dflash_layout_and_refuses_the_others(tmp_path):

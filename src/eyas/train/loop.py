@@ -33,7 +33,7 @@ from eyas import distributed
 from eyas.train.config import TrainConfig
 from eyas.train.data import Batch, BatchStream, OnlineSource, StoreSource, split
 from eyas.train.metrics import MetricsLog, format_table, summarize
-from eyas.train.anchors import HELD_OUT, batch_rows
+from eyas.train.anchors import HELD_OUT, batch_rows, loss_masks
 from eyas.train.objective import TTTObjective, make_labels, step_counts
 from eyas.train.target_head import TargetHead, load_target_head
 
@@ -295,10 +295,12 @@ def _weights(run: Run, positions: list[list[int]]) -> torch.Tensor:
     K = run.draft.ttt_steps
     counts = torch.zeros(K)
     for batch in positions:
-        for p in batch:
-            mask = run.source.tokens(p)[1][None]
-            rows = _anchor_rows(run.source, [p], K, run.cfg.anchors, run.cfg.seed, run.step, torch.device("cpu"))
-            counts += step_counts(mask, K, rows)
+        if run.cfg.anchors is None:
+            for p in batch:
+                counts += step_counts(run.source.tokens(p)[1][None], K)
+        else:  # a DFlash batch: the trained pairs of its anchor rows
+            rows = batch_rows(run.source, batch, K, run.cfg.anchors, run.cfg.seed, run.step)
+            counts += step_counts(loss_masks(run.source, batch), K, rows)
     counts = distributed.all_reduce(_to_device(counts, run.device), run.d)
     decay = _to_device(torch.tensor([run.draft.ttt_decay ** k for k in range(K)]), run.device)
     return torch.where(counts > 0, decay * run.d.world / counts.clamp_min(1), torch.zeros_like(decay))
