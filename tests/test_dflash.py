@@ -334,7 +334,7 @@ def test_train_dflash_offline_equals_online_and_reloads(tiny_llama_dir, tiny_lla
     drafter = load_drafter(tmp_path / "off")
     assert type(drafter).__name__ == "DFlashDrafter" and drafter.block_size == 4
     for option in ({"block_size": 4}, {"anchors": 5}):
-        with pytest.raises(EyasError, match="--block-size, --draft-layers, --mask-token-id and --anchors"):
+        with pytest.raises(EyasError, match="--block-size, --draft-layers and --anchors"):
             TrainConfig(out="x", store=str(store), **option)
 
 

@@ -146,6 +146,11 @@ class Eagle3Drafter(nn.Module):
         (see `forward_ttt_states` for the alignment)."""
         return [self.lm_head(normed) for normed in self.forward_ttt_states(input_ids, aux_hidden, steps)]
 
+    def step_inputs(self, k: int, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step k's inputs: the embeddings of tokens [B, T] and the hidden states [B, T, H] (the
+        target's at k = 0, then the previous step's outputs); P-EAGLE overrides it."""
+        return self.embed_tokens(tokens), hidden
+
     def forward_ttt_states(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int | None = None):
         """Training-time test over whole sequences, up to the final norm.
 
@@ -166,7 +171,7 @@ class Eagle3Drafter(nn.Module):
         extra: list[tuple[torch.Tensor, torch.Tensor]] = []
         states = []
         for k in range(steps):
-            x, residual = self.midlayer.pre_attention(self.embed_tokens(padded[:, 1 + k : 1 + k + T]), hidden)
+            x, residual = self.midlayer.pre_attention(*self.step_inputs(k, padded[:, 1 + k : 1 + k + T], hidden))
             cos, sin = self.rope(x, base_pos + k)
             q, kk, vv = self.midlayer.self_attn.qkv(x, cos, sin)  # [B, nH, T, d], v [B, nH, T, d_v]
             if k == 0:

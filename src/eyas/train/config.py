@@ -47,7 +47,7 @@ class TrainConfig:
     drafter: str = "eagle3"  # the kind (draft/kinds.py)
     block_size: int | None = None  # dflash: slot 0 plus the drafted tokens (sets ttt_steps = block_size - 1)
     draft_layers: int | None = None  # dflash: decoder layers (default draft/dflash.py default_num_layers)
-    mask_token_id: int | None = None  # dflash: default the target vocabulary's last id
+    mask_token_id: int | None = None  # dflash, peagle: default the target vocabulary's last id
     anchors: int | None = None  # dflash: block anchors drawn per sample and step (default DFLASH_ANCHORS)
     epochs: float | None = None  # default 1 unless steps is given
     steps: int | None = None
@@ -99,8 +99,10 @@ class TrainConfig:
         if self.drafter not in DRAFTERS:
             raise EyasError(f"--drafter must be one of {', '.join(DRAFTERS)}, not {self.drafter!r}.")
         if self.drafter != "dflash":
-            if (self.block_size, self.draft_layers, self.mask_token_id, self.anchors) != (None,) * 4:
-                raise EyasError("--block-size, --draft-layers, --mask-token-id and --anchors are for --drafter dflash.")
+            if (self.block_size, self.draft_layers, self.anchors) != (None,) * 3:
+                raise EyasError("--block-size, --draft-layers and --anchors are for --drafter dflash.")
+            if self.mask_token_id is not None and self.drafter == "eagle3":
+                raise EyasError("--mask-token-id is for --drafter dflash or peagle.")
             return
         if self.fc_norm or self.norm_output:
             raise EyasError("--fc-norm and --norm-output are EAGLE-3 options; drop them with --drafter dflash.")
@@ -115,12 +117,15 @@ class TrainConfig:
 
     def kind_options(self, identity) -> dict[str, Any]:
         """The DraftConfig fields of the kind, given the target's identity."""
+        mask = {"mask_token_id": identity.vocab_size - 1 if self.mask_token_id is None else self.mask_token_id}
+        if self.drafter == "peagle":
+            return {"drafter": "peagle", **mask}
         if self.drafter != "dflash":
             return {}
         from eyas.draft.dflash import default_num_layers
 
         return {"drafter": "dflash", "num_hidden_layers": self.draft_layers or default_num_layers(identity.num_layers),
-                "mask_token_id": identity.vocab_size - 1 if self.mask_token_id is None else self.mask_token_id}
+                **mask}
 
     @property
     def crop(self) -> int:
