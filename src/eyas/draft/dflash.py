@@ -125,7 +125,8 @@ class DFlashDrafter(nn.Module):
         anchor, valid = anchor_table(rows if rows is not None else input_ids.new_ones(B, T, dtype=torch.bool))
         N = anchor.shape[1]
         ctx = self.context(aux_hidden)  # [B, T, H]
-        x = self.block_embeds(F.pad(input_ids, (0, 1)).gather(1, anchor + 1), S).flatten(1, 2)  # [B, S*N, H]: slot-major
+        first = F.pad(input_ids, (0, 1)).gather(1, anchor + 1)  # [B, N]: slot 0 holds token i+1
+        x = self.block_embeds(first, S).flatten(1, 2)  # [B, S*N, H]: slot-major
         cos_c, sin_c = self.rotary(ctx, torch.arange(T, device=input_ids.device).expand(B, T))
         slots = torch.arange(S, device=input_ids.device)[None, :, None]
         cos_b, sin_b = self.rotary(x, (anchor[:, None, :] + 1 + slots).flatten(1))  # slot s of row i at i+1+s
@@ -191,13 +192,18 @@ def block_mask_dense(anchor: torch.Tensor, S: int, T: int) -> torch.Tensor:
 
 
 def _block_mask_flex(anchor: torch.Tensor, S: int, T: int):
+    """The flex BlockMask of `block_mask_dense`. The mask reads the batch's sizes from tensors,
+    not Python ints, so the compiled attention guards on no length: batches of every length
+    and anchor count share its compiled variants."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     B, N = anchor.shape
+    context, anchors = (torch.tensor(v, device=anchor.device) for v in (T, N))
 
     def mask(b, h, q_idx, kv_idx):
-        n = q_idx % N
-        return ((kv_idx < T) & (kv_idx <= anchor[b, n])) | ((kv_idx >= T) & ((kv_idx - T) % N == n))
+        n = q_idx % anchors
+        before = (kv_idx < context) & (kv_idx <= anchor[b, n])
+        return before | ((kv_idx >= context) & ((kv_idx - context) % anchors == n))
 
     return create_block_mask(mask, B=B, H=None, Q_LEN=S * N, KV_LEN=T + S * N, device=anchor.device)
 
