@@ -23,28 +23,14 @@ from eyas.evaluate.generate import generate
 from eyas.evaluate.peagle import PEagle
 from eyas.evaluate.proposers import Proposer
 from eyas.evaluate.target import TargetSession
+from test_dflash import make_setup as dflash_setup
 from test_eval_sampling import T as TEMPERATURE, V as TOY_V, build_toy, check_sampling
-from test_ttt import K, V, H, VD, check_against_reference, fuse, gqa_heads, reference_loss, tiny_config
+from test_ttt import K, V, H, VD, check_against_reference, fuse, gqa_heads, reference_loss
 
 
 def make_setup(**options):
-    torch.manual_seed(0)
-    drafter = new_drafter(tiny_config(drafter="peagle", mask_token_id=V - 1, **options), torch.randn(V, H))
-    for p in drafter.parameters():  # larger than the default init (norm weights too), so every term matters
-        if p.requires_grad:
-            p.data.normal_(0, 0.3)
-    draft_ids = torch.randperm(V)[:VD].sort().values
-    drafter.set_vocab(draft_ids)
-    from eyas.train.target_head import TargetHead
-
-    head = TargetHead(torch.randn(V, H), torch.nn.RMSNorm(H, eps=1e-5), torch.randn(V, H) * 0.5)
-    B, T = 3, 10
-    input_ids = torch.randint(0, V - 1, (B, T))
-    hidden = torch.randn(B, T, 4, H)  # three aux states and id N
-    loss_mask = torch.rand(B, T) < 0.7
-    loss_mask[2, 7:] = False  # row 2 is padding after 7 tokens
-    input_ids[2, 7:] = 0
-    return drafter, head, draft_ids, input_ids, hidden, loss_mask
+    """test_dflash's drafter, target head and batch, with a P-EAGLE drafter."""
+    return dflash_setup(drafter="peagle", num_hidden_layers=1, **options)
 
 
 def reference_peagle(m, input_ids, hidden, labels, decay: float):
