@@ -123,10 +123,10 @@ def reference_ttt(m: Eagle3Drafter, input_ids, hidden, labels, decay: float, hea
     return logits, reference_loss(logits, labels, decay)
 
 
-def reference_loss(logits: list[torch.Tensor], labels, decay: float) -> torch.Tensor:
+def reference_loss(logits: list[torch.Tensor], labels, decay: float, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Step k's logits at i [K][B, T, Vd] against the target's distribution at j = i+1+k: soft
     cross-entropy, mean per step over its trained pairs (misses outside the draft vocab count
-    in the mean and add no loss), weighted decay^k."""
+    in the mean and add no loss), weighted decay^k; only rows i in `rows` [B, T] when given."""
     B, T = labels.trained.shape
     loss = torch.zeros(())
     for k in range(len(logits)):
@@ -134,7 +134,7 @@ def reference_loss(logits: list[torch.Tensor], labels, decay: float) -> torch.Te
         for b in range(B):
             for i in range(T - 1 - k):
                 j = i + 1 + k
-                if labels.trained[b, j]:
+                if labels.trained[b, j] and (rows is None or rows[b, i]):
                     count += 1
                     if labels.target_draft[b, j] >= 0:
                         total = total - (labels.probs[b, j] * logits[k][b, i].log_softmax(-1)).sum()

@@ -128,6 +128,10 @@ class DraftConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json: the fields vLLM reads for the kind at top level, eyas's own under `eyas`."""
+        if self.drafter == "peagle":
+            from eyas.draft.kinds import peagle_hf_config
+
+            return peagle_hf_config(self)
         if self.drafter != "eagle3":
             from eyas.draft.kinds import hf_config
 

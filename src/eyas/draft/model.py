@@ -147,6 +147,11 @@ class Eagle3Drafter(nn.Module):
         (see `forward_ttt_states` for the alignment)."""
         return [self.lm_head(normed) for normed in self.forward_ttt_states(input_ids, aux_hidden, steps)]
 
+    def step_inputs(self, k: int, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step k's inputs: the embeddings of tokens [B, T] and the hidden states [B, T, H] (the
+        target's at k = 0, then the previous step's outputs); P-EAGLE overrides it."""
+        return self.embed_tokens(tokens), hidden
+
     def forward_ttt_states(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int | None = None):
         """Training-time test over whole sequences, up to the final norm.
 
@@ -168,7 +173,7 @@ class Eagle3Drafter(nn.Module):
         states = []
         pre, post = _step_parts(input_ids.is_cuda and COMPILE_STEP_PARTS)
         for k in range(steps):
-            x, residual = pre(self.midlayer, self.embed_tokens(padded[:, 1 + k : 1 + k + T]), hidden)
+            x, residual = pre(self.midlayer, *self.step_inputs(k, padded[:, 1 + k : 1 + k + T], hidden))
             cos, sin = self.rope(x, base_pos + k)
             q, kk, vv = self.midlayer.self_attn.qkv(x, cos, sin)  # q [B, nH, T, d], k/v [B, nKV, T, d(_v)]
             if k == 0:
@@ -298,9 +303,10 @@ FLEX_PAD = 128  # flex attention's block size
 
 @functools.cache
 def _compiled_flex():
-    from torch.nn.attention.flex_attention import flex_attention
+    """TTT's compiled flex attention, with a compile cache of its own (see draft/flex.py)."""
+    from eyas.draft.flex import compiled
 
-    return torch.compile(flex_attention, dynamic=True)
+    return compiled("eagle3-ttt")
 
 
 @functools.lru_cache(maxsize=512)

@@ -54,13 +54,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="train on a store whose capture has not finished (refused otherwise, naming what is missing)")
 
     head = p.add_argument_group("drafter")
-    head.add_argument("--drafter", default="eagle3", choices=("eagle3", "dflash"),
-                      help="eagle3: K tokens, one forward pass each (default); dflash: a block of K in one pass")
+    head.add_argument("--drafter", default="eagle3", choices=("eagle3", "dflash", "peagle"),
+                      help="eagle3: K tokens, one forward pass each (default); dflash: a block of K in one pass; "
+                           "peagle: EAGLE-3 drafting its K in one pass (vLLM's parallel_drafting)")
     head.add_argument("--block-size", type=int,
                       help="dflash: the last token plus the K drafted ones (default --ttt-steps + 1 = 8)")
     head.add_argument("--draft-layers", type=int, help="dflash: decoder layers (default: a tenth of the target's, >= 1)")
     head.add_argument("--mask-token-id", type=int,
-                      help="dflash: the token whose (frozen) embedding marks the slots to fill (default: the last id)")
+                      help="dflash, peagle: the token whose (frozen) embedding marks the slots to fill (default: the last id)")
+    head.add_argument("--anchors", type=int,
+                      help="dflash: rows per sample and step that anchor a block, drawn afresh each step among those "
+                           "with a trained label (default 512); bounds the block tokens at anchors x block size a sample")
     head.add_argument("--draft-vocab", type=int, help="draft vocabulary size (default min(32000, target vocab))")
     head.add_argument("--ttt-steps", type=int, default=7, help="unrolled training-time-test steps (default 7)")
     head.add_argument("--ttt-decay", type=float, default=0.8,

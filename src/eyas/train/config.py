@@ -18,8 +18,10 @@ OPTIONS = {
     "batch_tokens": Number(lo=2, integer=True, required=True), "grad_accum": COUNT,
     "max_len": Number(lo=2, integer=True),
     "eval_fraction": SHARE, "seed": Number(integer=True, required=True),
-    "save_every": COUNT, "eval_every": COUNT, "log_every": COUNT, "keep": COUNT,
+    "save_every": COUNT, "eval_every": COUNT, "log_every": COUNT, "keep": COUNT, "anchors": COUNT,
 }
+
+DFLASH_ANCHORS = 512  # SpecForge's and speculators' default: bounds a sample's block tokens at 512 x block size
 
 
 # Options added after runs were recorded, with the value such a run had (its drafter, restored
@@ -45,7 +47,8 @@ class TrainConfig:
     drafter: str = "eagle3"  # the kind (draft/kinds.py)
     block_size: int | None = None  # dflash: slot 0 plus the drafted tokens (sets ttt_steps = block_size - 1)
     draft_layers: int | None = None  # dflash: decoder layers (default draft/dflash.py default_num_layers)
-    mask_token_id: int | None = None  # dflash: default the target vocabulary's last id
+    mask_token_id: int | None = None  # dflash, peagle: default the target vocabulary's last id
+    anchors: int | None = None  # dflash: block anchors drawn per sample and step (default DFLASH_ANCHORS)
     epochs: float | None = None  # default 1 unless steps is given
     steps: int | None = None
     lr: float = 1e-4
@@ -96,8 +99,10 @@ class TrainConfig:
         if self.drafter not in DRAFTERS:
             raise EyasError(f"--drafter must be one of {', '.join(DRAFTERS)}, not {self.drafter!r}.")
         if self.drafter != "dflash":
-            if (self.block_size, self.draft_layers, self.mask_token_id) != (None, None, None):
-                raise EyasError("--block-size, --draft-layers and --mask-token-id are for --drafter dflash.")
+            if (self.block_size, self.draft_layers, self.anchors) != (None,) * 3:
+                raise EyasError("--block-size, --draft-layers and --anchors are for --drafter dflash.")
+            if self.mask_token_id is not None and self.drafter == "eagle3":
+                raise EyasError("--mask-token-id is for --drafter dflash or peagle.")
             return
         if self.fc_norm or self.norm_output:
             raise EyasError("--fc-norm and --norm-output are EAGLE-3 options; drop them with --drafter dflash.")
@@ -107,15 +112,20 @@ class TrainConfig:
             self.ttt_steps = self.block_size - 1
         if self.draft_layers is not None and self.draft_layers < 1:
             raise EyasError("--draft-layers must be at least 1.")
+        if self.anchors is None:
+            self.anchors = DFLASH_ANCHORS
 
     def kind_options(self, identity) -> dict[str, Any]:
         """The DraftConfig fields of the kind, given the target's identity."""
+        mask = {"mask_token_id": identity.vocab_size - 1 if self.mask_token_id is None else self.mask_token_id}
+        if self.drafter == "peagle":
+            return {"drafter": "peagle", **mask}
         if self.drafter != "dflash":
             return {}
         from eyas.draft.dflash import default_num_layers
 
         return {"drafter": "dflash", "num_hidden_layers": self.draft_layers or default_num_layers(identity.num_layers),
-                "mask_token_id": identity.vocab_size - 1 if self.mask_token_id is None else self.mask_token_id}
+                **mask}
 
     @property
     def crop(self) -> int:
