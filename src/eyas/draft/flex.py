@@ -24,20 +24,21 @@ from torch.nn.attention.flex_attention import flex_attention
 RECOMPILE_LIMIT = 64  # compiled variants per kind before a call raises
 
 
-def _attend(q, k, v, block_mask, scale):
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale)
+def _attend(q, k, v, block_mask, scale, enable_gqa, return_aux):
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, return_aux=return_aux)
 
 
 @functools.cache
 def compiled(kind: str) -> Callable[..., torch.Tensor]:
-    """`flex_attention(q, k, v, block_mask=, scale=)` compiled (dynamic shapes) for the masks of
+    """`flex_attention(q, k, v, block_mask=, scale=, enable_gqa=, return_aux=)` compiled (dynamic shapes) for the masks of
     one `kind`, apart from every other kind's."""
     name = "flex_" + "".join(c if c.isalnum() else "_" for c in kind)
     code = _attend.__code__.replace(co_name=name, co_qualname=name)
     fn = torch.compile(types.FunctionType(code, _attend.__globals__, name), dynamic=True, fullgraph=True)
 
-    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask=None, scale: float | None = None):
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask=None, scale: float | None = None,
+             enable_gqa: bool = False, return_aux=None):
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            return fn(q, k, v, block_mask, scale)
+            return fn(q, k, v, block_mask, scale, enable_gqa, return_aux)
 
     return call
