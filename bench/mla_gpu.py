@@ -1,18 +1,22 @@
 """MLA against GQA drafter training at the seed's shape, on one GPU (issue 25).
 
-The seed's target is Kimi-K2.5, a DeepseekV3 text model: hidden 7168, 128 heads here as in
-DeepSeek-V3 (Kimi has 64), target vocabulary 163840, and MLA sizes q_lora_rank 1536,
-kv_lora_rank 512, qk_nope 128, qk_rope 64, v_head 128. For it eyas builds two drafters with
-DraftConfig.for_target: `--draft-attention gqa` (a Llama layer with the target's heads and
-head_dim) and `mla` (the target's latent attention), both with the draft vocabulary 32000.
+The seed's target is Kimi-K2.5, a DeepseekV3 text model: hidden 7168, 64 heads (DeepSeek-V3
+has 128: `--heads 128`), target vocabulary 163840, MLA sizes q_lora_rank 1536, kv_lora_rank
+512, qk_nope 128, qk_rope 64, v_head 128, and its YaRN rope. For it eyas builds two drafters
+with DraftConfig.for_target, both with the draft vocabulary 32000: `--draft-attention mla`
+(the target's latent attention, 64 heads, as the published kimi-k2.5-eagle3-mla drafter) and
+`gqa` (a Llama layer of 64 heads x v_head_dim 128, as the published MHA kimi-k2.5-eagle3).
 Each is trained by the trainer's own step (loop.train_step, flex TTT attention, 7 steps,
 bf16 autocast) on in-memory random batches of 256-2048-token samples, 8192 tokens per step
 (bench/speed_gpu.py's seed part, reused), then probed for the longest single sample whose
-training step fits in memory (doubling from 8192 tokens).
+training step fits in memory (doubling from 8192 tokens). First, the compiled flex TTT
+attention at MLA's head dims (q/k 192, v 128) is checked against the dense path, values and
+gradients, on this GPU (`flex_check`).
 
 Printed and written side by side: tokens/s, peak memory above what was resident, the
 largest length that fits, parameters, and the KV cache bytes per token each drafter costs a
-serving engine. Top-level `mla_over_gqa_tok_s`, `peak_gib_mla`, `peak_gib_gqa`.
+serving engine. Top-level `mla_over_gqa_tok_s`, `peak_gib_mla`, `peak_gib_gqa`,
+`largest_fitting_tokens`.
 
   PYTHONPATH=src python3 -u bench/mla_gpu.py --out $OUT --commit SHA    # H200, ~3.5 min
   PYTHONPATH=src python3 -u bench/mla_gpu.py --smoke --out /tmp/mla     # CPU, tiny shapes
@@ -38,14 +42,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import speed_gpu  # noqa: E402
 from speed_gpu import InMemorySource, Peak, _free, _git, _in_memory_run, _sync  # noqa: E402
 
-SHAPES = {  # the target's text config (DeepseekV3Config fields)
-    "seed": dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=128, num_key_value_heads=128,
+SHAPES = {  # the target's text config (Kimi-K2.5's DeepseekV3Config fields)
+    "seed": dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=64,
                  vocab_size=163840, num_hidden_layers=61, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-                 qk_rope_head_dim=64, v_head_dim=128),
+                 qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=262144),
     "smoke": dict(hidden_size=192, intermediate_size=384, num_attention_heads=4, num_key_value_heads=4,
                   vocab_size=8192, num_hidden_layers=8, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
-                  qk_rope_head_dim=8, v_head_dim=16),
+                  qk_rope_head_dim=8, v_head_dim=16, max_position_embeddings=262144),
 }
+ROPE = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0, "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # Kimi-K2.5's
 DRAFT_VOCAB = {"seed": 32000, "smoke": 1000}
 TTT_STEPS = 7
 
@@ -58,14 +64,20 @@ def left(budget_s: float) -> float:
     return budget_s - (time.monotonic() - STARTED)
 
 
-def drafter_config(shape: str, attention: str):
+def target_shape(shape: str, heads: int | None) -> dict[str, Any]:
+    s = dict(SHAPES[shape])
+    if heads:
+        s["num_attention_heads"] = s["num_key_value_heads"] = heads
+    return s
+
+
+def drafter_config(s: dict[str, Any], shape: str, attention: str):
     from transformers import DeepseekV3Config
 
     from eyas.draft.config import DraftConfig
     from eyas.models.identity import ModelIdentity
 
-    s = SHAPES[shape]
-    config = DeepseekV3Config(**s, rope_parameters={"rope_type": "default", "rope_theta": 50000.0})
+    config = DeepseekV3Config(**s, rope_parameters=dict(ROPE))
     N = s["num_hidden_layers"]
     identity = ModelIdentity(model=f"deepseek-v3-{shape}-shape", config_hash="random", tokenizer_hash="random",
                              num_layers=N, hidden_size=s["hidden_size"], vocab_size=s["vocab_size"])
@@ -112,6 +124,27 @@ def measure_speed(draft, args, device: torch.device) -> dict[str, Any]:
     return {**timed, **peak.report(), "warm_s_incl_compile": warm, "trainable_params": trainable}
 
 
+def flex_check(device: torch.device) -> dict[str, Any]:
+    """The compiled flex TTT attention against the dense path at MLA's head dims (q/k 192, v 128),
+    float32, 7 steps: the largest differences in value and in any input's gradient."""
+    import eyas.draft.model as dm
+
+    if device.type != "cuda":
+        return {"skipped": "flex attention is used on CUDA only"}
+    g = torch.Generator(device=device).manual_seed(0)
+    T, steps = 300, TTT_STEPS
+    dims = [192, 192, 128] + [192, 128] * (steps - 1)  # q, k0, v0, then (k_j, v_j)
+    leaves = [torch.randn(1, 4, T, d, device=device, generator=g, requires_grad=True) for d in dims]
+    extra = list(zip(leaves[3::2], leaves[4::2]))
+    out = {}
+    for name, fn in (("flex", dm.ttt_attention_flex), ("dense", dm.ttt_attention_dense)):
+        y = fn(leaves[0], leaves[1], leaves[2], extra, 0.07)
+        out[name] = (y, torch.autograd.grad((y * torch.linspace(-1, 1, T, device=device)[:, None]).sum(), leaves))
+    value = (out["flex"][0] - out["dense"][0]).abs().max().item()
+    grad = max((a - b).abs().max().item() for a, b in zip(out["flex"][1], out["dense"][1]))
+    return {"max_abs_diff_value": value, "max_abs_diff_grad": grad, "ok": value < 1e-4 and grad < 1e-4}
+
+
 def fits(draft, length: int, device: torch.device) -> dict[str, Any]:
     """One training step on one sample of `length` tokens: did it fit, and its peak."""
     from eyas.train.loop import train_step
@@ -151,6 +184,7 @@ def longest(draft, args, device: torch.device, budget_s: float) -> dict[str, Any
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: proves the script runs")
+    p.add_argument("--heads", type=int, default=None, help="the target's attention heads (default Kimi-K2.5's 64)")
     p.add_argument("--device", default=None, help="default cuda (cpu with --smoke)")
     p.add_argument("--batch-tokens", type=int, default=None, help="tokens per step (default 8192; 512 with --smoke)")
     p.add_argument("--seconds", type=float, default=None, help="timed seconds per drafter (default 20; 2 with --smoke)")
@@ -176,15 +210,20 @@ def main() -> None:
     record: dict[str, Any] = {
         "command": "python3 " + " ".join(sys.argv), "commit": _git("rev-parse", "HEAD") or args.commit,
         "dirty": bool(_git("status", "--porcelain")), "machine": machine, "torch": torch.__version__,
-        "shape": {**SHAPES[shape], "draft_vocab_size": DRAFT_VOCAB[shape], "ttt_steps": TTT_STEPS,
-                  "batch_tokens": args.batch_tokens},
+        "shape": {**target_shape(shape, args.heads), "rope": ROPE, "draft_vocab_size": DRAFT_VOCAB[shape],
+                  "ttt_steps": TTT_STEPS, "batch_tokens": args.batch_tokens},
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from eyas.draft.mla_config import kv_cache_bytes_per_token
     from eyas.paths import atomic_write_json
 
-    drafts = {a: drafter_config(shape, a) for a in ("gqa", "mla")}
+    try:
+        record["flex_check"] = flex_check(device)
+    except Exception as e:  # reported, and the timing still runs: the figures say which path they measured
+        record["flex_check"] = {"ok": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    say(f"flex TTT attention against dense (q/k 192, v 128): {record['flex_check']}")
+    drafts = {a: drafter_config(target_shape(shape, args.heads), shape, a) for a in ("gqa", "mla")}
     for name, draft in drafts.items():
         say(f"{name}: {draft.num_attention_heads} heads, head_dim {draft.head_dim}, mla {draft.mla}")
         try:

@@ -2,15 +2,17 @@
 
 No packaged real model uses MLA, so the target is tests/tiny.py's random DeepseekV3 (8 layers,
 hidden 64, 4 heads, MLA kv_lora_rank 16, q_lora_rank 24, qk_nope 16, qk_rope 8, v_head 16,
-MoE). Its answers to chitchat prompts are meaningless but deterministic (greedy), so a drafter
-can learn them: `eyas prepare` -> `eyas regenerate` (the target's own answers) -> `eyas capture`
--> `eyas train` twice on the same store, `--draft-attention gqa` and `mla`, the same steps,
-seed and schedule, the whole target vocabulary as draft vocabulary, the GQA drafter's MLP width chosen so that both have the same number of
-trainable parameters (as close as one MLP unit allows). Reported: held-out top-1 accuracy per
-TTT step and tau_sim (training's own held-out pass), parameters, and the KV cache bytes per
-token each drafter costs a serving engine (bf16).
+MoE), sharpened so that a drafter can learn it (`sharpen`: embeddings x16, lm_head x8). Its
+answers to chitchat prompts are meaningless but deterministic (greedy): `eyas prepare` ->
+`eyas regenerate` (the target's own answers) -> `eyas capture` -> `eyas train` twice on the
+same store, `--draft-attention gqa` and `mla`, the same steps, seed and schedule, the whole
+target vocabulary as draft vocabulary, the GQA drafter's MLP width chosen so that both have
+the same number of trainable parameters (as close as one MLP unit allows). Reported:
+held-out top-1 accuracy per TTT step and tau_sim (training's own held-out pass), parameters,
+and the KV cache bytes per token each drafter costs a serving engine (bf16).
 
-  PYTHONPATH=src python3 bench/mla_quality_cpu.py --out bench/results/mla_quality_cpu.json
+  PYTHONPATH=src python3 bench/mla_quality_cpu.py --work /tmp/mlaq --conversations 64 \
+      --max-new-tokens 48 --steps 300 --mlp 128 --batch-tokens 2048 --out bench/results/mla_quality_cpu.json
 """
 
 from __future__ import annotations
@@ -59,6 +61,21 @@ def drafts(model: str, layer_ids: tuple[int, ...], mlp: int) -> tuple[dict, int]
     return {"mla": mla, "gqa": build("gqa", gqa_width)}, gqa_width
 
 
+def sharpen(model: Path, embed_scale: float, lm_head_scale: float) -> None:
+    """Make the random target's behaviour learnable. Its layers add as much to the residual as
+    its embeddings hold, so each of its next tokens is a chaotic function of the whole context,
+    and its lm_head gives near-uniform distributions (soft labels with no signal). Scaling the
+    embeddings up makes the current token dominate (the context still perturbs it); scaling
+    lm_head lowers the temperature (sharp labels; the argmax, so the greedy text, is unchanged)."""
+    from safetensors.torch import load_file, save_file
+
+    path = model / "model.safetensors"
+    weights = load_file(path)
+    weights["model.embed_tokens.weight"] *= embed_scale
+    weights["lm_head.weight"] *= lm_head_scale
+    save_file(weights, path, metadata={"format": "pt"})
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--conversations", type=int, default=200)
@@ -67,6 +84,8 @@ def main() -> None:
     p.add_argument("--batch-tokens", type=int, default=2048)
     p.add_argument("--mlp", type=int, default=96, help="the MLA drafter's MLP width (GQA's is set to equal parameters)")
     p.add_argument("--ttt-steps", type=int, default=5)
+    p.add_argument("--embed-scale", type=float, default=16.0, help="the target's embeddings times this (see sharpen)")
+    p.add_argument("--lm-head-scale", type=float, default=8.0, help="the target's lm_head times this (see sharpen)")
     p.add_argument("--out", required=True, help="the result JSON")
     p.add_argument("--work", default=None, help="keep the target, data and drafters here (default: a temporary folder)")
     args = p.parse_args()
@@ -90,14 +109,17 @@ def run(args, work: Path) -> None:
 
     started = time.monotonic()
     work.mkdir(parents=True, exist_ok=True)
-    model = str(build_model(work / "target", "deepseek_v3"))
+    model = build_model(work / "target", "deepseek_v3")
+    sharpen(model, args.embed_scale, args.lm_head_scale)
+    model = str(model)
     prepare(model, "packaged:chitchat", work / "prepared", max_len=256, limit=args.conversations, progress=False)
     regenerate(model, work / "prepared", work / "regenerated", max_new_tokens=args.max_new_tokens, progress=False)
     capture(model, work / "regenerated", work / "store", dtype="fp32", progress=False)
     layer_ids = Store(work / "store").layer_ids
     configs, gqa_width = drafts(model, layer_ids, args.mlp)
     record = {"command": "python3 " + " ".join(sys.argv), "commit": _git("rev-parse", "HEAD"),
-              "target": "tests/tiny.py deepseek_v3 (random weights, seed 0)", "layer_ids": list(layer_ids),
+              "target": "tests/tiny.py deepseek_v3 (random weights, seed 0), sharpened", "layer_ids": list(layer_ids),
+              "embed_scale": args.embed_scale, "lm_head_scale": args.lm_head_scale,
               "conversations": args.conversations, "steps": args.steps, "batch_tokens": args.batch_tokens,
               "ttt_steps": args.ttt_steps, "tau_sim": "1 + sum_k prod_{j<=k} acc_j (held out)", "drafters": {}}
     for attention, draft in configs.items():

@@ -22,43 +22,70 @@ import shutil
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from quality_gpu import MIX, RECIPE, _device_name, _dump, _stratified, train_for  # noqa: E402
+from quality_gpu import MIX, RECIPE, _device_name, _dump, train_for  # noqa: E402
 
 CHAIN = 7  # the EAGLE-3 chain's depth and DFlash's block of drafted tokens (block size 8)
-ARMS = {"eagle3": RECIPE, "dflash": {"drafter": "dflash", "block_size": CHAIN + 1}}
 
 
 def main() -> None:
     args = parse_args()
     t0 = time.monotonic()
+    deadline = t0 + 60 * args.minutes
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     report: dict = {"command": " ".join(sys.argv), "commit": _commit(), "device": _device_name(args.device),
-                    "settings": {k: v for k, v in vars(args).items()}}
-    regenerate_set(args, work, report)
-    _dump(out / "parallel_gpu.json", report)
-    report["train"] = {}
-    for kind, options in ARMS.items():
-        if kind == "dflash" and args.dflash_layers:
-            options = {**options, "draft_layers": args.dflash_layers}
-        result = train_for(args, work / "regen", work / kind, 60 * args.arm_minutes, options, evals=2)
-        report["train"][kind] = {"steps": result["final"]["step"], "steps_planned": result["steps"],
-                                 "seconds": result["seconds"], "options": options,
-                                 "heldout": result["final"].get("eval"), "train": result["final"].get("train")}
-        _dump(out / "parallel_gpu.json", report)
-        print(f"{kind}: {result['final']['step']} of {result['steps']} planned steps in {result['seconds']} s; "
-              f"held-out acc per position "
-              f"{(result['final'].get('eval') or {}).get('acc_per_step')}", flush=True)
-    left = 60 * args.minutes - (time.monotonic() - t0)
-    decode(args, work, report, min(60 * args.eval_minutes, left - 45))
+                    "settings": {k: v for k, v in vars(args).items()}, "train": {}, "errors": {}}
+    # Each phase that fails is recorded and the run goes on without it: the JSON holds what was measured.
+    phase(report, out, "regenerate", lambda: regenerate_set(args, work, report))
+    trained = []
+    for kind, options in arms(args).items():
+        if "regenerate" in report["errors"]:
+            break
+        if phase(report, out, kind, lambda: train_arm(args, work, report, kind, options)):
+            trained.append(kind)
+    if trained:
+        phase(report, out, "decode",
+              lambda: decode(args, work, report, trained, min(60 * args.eval_minutes, deadline - time.monotonic() - 30)))
+    report["seconds"] = round(time.monotonic() - t0, 1)
     _dump(out / "parallel_gpu.json", report)
     print_summary(report)
+
+
+def arms(args) -> dict[str, dict]:
+    """The drafters trained, in order, each for --arm-minutes on the same regenerated data."""
+    dflash = {"drafter": "dflash", "block_size": CHAIN + 1, "anchors": args.dflash_anchors}
+    if args.dflash_layers:
+        dflash["draft_layers"] = args.dflash_layers
+    return {"eagle3": RECIPE, "dflash": dflash}
+
+
+def phase(report: dict, out: Path, name: str, run) -> bool:
+    """Run one phase; on failure record its error (and print the traceback), then save the report."""
+    try:
+        run()
+        return True
+    except Exception as e:  # noqa: BLE001 -- a benchmark keeps the phases that ran
+        traceback.print_exc()
+        report["errors"][name] = f"{type(e).__name__}: {e}"[:2000]
+        return False
+    finally:
+        _dump(out / "parallel_gpu.json", report)
+
+
+def train_arm(args, work: Path, report: dict, kind: str, options: dict) -> None:
+    result = train_for(args, work / "regen", work / kind, 60 * args.arm_minutes, options, evals=2)
+    report["train"][kind] = {"steps": result["final"]["step"], "steps_planned": result["steps"],
+                             "seconds": result["seconds"], "options": options,
+                             "heldout": result["final"].get("eval"), "train": result["final"].get("train")}
+    print(f"{kind}: {result['final']['step']} of {result['steps']} planned steps in {result['seconds']} s; "
+          f"held-out acc per position {(result['final'].get('eval') or {}).get('acc_per_step')}", flush=True)
 
 
 def regenerate_set(args, work: Path, report: dict) -> None:
@@ -70,7 +97,7 @@ def regenerate_set(args, work: Path, report: dict) -> None:
     t0 = time.monotonic()
     shutil.rmtree(work / "prepared", ignore_errors=True)
     prepared = prepare(args.model, args.conversations, work / "prepared", max_len=args.max_len,
-                       limit=args.conversations_limit, window=2, exclude=["mt-bench"], progress=False)
+                       limit=args.conversations_limit, window=2, exclude=[args.mt_bench], progress=False)
     summary = regenerate(args.model, work / "prepared", work / "regen", max_new_tokens=args.regen_tokens,
                          group_size=args.regen_group, device=args.device, progress=False, minutes=args.regen_minutes)
     report["regenerate"] = {"prepared": prepared.get("kept"), "conversations": summary.get("kept"),
@@ -78,25 +105,25 @@ def regenerate_set(args, work: Path, report: dict) -> None:
     print("regenerated:", json.dumps(report["regenerate"]), flush=True)
 
 
-def proposers_for(work: Path, model, identity):
-    """plain, prompt lookup, the EAGLE-3 chain and DFlash, all drafting CHAIN tokens."""
+def proposers_for(work: Path, trained: list[str], model, identity):
+    """plain, prompt lookup and each trained drafter (the EAGLE-3 chain, DFlash), all drafting CHAIN tokens."""
     from eyas.evaluate.dflash import DFlash, DFlashSession
     from eyas.evaluate.drafter import DrafterSession
     from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
     from eyas.evaluate.run import load_checked_drafter
 
-    eagle = load_checked_drafter(str(work / "eagle3"), model, identity)
-    dflash = load_checked_drafter(str(work / "dflash"), model, identity)
-    if eagle.config.aux_layer_ids != dflash.config.aux_layer_ids:
-        raise SystemExit("both drafters must read the same aux layers (one target session serves both)")
-    return [Proposer(), PromptLookup(CHAIN), Eagle3(DrafterSession(eagle), CHAIN),
-            DFlash(DFlashSession(dflash), CHAIN)], eagle.config.aux_layer_ids
+    drafters = {kind: load_checked_drafter(str(work / kind), model, identity) for kind in trained}
+    if len({d.config.aux_layer_ids for d in drafters.values()}) > 1:
+        raise SystemExit("the drafters must read the same aux layers (one target session serves them all)")
+    make = {"eagle3": lambda d: Eagle3(DrafterSession(d), CHAIN), "dflash": lambda d: DFlash(DFlashSession(d), CHAIN)}
+    aux = next(iter(drafters.values())).config.aux_layer_ids
+    return [Proposer(), PromptLookup(CHAIN), *(make[kind](d) for kind, d in drafters.items())], aux
 
 
-def decode(args, work: Path, report: dict, seconds: float) -> None:
+def decode(args, work: Path, report: dict, trained: list[str], seconds: float) -> None:
     """Every method on whole MT-bench questions (stratified by category), interleaved per
     question, until `seconds` are spent; then the timing pass."""
-    from eyas.evaluate.prompts import load_prompts
+    from eyas.evaluate.prompts import load_prompts, stratified
     from eyas.evaluate.report import TAU_DEFINITION, summarize
     from eyas.evaluate.run import run_methods
     from eyas.models.eos import eos_ids
@@ -106,20 +133,20 @@ def decode(args, work: Path, report: dict, seconds: float) -> None:
     t0 = time.monotonic()
     model, tok = load_target(args.model, dtype="float32", device=args.device)
     identity = model_identity(args.model, model.config, tok)
-    proposers, aux_ids = proposers_for(work, model, identity)
+    proposers, aux_ids = proposers_for(work, trained, model, identity)
     target = TargetSession(model, aux_ids)
     eos = set(eos_ids(model.generation_config, tok))
-    prompts = {p.id: p for p in load_prompts(args.mt_bench)}
-    order = _stratified(_categories(args.mt_bench))[: args.questions]
+    prompts = load_prompts(args.mt_bench)
+    order = [prompts[i] for i in stratified(prompts)][: args.questions]
     records, per_question = [], 0.0
-    for i, pid in enumerate(order):
+    for i, prompt in enumerate(order):
         if i and time.monotonic() - t0 + per_question + 60 > seconds:  # the timing pass needs its minute
             break
         q0 = time.monotonic()
-        records += run_methods(target, tok, proposers, [prompts[pid]], args.max_new_tokens, eos, progress=False,
+        records += run_methods(target, tok, proposers, [prompt], args.max_new_tokens, eos, progress=False,
                                warmup=i == 0)
         per_question = max(per_question, time.monotonic() - q0)
-        print(f"question {pid}: {time.monotonic() - q0:.1f} s", flush=True)
+        print(f"question {prompt.id}: {time.monotonic() - q0:.1f} s", flush=True)
     positions = {p.name: CHAIN for p in proposers[1:]}
     summaries = summarize(records, positions)
     plain = {(r["prompt_id"], r["turn"]): r["generated_ids"] for r in records if r["method"] == "plain"}
@@ -141,7 +168,8 @@ def decode(args, work: Path, report: dict, seconds: float) -> None:
                      "summary": {k: s.to_dict() for k, s in summaries.items()}, "tau_by_turn": by_turn},
         "heldout_acc_per_position": {k: (v.get("heldout") or {}).get("acc_per_step") for k, v in report["train"].items()},
     })
-    report["draft_vs_verify"] = timing_pass(target, tok, proposers, [prompts[pid] for pid in order[: args.timing_questions]],
+    _dump(Path(args.out) / "parallel_gpu.json", report)
+    report["draft_vs_verify"] = timing_pass(target, tok, proposers, order[: args.timing_questions],
                                             args.max_new_tokens, eos)
     target.close()
 
@@ -201,13 +229,6 @@ def print_summary(report: dict) -> None:
               f"wall {t['wall_ms_per_step']:.2f} ms/step")
 
 
-def _categories(mt_bench: str) -> dict[str, str]:
-    from eyas.data.sources import mt_bench_file
-
-    path = mt_bench_file() if mt_bench == "mt-bench" else Path(mt_bench)
-    return {str(q["question_id"]): q.get("category", "?") for q in map(json.loads, path.read_text().splitlines()) if q}
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 4) if a is not None and b else None
 
@@ -225,17 +246,18 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", help="the target: any model eyas loads (folder, .gguf, packaged:...)")
     p.add_argument("--conversations", nargs="+", default=MIX,
                    help="any source(s) eyas prepare reads, mixed as SRC@WEIGHT (default: the SmolLM2 recipe's mix)")
-    p.add_argument("--conversations-limit", type=int, default=8192, help="windows prepared (default 8192)")
+    p.add_argument("--conversations-limit", type=int, default=6144, help="windows prepared (default 6144)")
     p.add_argument("--mt-bench", default="mt-bench", help="MT-bench question.jsonl (default: the packaged one)")
     p.add_argument("--work", default="/tmp/parallel-work")
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cuda")
-    p.add_argument("--minutes", type=float, default=8.4, help="the whole call's budget (decoding takes what is left)")
-    p.add_argument("--regen-minutes", type=float, default=1.0)
+    p.add_argument("--minutes", type=float, default=9.0,
+                   help="the whole run's budget, for one 9.5-minute call (decoding takes what is left, default 9)")
+    p.add_argument("--regen-minutes", type=float, default=0.75)
     p.add_argument("--regen-tokens", type=int, default=256)
     p.add_argument("--regen-group", type=int, default=4096)
-    p.add_argument("--arm-minutes", type=float, default=1.6, help="training minutes per drafter (equal for both)")
-    p.add_argument("--eval-minutes", type=float, default=3.0, help="MT-bench decoding, timing pass included")
+    p.add_argument("--arm-minutes", type=float, default=1.25, help="training minutes per drafter (equal for both)")
+    p.add_argument("--eval-minutes", type=float, default=4.0, help="MT-bench decoding at most, timing pass included")
     p.add_argument("--questions", type=int, default=80)
     p.add_argument("--timing-questions", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -244,6 +266,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--probe-steps", type=int, default=10)
     p.add_argument("--dflash-layers", type=int, help="DFlash decoder layers (default: eyas's, a tenth of the target's)")
+    p.add_argument("--dflash-anchors", type=int, default=128,
+                   help="DFlash anchors per sample and step (default 128: a sample of 1,024 tokens runs 1,024 "
+                        "block tokens through the drafter instead of 8,192)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU end to end in minutes: the packaged SmolLM2, 12 chitchat dialogues, 32-token answers, "
                         "tiny batches, one question")
@@ -255,7 +280,7 @@ def parse_args() -> argparse.Namespace:
         args.conversations_limit, args.regen_tokens, args.regen_group, args.max_len = 12, 24, 12, 128
         args.batch_tokens, args.probe_steps, args.arm_minutes = 512, 2, 0.4
         args.questions, args.timing_questions, args.max_new_tokens = 1, 1, 24
-        args.eval_minutes = args.minutes = 20.0
+        args.eval_minutes, args.minutes, args.dflash_anchors = 20.0, 30.0, 8
         args.regen_minutes = None
     elif not args.model:
         p.error("--model is needed (or --smoke)")

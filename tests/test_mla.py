@@ -180,7 +180,9 @@ def test_draft_attention_follows_the_target(tmp_path):
     assert load_config(tmp_path) == cfg
     small = DraftConfig.for_target(ds, ident, (1, 2, 3, 4), 50, attention="mla", mla_overrides={"kv_lora_rank": 8})
     assert small.mla["kv_lora_rank"] == 8 and small.mla["q_lora_rank"] == 24
-    assert DraftConfig.for_target(ds, ident, (1, 2, 3, 4), 50, attention="gqa").attention == "gqa"
+    gqa = DraftConfig.for_target(ds, ident, (1, 2, 3, 4), 50, attention="gqa")
+    # heads of the target's v_head_dim, not its config's head_dim (the rotary width there)
+    assert gqa.attention == "gqa" and gqa.head_dim == 12 != ds.head_dim and gqa.num_attention_heads == 4
     llama = LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=4, vocab_size=100)
     assert DraftConfig.for_target(llama, ident, (1, 2, 3, 4), 50, attention="auto").attention == "gqa"
     with pytest.raises(EyasError, match="no MLA"):

@@ -80,7 +80,7 @@ def test_a_recipe_key_for_each_option_of_a_stage_is_accepted(stage):
     ("train", {"steps": 0}, r"^r\.yaml: `train`: --steps must be an integer >= 1 \(got 0\)\.$"),
     ("train", {"steps": "many"}, r"^r\.yaml: `train`: `steps` takes an integer, not 'many'\.$"),
     ("train", {"lr": True}, r"^r\.yaml: `train`: `lr` takes a number, not True\.$"),
-    ("train", {"drafter": "medusa"}, r"^r\.yaml: `train`: --drafter must be one of eagle3, dflash \(got 'medusa'\)"),
+    ("train", {"drafter": "medusa"}, r"^r\.yaml: `train`: --drafter must be one of eagle3, dflash, peagle \(got 'medusa'\)"),
     ("capture", {"tensor_paralel_size": 2}, r"^r\.yaml: `capture`: unknown option `tensor_paralel_size`"),
     ("capture", {"batch_tokens": 1}, r"^r\.yaml: `capture`: --batch-tokens must be an integer >= 2 \(got 1\)"),
     ("capture", {"retries": -1}, r"^r\.yaml: `capture`: --retries must be an integer >= 0 \(got -1\)"),

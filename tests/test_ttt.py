@@ -123,10 +123,10 @@ def reference_ttt(m: Eagle3Drafter, input_ids, hidden, labels, decay: float, hea
     return logits, reference_loss(logits, labels, decay)
 
 
-def reference_loss(logits: list[torch.Tensor], labels, decay: float) -> torch.Tensor:
+def reference_loss(logits: list[torch.Tensor], labels, decay: float, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Step k's logits at i [K][B, T, Vd] against the target's distribution at j = i+1+k: soft
     cross-entropy, mean per step over its trained pairs (misses outside the draft vocab count
-    in the mean and add no loss), weighted decay^k."""
+    in the mean and add no loss), weighted decay^k; only rows i in `rows` [B, T] when given."""
     B, T = labels.trained.shape
     loss = torch.zeros(())
     for k in range(len(logits)):
@@ -134,7 +134,7 @@ def reference_loss(logits: list[torch.Tensor], labels, decay: float) -> torch.Te
         for b in range(B):
             for i in range(T - 1 - k):
                 j = i + 1 + k
-                if labels.trained[b, j]:
+                if labels.trained[b, j] and (rows is None or rows[b, i]):
                     count += 1
                     if labels.target_draft[b, j] >= 0:
                         total = total - (labels.probs[b, j] * logits[k][b, i].log_softmax(-1)).sum()
@@ -277,6 +277,35 @@ def test_flex_ttt_attention_with_padded_positions_equals_dense(monkeypatch):
         torch.testing.assert_close(flex, dm.ttt_attention_dense(q, k0, v0, extra), atol=1e-5, rtol=1e-5)
 
 
+def test_merging_later_steps_into_step0_attention_by_its_logsumexp_equals_dense_with_gradients():
+    """The flex path attends to step-0 keys alone and merges each later step's same-position key
+    through the step-0 log-sum-exp. CPU flex has no backward, so step-0's (out, lse) here come
+    from plain causal scores: values and gradients of every input, through lse included, must
+    be the dense path's (float32, 1e-5; MLA-like dims, q/k 24 and v 16)."""
+    import eyas.draft.model as dm
+
+    g = torch.Generator().manual_seed(6)
+    T, steps, scale = 37, 4, 0.3
+    dims = [24, 24, 16] + [24, 16] * (steps - 1)  # q, k0, v0, then (k_j, v_j)
+    leaves = [torch.randn(2, 3, T, d, generator=g, requires_grad=True) for d in dims]
+    q, k0, v0, rest = leaves[0], leaves[1], leaves[2], leaves[3:]
+    extra = list(zip(rest[0::2], rest[1::2]))
+
+    def merged():
+        scores = (q @ k0.transpose(-1, -2) * scale).masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        return dm.merge_same_position(scores.softmax(-1) @ v0, scores.logsumexp(-1), q, extra, scale)
+
+    weights = torch.linspace(-1, 1, T)[:, None]
+    out = {}
+    for name, fn in (("merged", merged), ("dense", lambda: dm.ttt_attention_dense(q, k0, v0, extra, scale))):
+        y = fn()
+        out[name] = (y.detach(), torch.autograd.grad((y * weights).sum(), leaves))
+    torch.testing.assert_close(out["merged"][0], out["dense"][0], atol=1e-5, rtol=1e-5)
+    for a, b in zip(out["merged"][1], out["dense"][1]):
+        assert b.abs().sum() > 0
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
 def test_labels_are_the_targets_softmax_over_the_draft_vocab_and_its_argmax(setup):
     """Labels by their definition, from the full logits: the softmax of the target's logits
     restricted to the draft vocabulary, and the target's argmax mapped into it (or -1)."""
@@ -322,19 +351,25 @@ def test_a_batch_with_nothing_to_score_still_trains_every_weight(setup):
 def test_compiled_flex_on_cuda_equals_dense_across_lengths():
     """Training on CUDA runs flex attention compiled with dynamic shapes, its block mask cached
     per padded length; batches of many lengths follow one another in one process. Values and
-    gradients must stay the dense path's for every length in turn (float32; 1e-4)."""
+    gradients (through flex's log-sum-exp too) must stay the dense path's for every length in turn:
+    float32 within 1e-4 at head dim 64. MLA's head dims (q/k 192, v 128) run in bf16, as training
+    runs them (flex's float32 kernel at 192 needs more shared memory than an H200 has), against
+    the dense path in float32 on the same bf16 inputs, within bf16's rounding (2e-2)."""
     import eyas.draft.model as dm
 
     g = torch.Generator(device="cuda").manual_seed(5)
-    for T, steps in ((300, 7), (1000, 7), (130, 3), (700, 7), (300, 2), (64, 7)):
-        leaves = [torch.randn(2, 3, T, 64, device="cuda", generator=g, requires_grad=True) for _ in range(2 * steps + 1)]
-        q, k0, v0, rest = leaves[0], leaves[1], leaves[2], leaves[3:]
-        extra = list(zip(rest[0::2], rest[1::2]))
+    for T, steps, dk, dv in ((300, 7, 64, 64), (1000, 7, 64, 64), (130, 3, 64, 64), (700, 7, 192, 128),
+                             (300, 2, 64, 64), (64, 7, 192, 128)):  # 192/128: MLA's q/k and v head dims
+        dtype, tol = (torch.float32, 1e-4) if dk == 64 else (torch.bfloat16, 2e-2)
+        dims = [dk, dk, dv] + [dk, dv] * (steps - 1)
+        leaves = [torch.randn(2, 3, T, d, device="cuda", generator=g).to(dtype).requires_grad_() for d in dims]
         out = {}
-        for name, fn in (("flex", dm.ttt_attention_flex), ("dense", dm.ttt_attention_dense)):
-            y = fn(q, k0, v0, extra)
-            grads = torch.autograd.grad((y * torch.linspace(-1, 1, T, device="cuda")[:, None]).sum(), leaves)
-            out[name] = (y.detach(), grads)
-        torch.testing.assert_close(out["flex"][0], out["dense"][0], atol=1e-4, rtol=1e-4)
+        for name, fn, cast in (("flex", dm.ttt_attention_flex, dtype), ("dense", dm.ttt_attention_dense, torch.float32)):
+            inputs = [t.to(cast) for t in leaves]
+            q, k0, v0, rest = inputs[0], inputs[1], inputs[2], inputs[3:]
+            y = fn(q, k0, v0, list(zip(rest[0::2], rest[1::2])))
+            grads = torch.autograd.grad((y.float() * torch.linspace(-1, 1, T, device="cuda")[:, None]).sum(), leaves)
+            out[name] = (y.detach().float(), [gr.float() for gr in grads])
+        torch.testing.assert_close(out["flex"][0], out["dense"][0], atol=tol, rtol=tol)
         for a, b in zip(out["flex"][1], out["dense"][1]):
-            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol)

@@ -7,10 +7,11 @@ import torch
 from eyas.draft.config import DraftConfig
 from eyas.draft.dflash import DFlashDrafter
 from eyas.draft.model import Eagle3Drafter
+from eyas.draft.peagle import PEagleDrafter
 
 
 def drafter_class(cfg: DraftConfig) -> type[torch.nn.Module]:
-    return DFlashDrafter if cfg.drafter == "dflash" else Eagle3Drafter
+    return {"dflash": DFlashDrafter, "peagle": PEagleDrafter}.get(cfg.drafter, Eagle3Drafter)
 
 
 def new_drafter(cfg: DraftConfig, embed_weight: torch.Tensor | None = None) -> torch.nn.Module:

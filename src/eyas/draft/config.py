@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from eyas.draft import mla_config as latent
-from eyas.draft.kinds import check_kind, hf_config
+from eyas.draft.kinds import check_kind, hf_config, peagle_hf_config
 from eyas.draft.rope import drafter_rope
 from eyas.errors import EyasError
 from eyas.models.identity import ModelIdentity, text_config
@@ -17,6 +17,15 @@ from eyas.versions import check_version
 
 CONFIG_VERSION = 1  # the `eyas` block and weight names this eyas writes and reads (and every earlier one)
 
+
+
+def _gqa_head_dim(tc) -> int:
+    """The Llama layer's head width. An MLA target's `head_dim` is its rotary width (64 for
+    DeepSeek-V3 and Kimi-K2.5), not an attention head's: there the head is v_head_dim wide,
+    the width of the target's own heads and of published MHA drafters for it (Kimi-K2.5: 64 x 128)."""
+    if latent.target_uses_mla(tc) and getattr(tc, "v_head_dim", None):
+        return tc.v_head_dim
+    return getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
 
 @dataclass(kw_only=True)
 class DraftConfig:
@@ -101,7 +110,7 @@ class DraftConfig:
             intermediate_size=getattr(tc, "intermediate_size", 4 * tc.hidden_size),
             num_attention_heads=heads,
             num_key_value_heads=getattr(tc, "num_key_value_heads", None) or heads,
-            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // heads,
+            head_dim=_gqa_head_dim(tc),
             vocab_size=tc.vocab_size,
             draft_vocab_size=draft_vocab_size,
             aux_layer_ids=layer_ids[:-1],
@@ -117,6 +126,8 @@ class DraftConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json: the fields vLLM reads for the kind at top level, eyas's own under `eyas`."""
+        if self.drafter == "peagle":
+            return peagle_hf_config(self)
         if self.drafter != "eagle3":
             return {**hf_config(self), "eyas": {"config_version": CONFIG_VERSION, **asdict(self)}}
         return {

@@ -10,17 +10,16 @@ then `norm` and `lm_head` over the draft vocabulary. Weight names are vLLM's
 (`layers.i.*`, `fc`, `hidden_norm`, `norm`, `lm_head`, `d2t`; models/qwen3_dflash.py); the
 embeddings are the target's, frozen, and never saved.
 
-Training scores every position as an anchor at once. Row i's block is anchored at P = i+1:
-its context is the aux states at 0..i, slot 0 holds token i+1, and slot k+1 predicts the
+Training runs the blocks of many anchors at once. Row i's block is anchored at P = i+1: its
+context is the aux states at 0..i, slot 0 holds token i+1, and slot k+1 predicts the
 target's distribution at position i+1+k -- the alignment of training-time test step k at
-row i, so the TTT objective, its labels and its per-step metrics serve unchanged (K =
-block size - 1 steps). Anchoring every row is the expectation of sampling anchors per
-sequence, and costs the same per query as the EAGLE-3 chain: block slots x tokens.
+row i, so the TTT objective, its labels and its per-step metrics serve unchanged (K = block
+size - 1 steps). The trainer draws the anchor rows per sample and step (train/anchors.py);
+the blocks of a batch's N anchors run as [B, S*N] queries over the T context keys and the
+S*N block keys, with the mask `block_mask` builds.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import torch.nn as nn
@@ -28,8 +27,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
 from eyas.draft.config import DraftConfig
+from eyas.draft.flex import compiled
 from eyas.draft.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary_pos_emb
-from eyas.draft.model import FLEX_PAD, Eagle3Drafter, _compiled_flex, frozen_embedding
+from eyas.draft.model import Eagle3Drafter, frozen_embedding
 
 
 class DFlashAttention(nn.Module):
@@ -112,73 +112,93 @@ class DFlashDrafter(nn.Module):
         mask = first.new_full((first.shape[0], slots - 1, first.shape[1]), self.config.mask_token_id)
         return self.embed_tokens(torch.cat([first[:, None], mask], dim=1))
 
-    def forward_ttt_states(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int | None = None):
-        """Every row i anchors a block (see the module docstring). input_ids [B, T], aux_hidden
-        [B, T, L_aux, H]. Returns `steps` normed outputs [B, T, H]: entry k is slot k+1, which
-        predicts the target's distribution at position i+1+k (entries whose slot lies past
-        the end are garbage and must be masked by the caller, as for EAGLE-3)."""
+    def forward_ttt_states(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int | None = None,
+                           rows: torch.Tensor | None = None):
+        """The blocks anchored at `rows` [B, T] bool (default every row; see the module docstring).
+        input_ids [B, T], aux_hidden [B, T, L_aux, H]. Returns `steps` normed outputs [B, T, H]:
+        entry k at an anchored row i is slot k+1, which predicts the target's distribution at
+        position i+1+k; rows that anchor no block hold zeros, and entries whose slot lies past
+        the end are garbage: the caller scores neither (as for EAGLE-3)."""
         K = steps or self.config.ttt_steps
         S = K + 1
         B, T = input_ids.shape
+        anchor, valid = anchor_table(rows if rows is not None else input_ids.new_ones(B, T, dtype=torch.bool))
+        N = anchor.shape[1]
         ctx = self.context(aux_hidden)  # [B, T, H]
-        x = self.block_embeds(F.pad(input_ids, (0, 1))[:, 1:], S).flatten(1, 2)  # [B, S*T, H]: slot-major
-        pos = torch.arange(T, device=input_ids.device)
-        cos_c, sin_c = self.rotary(ctx, pos.expand(B, T))
-        cos_b, sin_b = self.rotary(x, (pos + 1 + torch.arange(S, device=pos.device)[:, None]).flatten().expand(B, S * T))
+        first = F.pad(input_ids, (0, 1)).gather(1, anchor + 1)  # [B, N]: slot 0 holds token i+1
+        x = self.block_embeds(first, S).flatten(1, 2)  # [B, S*N, H]: slot-major
+        cos_c, sin_c = self.rotary(ctx, torch.arange(T, device=input_ids.device).expand(B, T))
+        slots = torch.arange(S, device=input_ids.device)[None, :, None]
+        cos_b, sin_b = self.rotary(x, (anchor[:, None, :] + 1 + slots).flatten(1))  # slot s of row i at i+1+s
+        mask = block_mask(anchor, S, T)
         for layer in self.layers:
             attn = layer.self_attn
             h = layer.input_layernorm(x)
-            q = attn.query(h, cos_b, sin_b)  # [B, nH, S*T, d]
-            kb, vb = attn.key_value(h, cos_b, sin_b)  # [B, nKV, S*T, d]
+            q = attn.query(h, cos_b, sin_b)  # [B, nH, S*N, d]
+            kb, vb = attn.key_value(h, cos_b, sin_b)  # [B, nKV, S*N, d]
             kc, vc = attn.key_value(ctx, cos_c, sin_c)  # [B, nKV, T, d]
-            k = attn.repeat(torch.cat([kc, kb], dim=2))  # [B, nH, (1+S)*T, d]
+            k = attn.repeat(torch.cat([kc, kb], dim=2))  # [B, nH, T + S*N, d]
             v = attn.repeat(torch.cat([vc, vb], dim=2))
-            out = block_attention(q, k, v, T, S)  # [B, nH, S*T, d]
+            out = block_attention(q, k, v, mask)  # [B, nH, S*N, d]
             x = layer.finish(x, out.transpose(1, 2).flatten(2))
-        normed = self.norm(x.view(B, S, T, -1)[:, 1:])  # [B, K, T, H]
-        return list(normed.unbind(1))
+        normed = self.norm(x.view(B, S, N, -1)[:, 1:]).transpose(1, 2)  # [B, N, K, H]
+        b, n = valid.nonzero(as_tuple=True)
+        states = normed.new_zeros(B, T, K, normed.shape[-1]).index_put((b, anchor[b, n]), normed[b, n])
+        return list(states.unbind(2))
 
-    def forward_ttt(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int | None = None):
+    def forward_ttt(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int | None = None,
+                    rows: torch.Tensor | None = None):
         """K logits tensors [B, T, Vd], aligned as `forward_ttt_states`."""
-        return [self.lm_head(n) for n in self.forward_ttt_states(input_ids, aux_hidden, steps)]
+        return [self.lm_head(n) for n in self.forward_ttt_states(input_ids, aux_hidden, steps, rows)]
 
 
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, T: int, S: int) -> torch.Tensor:
-    """q [B, nH, S*T, d] (slot-major block queries), k/v [B, nH, (1+S)*T, d] (context, then the
-    block slot-major). Query (s, t) sees context positions <= t and all S block entries of row t:
-    flex attention with a block-sparse mask on CUDA, a dense mask elsewhere."""
-    if q.is_cuda:
-        return _block_attention_flex(q, k, v, T, S)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=block_mask_dense(T, S, q.device))
+def anchor_table(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [B, T] bool, the rows anchoring a block -> anchors [B, N] long (ascending, 0 where
+    padded) and valid [B, N] bool; N is the most anchors a row holds (at least 1)."""
+    B, T = rows.shape
+    position = torch.arange(T, device=rows.device).expand(B, T)
+    ordered = torch.where(rows, position, position + T).sort(1).values[:, : max(1, int(rows.sum(1).max()))]
+    valid = ordered < T
+    return torch.where(valid, ordered, 0), valid
 
 
-def block_mask_dense(T: int, S: int, device: torch.device) -> torch.Tensor:
-    """[S*T, (1+S)*T] bool: the visibility `block_attention` applies."""
-    t = torch.arange(S * T, device=device) % T  # each query's row
-    kv = torch.arange((1 + S) * T, device=device)
-    ctx = (kv[None] < T) & (kv[None] <= t[:, None])
-    block = (kv[None] >= T) & (kv[None] % T == t[:, None])
-    return ctx | block
+def block_mask(anchor: torch.Tensor, S: int, T: int):
+    """The visibility of the blocks of anchors [B, N] over T context positions: query (s, n) sees
+    context positions <= anchor n and the S block entries of anchor n. A flex BlockMask on CUDA
+    (built once per batch, for every layer), else a dense [B, 1, S*N, T + S*N] bool mask."""
+    if anchor.is_cuda:
+        return _block_mask_flex(anchor, S, T)
+    return block_mask_dense(anchor, S, T)[:, None]
 
 
-def _block_attention_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, T: int, S: int) -> torch.Tensor:
-    """The same attention with rows padded to T' (a multiple of FLEX_PAD), so block masks are
-    built once per padded length; padded rows and keys are never seen by a real query."""
-    pad = -T % FLEX_PAD
-    Tp = T + pad
-    B, nH, _, d = q.shape
-
-    def padded(x: torch.Tensor, parts: int) -> torch.Tensor:
-        return F.pad(x.view(B, nH, parts, T, d), (0, 0, 0, pad)).view(B, nH, parts * Tp, d)
-
-    out = _compiled_flex()(padded(q, S), padded(k, 1 + S), padded(v, 1 + S), block_mask=_block_mask(Tp, S, q.device))
-    return out.view(B, nH, S, Tp, d)[:, :, :, :T].reshape(B, nH, S * T, d)
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
+    """q [B, nH, S*N, d] (slot-major block queries), k/v [B, nH, T + S*N, d] (context, then the
+    block slot-major), `mask` from `block_mask`: compiled flex attention on CUDA, dense elsewhere."""
+    if isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return compiled("dflash-block")(q, k, v, block_mask=mask)
 
 
-@functools.lru_cache(maxsize=256)
-def _block_mask(T: int, S: int, device: torch.device):
+def block_mask_dense(anchor: torch.Tensor, S: int, T: int) -> torch.Tensor:
+    """[B, S*N, T + S*N] bool: the visibility `block_attention` applies."""
+    N = anchor.shape[1]
+    n = torch.arange(S * N, device=anchor.device) % N  # each query's anchor
+    kv = torch.arange(T + S * N, device=anchor.device)
+    context = (kv < T) & (kv <= anchor[:, n, None])  # [B, S*N, T + S*N]
+    block = (kv >= T) & ((kv - T) % N == n[:, None])  # [S*N, T + S*N]
+    return context | block
+
+
+def _block_mask_flex(anchor: torch.Tensor, S: int, T: int):
+    """The flex BlockMask of `block_mask_dense`. The mask reads the batch's sizes from tensors,
+    not Python ints, so the compiled attention guards on no length: batches of every length
+    and anchor count share its compiled variants."""
+    B, N = anchor.shape
+    context, anchors = (torch.tensor(v, device=anchor.device) for v in (T, N))
+
     def mask(b, h, q_idx, kv_idx):
-        t = q_idx % T
-        return ((kv_idx < T) & (kv_idx <= t)) | ((kv_idx >= T) & (kv_idx % T == t))
+        n = q_idx % anchors
+        before = (kv_idx < context) & (kv_idx <= anchor[b, n])
+        return before | ((kv_idx >= context) & ((kv_idx - context) % anchors == n))
 
-    return create_block_mask(mask, B=None, H=None, Q_LEN=S * T, KV_LEN=(1 + S) * T, device=device)
+    return create_block_mask(mask, B=B, H=None, Q_LEN=S * N, KV_LEN=T + S * N, device=anchor.device)

@@ -1,5 +1,6 @@
 """The drafter kinds eyas trains, from the same store and the same objective: `eagle3` drafts
-its K tokens one forward pass each, `dflash` drafts a block of K in one pass. Here: what a
+its K tokens one forward pass each, `dflash` drafts a block of K in one pass, `peagle`
+(EAGLE-3 with parallel drafting) drafts its K in one pass of the EAGLE-3 layer. Here: what a
 kind's config may hold and the config.json vLLM loads it with (no torch: DraftConfig checks
 itself with these); its module class is built by `build.new_drafter`."""
 
@@ -11,7 +12,7 @@ from typing import Any
 
 from eyas.errors import EyasError
 
-DRAFTERS = ("eagle3", "dflash")
+DRAFTERS = ("eagle3", "dflash", "peagle")
 
 
 def default_num_layers(target_layers: int) -> int:
@@ -26,15 +27,24 @@ def check_kind(cfg) -> None:
         raise EyasError(f"Unknown drafter kind {cfg.drafter!r}; choose from {', '.join(DRAFTERS)}.")
     if cfg.num_hidden_layers < 1:
         raise EyasError("A drafter needs at least one layer.")
-    if cfg.drafter == "eagle3" and cfg.num_hidden_layers != 1:
+    if cfg.drafter != "dflash" and cfg.num_hidden_layers != 1:
         raise EyasError("An EAGLE-3 drafter has exactly one layer.")
+    if cfg.drafter != "eagle3" and (cfg.mask_token_id is None or not 0 <= cfg.mask_token_id < cfg.vocab_size):
+        name = {"dflash": "DFlash", "peagle": "P-EAGLE"}[cfg.drafter]
+        raise EyasError(f"A {name} drafter needs a mask token id in 0..{cfg.vocab_size - 1}, not {cfg.mask_token_id}.")
     if cfg.drafter == "dflash":
-        if cfg.mask_token_id is None or not 0 <= cfg.mask_token_id < cfg.vocab_size:
-            raise EyasError(f"A DFlash drafter needs a mask token id in 0..{cfg.vocab_size - 1}, "
-                            f"not {cfg.mask_token_id}.")
         if cfg.fc_norm or cfg.norm_output or cfg.norm_before_residual:
             raise EyasError("fc_norm, norm_output and norm_before_residual are EAGLE-3 options; "
                             "a DFlash drafter has none of them.")
+
+
+def peagle_hf_config(cfg) -> dict[str, Any]:
+    """config.json of a P-EAGLE drafter: EAGLE-3's (vLLM's LlamaForCausalLMEagle3, which loads
+    `mask_hidden` when served with `parallel_drafting`), plus the mask token vLLM's proposer
+    writes into the parallel slots."""
+    d = replace(cfg, drafter="eagle3", mask_token_id=None).to_hf_dict()
+    d["eyas"] = {**d["eyas"], "drafter": "peagle", "mask_token_id": cfg.mask_token_id}
+    return {**d, "mask_token_id": cfg.mask_token_id}
 
 
 def hf_config(cfg) -> dict[str, Any]:

@@ -16,11 +16,13 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 
 from eyas.draft.config import DraftConfig
+from eyas.draft.flex import compiled
 from eyas.draft.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary_pos_emb
 from eyas.draft.mla import MLAAttention
+
 
 
 class DraftAttention(nn.Module):
@@ -34,14 +36,15 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, T, 2H] -> q [B, nH, T, d], k and v [B, nH, T, d] (kv heads repeated for GQA)."""
+        """x [B, T, 2H] -> q [B, nH, T, d], k and v [B, nKV, T, d]. The kv heads are not repeated:
+        attention maps query head h to kv head h // (nH / nKV) itself (GQA), so training keeps
+        nKV-head keys for backward instead of nH-head copies (4x less at Llama-3's 32/8)."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        rep = self.n_heads // self.n_kv
-        return q, k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        return q, k, v
 
     def merge_heads(self, out: torch.Tensor) -> torch.Tensor:
         """out [B, nH, T, d] -> o_proj's input [B, T, nH*d]."""
@@ -137,6 +140,11 @@ class Eagle3Drafter(nn.Module):
         (see `forward_ttt_states` for the alignment)."""
         return [self.lm_head(normed) for normed in self.forward_ttt_states(input_ids, aux_hidden, steps)]
 
+    def step_inputs(self, k: int, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step k's inputs: the embeddings of tokens [B, T] and the hidden states [B, T, H] (the
+        target's at k = 0, then the previous step's outputs); P-EAGLE overrides it."""
+        return self.embed_tokens(tokens), hidden
+
     def forward_ttt_states(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int | None = None):
         """Training-time test over whole sequences, up to the final norm.
 
@@ -156,19 +164,45 @@ class Eagle3Drafter(nn.Module):
         k0 = v0 = None
         extra: list[tuple[torch.Tensor, torch.Tensor]] = []
         states = []
+        pre, post = _step_parts(input_ids.is_cuda and COMPILE_STEP_PARTS)
         for k in range(steps):
-            x, residual = self.midlayer.pre_attention(self.embed_tokens(padded[:, 1 + k : 1 + k + T]), hidden)
+            x, residual = pre(self.midlayer, *self.step_inputs(k, padded[:, 1 + k : 1 + k + T], hidden))
             cos, sin = self.rope(x, base_pos + k)
-            q, kk, vv = self.midlayer.self_attn.qkv(x, cos, sin)  # [B, nH, T, d], v [B, nH, T, d_v]
+            q, kk, vv = self.midlayer.self_attn.qkv(x, cos, sin)  # q [B, nH, T, d], k/v [B, nKV, T, d(_v)]
             if k == 0:
                 k0, v0 = kk, vv
             else:
                 extra.append((kk, vv))
             attn = self.midlayer.self_attn
             out = ttt_attention(q, k0, v0, extra, attn.scale)  # [B, nH, T, d_v]
-            normed, hidden = self.normed_outputs(self.midlayer.post_attention(attn.merge_heads(out), residual))
+            normed, hidden = post(self, attn.merge_heads(out), residual)
             states.append(normed)
         return states
+
+
+def _pre_attention(layer: DraftLayer, embeds: torch.Tensor, hidden: torch.Tensor):
+    return layer.pre_attention(embeds, hidden)
+
+
+def _post_attention(drafter: Eagle3Drafter, attn_out: torch.Tensor, residual: torch.Tensor):
+    return drafter.normed_outputs(drafter.midlayer.post_attention(attn_out, residual))
+
+
+# On CUDA the parts of a TTT step around attention (norms, concatenation, o_proj, MLP, final
+# norm) run compiled, as speculators compiles its whole step. Eager RMSNorm keeps float32
+# copies of its input for backward and the MLP each pointwise output; compiled, the fused
+# kernels keep their inputs and recompute the rest (40% fewer bytes kept for backward, 182 ->
+# 110 MiB at H 1024, I 3584, 2 x 256 tokens, 7 steps, measured on the CPU with the same
+# partition; ~4 GB at the 8B shape), and the pointwise passes between the matrix products run
+# as one kernel each. A switch, so that bench/peers.py can measure what it brings.
+COMPILE_STEP_PARTS = True
+
+
+@functools.cache
+def _step_parts(compiled: bool):
+    if not compiled:
+        return _pre_attention, _post_attention
+    return torch.compile(_pre_attention, dynamic=True), torch.compile(_post_attention, dynamic=True)
 
 
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
@@ -182,11 +216,14 @@ def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
 
 def ttt_attention_dense(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
                         extra: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None) -> torch.Tensor:
-    """q, k0 [B, nH, T, d], v0 [B, nH, T, d_v]; extra: (k_j, v_j) for steps 1..k. Scores against
-    step-0 keys are causal [B, nH, T, T]; each later step contributes one same-position score
-    [B, nH, T, 1]; one softmax runs over all T + k of them. `scale` defaults to d^-0.5.
+    """q [B, nH, T, d], k0 [B, nKV, T, d], v0 [B, nKV, T, d_v]; extra: (k_j, v_j) for steps 1..k
+    (nKV divides nH: GQA). Scores against step-0 keys are causal [B, nH, T, T]; each later step
+    contributes one same-position score [B, nH, T, 1]; one softmax runs over all T + k of them.
+    `scale` defaults to d^-0.5.
     """
-    T = q.shape[-2]
+    T, heads = q.shape[-2], q.shape[1]
+    k0, v0 = _per_query_head(k0, heads), _per_query_head(v0, heads)
+    extra = [(_per_query_head(kj, heads), _per_query_head(vj, heads)) for kj, vj in extra]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
     scores = (q @ k0.transpose(-1, -2)).float().mul(scale).masked_fill(~causal, float("-inf"))
@@ -200,23 +237,56 @@ def ttt_attention_dense(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
     return out
 
 
+def _per_query_head(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, nKV, T, d] -> [B, heads, T, d]: kv head j serves query heads j*rep .. j*rep+rep-1."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
+
+
 def ttt_attention_flex(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
                        extra: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None) -> torch.Tensor:
-    """The same attention as one flex-attention call over the keys of all steps laid end to
-    end ([B, nH, (1+k)T', d]); the block mask skips every block that is neither causal step-0
-    nor on a same-position diagonal, so the cost is ~T^2/2 + kT, never (1+k)T^2.
+    """The same attention as one causal flex-attention call over the step-0 keys, which also
+    returns its log-sum-exp, merged with the later steps' same-position keys (`merge_same_position`).
+
+    Laying all steps' keys end to end in one flex call would cost a 128-wide block per query
+    block for each later step (of which only the diagonal is used), and each step would
+    concatenate, and keep for backward, copies of all earlier steps' keys and values: memory
+    quadratic in the TTT steps, ~4x the step-0 keys and values at 7 steps. Here every step's
+    keys and values are kept once.
 
     Positions are padded to T' (a multiple of FLEX_PAD): building a block mask costs more
     than the attention itself, and batches come in every length, so masks are built once per
-    padded length and reused. Real queries never see a padded key (step-0 keys only up to
-    their own position, later steps only at it); the padded queries' rows are dropped."""
+    padded length and reused. Real queries never see a padded key (causal); the padded
+    queries' rows are dropped."""
     T = q.shape[-2]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     pad = -T % FLEX_PAD
-    k = torch.cat([F.pad(kj, (0, 0, 0, pad)) for kj in (k0, *(kj for kj, _ in extra))], dim=2)
-    v = torch.cat([F.pad(vj, (0, 0, 0, pad)) for vj in (v0, *(vj for _, vj in extra))], dim=2)
-    out = _compiled_flex()(F.pad(q, (0, 0, 0, pad)), k, v, block_mask=ttt_block_mask(T + pad, 1 + len(extra), q.device),
-                           scale=scale)
-    return out[..., :T, :]
+    qp, kp, vp = (F.pad(t, (0, 0, 0, pad)) if pad else t for t in (q, k0, v0))
+    out0, aux = _compiled_flex()(qp, kp, vp, block_mask=causal_block_mask(T + pad, q.device), scale=scale,
+                                 return_aux=AuxRequest(lse=True), enable_gqa=kp.shape[1] != qp.shape[1])
+    # the padded q's real rows (a view: flex keeps qp for backward anyway, so q is not kept twice)
+    return merge_same_position(out0[..., :T, :], aux.lse[..., :T], qp[..., :T, :], extra, scale)
+
+
+def merge_same_position(out0: torch.Tensor, lse0: torch.Tensor, q: torch.Tensor,
+                        extra: list[tuple[torch.Tensor, torch.Tensor]], scale: float) -> torch.Tensor:
+    """Attention over step-0 keys (out0 [B, nH, T, d_v], its log-sum-exp lse0 [B, nH, T]) joined
+    with one same-position key per later step (extra: (k_j [B, nKV, T, d], v_j [B, nKV, T, d_v]))
+    into the softmax over all T + k scores: step-0's share is exp(lse0) / Z, step j's
+    exp(q.k_j * scale) / Z. Query heads are grouped by kv head (GQA), so k_j and v_j are read
+    in place rather than repeated per query head."""
+    if not extra:
+        return out0
+    B, nH, T, d = q.shape
+    nkv = extra[0][0].shape[1]
+    qg = q.view(B, nkv, nH // nkv, T, d)  # [B, nKV, rep, T, d]
+    diag = torch.stack([(qg * kj.unsqueeze(2)).sum(-1, dtype=torch.float32) for kj, _ in extra], dim=-1)
+    diag = diag.view(B, nH, T, len(extra)) * scale  # [B, nH, T, k]
+    weights = torch.cat([lse0.float().unsqueeze(-1), diag], dim=-1).softmax(-1)  # [B, nH, T, 1 + k]
+    out = out0 * weights[..., :1]  # float32 [B, nH, T, d_v]
+    for j, (_, vj) in enumerate(extra):
+        w = weights[..., 1 + j : 2 + j].view(B, nkv, nH // nkv, T, 1)
+        out = out + (w * vj.unsqueeze(2)).view(B, nH, T, vj.shape[-1])
+    return out.to(out0.dtype)
 
 
 FLEX_PAD = 128  # flex attention's block size
@@ -224,15 +294,13 @@ FLEX_PAD = 128  # flex attention's block size
 
 @functools.cache
 def _compiled_flex():
-    return torch.compile(flex_attention, dynamic=True)
+    """TTT's compiled flex attention, with a compile cache of its own (see draft/flex.py)."""
+    return compiled("eagle3-ttt")
 
 
 @functools.lru_cache(maxsize=512)
-def ttt_block_mask(T: int, steps: int, device: torch.device):
-    """The flex-attention block mask of `ttt_attention_flex` for T (padded) positions and
-    `steps` TTT steps, cached per shape (`cache_info()` tells a benchmark how often it was built)."""
-    def mask(b, h, q_idx, kv_idx):  # kv_idx = step * T + position
-        step, pos = kv_idx // T, kv_idx % T
-        return ((step == 0) & (pos <= q_idx)) | ((step > 0) & (pos == q_idx))
-
-    return create_block_mask(mask, B=None, H=None, Q_LEN=T, KV_LEN=steps * T, device=device)
+def causal_block_mask(T: int, device: torch.device):
+    """The causal flex block mask of `ttt_attention_flex` for T (padded) positions, cached per
+    length (`cache_info()` tells a benchmark how often it was built)."""
+    return create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, B=None, H=None, Q_LEN=T, KV_LEN=T,
+                             device=device)

@@ -87,14 +87,19 @@ class DFlash(Proposer):
         if depth <= 0:
             return DraftTree()
         assert self.session.length == len(sequence) - 1, "the context must end right before the last token"
-        logits = self.session.block(sequence[-1])  # [K, Vd]
-        if self.temperature <= 0:  # one read of the device for the whole block
-            return DraftTree.chain(self.session.m.draft_to_target(logits[:depth].argmax(-1)).tolist())
-        tree = DraftTree()
-        for d in range(depth):
-            draft_id, dense = pick(self.session.m, logits[d], self.temperature, self.generator)
-            tree.add(self.session.m.draft_to_target(draft_id).item(), d - 1, dense)
-        return tree
+        return block_chain(self.session.m, self.session.block(sequence[-1])[:depth], self.temperature, self.generator)
 
     def update(self, emitted: list[int], aux: torch.Tensor | None) -> None:
         self.session.extend(aux)
+
+
+def block_chain(m, logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> DraftTree:
+    """A block's slot logits [K, Vd] -> the chain to verify: each slot's argmax, or at T > 0 a
+    sample of its own distribution, which is the proposal the acceptance test divides by."""
+    if temperature <= 0:  # one read of the device for the whole block
+        return DraftTree.chain(m.draft_to_target(logits.argmax(-1)).tolist())
+    tree = DraftTree()
+    for d in range(len(logits)):
+        draft_id, dense = pick(m, logits[d], temperature, generator)
+        tree.add(m.draft_to_target(draft_id).item(), d - 1, dense)
+    return tree

@@ -66,6 +66,19 @@ class DrafterSession:
         logits, hidden = self.m.outputs(h[-1])
         self.logits, self.hidden = logits, hidden
 
+    @torch.inference_mode()
+    def parallel_block(self, depth: int) -> torch.Tensor:
+        """P-EAGLE (draft/peagle.py): [depth, Vd], slot 0's logits (the last committed entry's) and
+        those of depth-1 masked entries (the mask token and `mask_state()` at the next positions,
+        causal among themselves) from one pass of the layer; nothing is cached."""
+        m, S, n = self.m, self.length, depth - 1
+        if n == 0:
+            return self.logits[None]
+        visible = torch.ones(n, S + n, dtype=torch.bool).tril(S)
+        h, _, _ = self._layer(torch.full((n,), m.config.mask_token_id), m.mask_state().expand(n, -1),
+                              torch.arange(S, S + n), self.keys, self.values, visible)
+        return torch.cat([self.logits[None], m.outputs(h)[0]])
+
     def _to_target(self, draft_ids: torch.Tensor) -> list[int]:
         return self.m.draft_to_target(draft_ids).tolist()
 

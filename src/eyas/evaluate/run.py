@@ -27,6 +27,7 @@ from eyas.evaluate.dflash import DFlash, DFlashSession
 from eyas.evaluate.config import EvalConfig
 from eyas.evaluate.drafter import DrafterSession
 from eyas.evaluate.generate import generate
+from eyas.evaluate.peagle import PEagle
 from eyas.evaluate.plot import plot_acceptance
 from eyas.evaluate.prompts import EvalPrompt, load_prompts, render, stratified
 from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
@@ -104,11 +105,15 @@ def run_methods(target: TargetSession, tokenizer, proposers: list[Proposer], pro
 
 def drafter_proposer(drafter, cfg: EvalConfig, generator: torch.Generator | None) -> Proposer:
     """The drafter's kind decides how it drafts: EAGLE-3 a chain or tree step by step, DFlash
-    a block in one pass (verified as a chain)."""
-    if drafter.config.drafter == "dflash":
-        if cfg.tree:
-            raise EyasError("A DFlash drafter proposes one block, verified as a chain; drop --tree.")
+    and P-EAGLE a block in one pass (verified as a chain)."""
+    kind = drafter.config.drafter
+    if kind != "eagle3" and cfg.tree:
+        raise EyasError(f"A {'DFlash' if kind == 'dflash' else 'P-EAGLE'} drafter proposes one block, verified as a "
+                        f"chain; drop --tree.")
+    if kind == "dflash":
         return DFlash(DFlashSession(drafter), cfg.steps, temperature=cfg.temperature, generator=generator)
+    if kind == "peagle":
+        return PEagle(DrafterSession(drafter), cfg.steps, temperature=cfg.temperature, generator=generator)
     return Eagle3(DrafterSession(drafter), cfg.steps, tree=cfg.tree, top_k=cfg.top_k, max_nodes=cfg.draft_tokens,
                   temperature=cfg.temperature, generator=generator)
 

@@ -70,8 +70,8 @@ def planned_serve_command(ckpt: str | Path, to: str, out: str | Path, *, target:
 
 
 def speculative_tokens(cfg: DraftConfig, asked: int | None) -> int:
-    """Draft tokens per step: as asked, else 3, or a DFlash drafter's whole block as trained."""
-    k = asked if asked is not None else cfg.ttt_steps if cfg.drafter == "dflash" else 3
+    """Draft tokens per step: as asked, else 3, or a DFlash or P-EAGLE drafter's whole block as trained."""
+    k = asked if asked is not None else 3 if cfg.drafter == "eagle3" else cfg.ttt_steps
     if k < 1:
         raise EyasError("--num-speculative-tokens must be at least 1.")
     return k
@@ -141,10 +141,11 @@ def written_layer_ids(config: dict[str, Any]) -> dict[str, list[int]]:
 def serve_command(engine: str, target: str, drafter: str | Path, num_speculative_tokens: int,
                   method: str = "eagle3") -> str:
     """The command line that serves `target` with the exported drafter, chain drafting k tokens
-    (DFlash: a block of k in one pass)."""
+    (DFlash: a block of k in one pass; P-EAGLE: EAGLE-3 with vLLM's parallel drafting)."""
     k = num_speculative_tokens
     if engine == "vllm":
-        spec = json.dumps({"method": method, "model": str(drafter), "num_speculative_tokens": k})
+        parallel = {"method": "eagle3", "parallel_drafting": True} if method == "peagle" else {"method": method}
+        spec = json.dumps({**parallel, "model": str(drafter), "num_speculative_tokens": k})
         return shlex.join([*serve_launcher(target), "--speculative-config", spec])
     return shlex.join([
         "python", "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm", "EAGLE3",

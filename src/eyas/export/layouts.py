@@ -195,13 +195,21 @@ def dflash_vllm_config(cfg: DraftConfig, serving: dict[str, Any]) -> dict[str, A
     return cfg.to_hf_dict()
 
 
+def peagle_vllm_config(cfg: DraftConfig, serving: dict[str, Any]) -> dict[str, Any]:
+    """EAGLE-3's vLLM layout, which vLLM 0.32 serves with `parallel_drafting: true` given the
+    mask token (`mask_token_id`, read by its proposer) and the `mask_hidden` weight."""
+    return {**vllm_config(cfg, serving), "mask_token_id": cfg.mask_token_id}
+
+
 def layout_for(cfg: DraftConfig, name: str) -> Layout:
-    """The layout `name` for this drafter's kind: a DFlash drafter has the one vLLM serves."""
+    """The layout `name` for this drafter's kind: DFlash and P-EAGLE have the one vLLM serves."""
     if cfg.drafter == "eagle3":
         return get_layout(name)
     if name != "vllm":
-        raise EyasError(f"A {cfg.drafter} drafter exports only --to vllm (vLLM 0.32 serves method {cfg.drafter}; "
-                        f"neither SGLang nor the speculators format is written for it).")
+        raise EyasError(f"A {cfg.drafter} drafter exports only --to vllm (vLLM 0.32 serves it; neither SGLang nor "
+                        f"the speculators format is written for it).")
+    if cfg.drafter == "peagle":
+        return Layout("vllm", "vllm", EYAS_PREFIX, False, peagle_vllm_config, _needs_silu)
     return Layout("vllm", "vllm", "", False, dflash_vllm_config, _needs_silu)
 
 

@@ -14,6 +14,8 @@ from eyas.draft.kinds import DRAFTERS, default_num_layers
 from eyas.options import batch_tokens_option, check_rules, device_option, layers_option, option
 from eyas.validate import COUNT, POSITIVE, SHARE, Number
 
+DFLASH_ANCHORS = 512  # SpecForge's and speculators' default: bounds a sample's block tokens at 512 x block size
+
 # Options added after runs were recorded, with the value such a run had (its drafter, restored
 # from the checkpoint, keeps the attention it was built with).
 ADDED = {"draft_attention": "auto"}
@@ -37,16 +39,21 @@ class TrainConfig:
         "train on a store whose capture has not finished (refused otherwise, naming what is missing)", False,
         group=DATA)
 
-    drafter: str = option("eagle3: K tokens, one forward pass each; dflash: a block of K in one pass", "eagle3",
-                          choices=("eagle3", "dflash"), group=DRAFTER)  # the kinds of draft/kinds.py
+    drafter: str = option("eagle3: K tokens, one forward pass each; dflash: a block of K in one pass; peagle: "
+                          "EAGLE-3 drafting its K in one pass (vLLM's parallel_drafting)", "eagle3",
+                          choices=DRAFTERS, group=DRAFTER)  # the kinds of draft/kinds.py
     block_size: int | None = option(
         f"dflash: the last token plus the K drafted ones (default --ttt-steps + 1 = {DraftConfig.ttt_steps + 1})",
         None, group=DRAFTER)  # sets ttt_steps = block_size - 1
     draft_layers: int | None = option("dflash: decoder layers (default: a tenth of the target's, >= 1)", None,
                                       group=DRAFTER)
     mask_token_id: int | None = option(
-        "dflash: the token whose (frozen) embedding marks the slots to fill (default: the last id)", None,
+        "dflash, peagle: the token whose (frozen) embedding marks the slots to fill (default: the last id)", None,
         group=DRAFTER)
+    anchors: int | None = option(
+        "dflash: rows per sample and step that anchor a block, drawn afresh each step among those with a trained "
+        f"label (default {DFLASH_ANCHORS}); bounds the block tokens at anchors x block size a sample", None,
+        rule=COUNT, group=DRAFTER)
     draft_vocab: int | None = option("draft vocabulary size (default min(32000, target vocab))", None, rule=COUNT,
                                      group=DRAFTER)
     ttt_steps: int = option("unrolled training-time-test steps", DraftConfig.ttt_steps, rule=COUNT, group=DRAFTER)
@@ -117,8 +124,10 @@ class TrainConfig:
         if self.drafter not in DRAFTERS:
             raise EyasError(f"--drafter must be one of {', '.join(DRAFTERS)}, not {self.drafter!r}.")
         if self.drafter != "dflash":
-            if (self.block_size, self.draft_layers, self.mask_token_id) != (None, None, None):
-                raise EyasError("--block-size, --draft-layers and --mask-token-id are for --drafter dflash.")
+            if (self.block_size, self.draft_layers, self.anchors) != (None,) * 3:
+                raise EyasError("--block-size, --draft-layers and --anchors are for --drafter dflash.")
+            if self.mask_token_id is not None and self.drafter == "eagle3":
+                raise EyasError("--mask-token-id is for --drafter dflash or peagle.")
             return
         if self.fc_norm or self.norm_output:
             raise EyasError("--fc-norm and --norm-output are EAGLE-3 options; drop them with --drafter dflash.")
@@ -128,13 +137,18 @@ class TrainConfig:
             self.ttt_steps = self.block_size - 1
         if self.draft_layers is not None and self.draft_layers < 1:
             raise EyasError("--draft-layers must be at least 1.")
+        if self.anchors is None:
+            self.anchors = DFLASH_ANCHORS
 
     def kind_options(self, identity) -> dict[str, Any]:
         """The DraftConfig fields of the kind, given the target's identity."""
+        mask = {"mask_token_id": identity.vocab_size - 1 if self.mask_token_id is None else self.mask_token_id}
+        if self.drafter == "peagle":
+            return {"drafter": "peagle", **mask}
         if self.drafter != "dflash":
             return {}
         return {"drafter": "dflash", "num_hidden_layers": self.draft_layers or default_num_layers(identity.num_layers),
-                "mask_token_id": identity.vocab_size - 1 if self.mask_token_id is None else self.mask_token_id}
+                **mask}
 
     @property
     def crop(self) -> int:

@@ -36,6 +36,7 @@ from eyas import distributed
 from eyas.train.config import TrainConfig
 from eyas.train.data import Batch, BatchStream, OnlineSource, SampleSource, StoreSource, split
 from eyas.train.metrics import MetricsLog, format_table, summarize
+from eyas.train.anchors import HELD_OUT, batch_rows, loss_masks
 from eyas.train.objective import TTTObjective, make_labels, step_counts
 
 
@@ -287,15 +288,25 @@ def _part(timer: StepTimer | None, name: str):
     return timer.part(name) if timer is not None else contextlib.nullcontext()
 
 
-def forward(run: Run, batch: Batch, weights: torch.Tensor, wrapped: bool = True, timer: StepTimer | None = None):
+def forward(run: Run, batch: Batch, weights: torch.Tensor, wrapped: bool = True, timer: StepTimer | None = None,
+            rows: torch.Tensor | None = None):
     """One micro-batch: labels from the target head, then the TTT objective (through the
-    DDP/FSDP wrapper when `wrapped`, which training needs for its gradient hooks)."""
+    DDP/FSDP wrapper when `wrapped`, which training needs for its gradient hooks), scoring
+    the rows [B, T] that anchor a DFlash block when given."""
     model = run.model if wrapped else run.objective
     with _autocast(run.device):
         with _part(timer, "labels"):
             labels = make_labels(run.head, batch.hidden[:, :, -1], batch.loss_mask, _draft_ids(run))
         with _part(timer, "forward"):
-            return model(batch.input_ids, batch.hidden[:, :, :-1], labels, weights)
+            return model(batch.input_ids, batch.hidden[:, :, :-1], labels, weights, *([] if rows is None else [rows]))
+
+
+def _anchor_rows(source, positions: list[int], steps: int, anchors: int | None, seed: int, step: int,
+                 device: torch.device) -> torch.Tensor | None:
+    """A DFlash batch's anchor rows [B, T] on `device` (None for other kinds: every row is scored)."""
+    if anchors is None:
+        return None
+    return _to_device(batch_rows(source, positions, steps, anchors, seed, step), device)
 
 
 def _draft_ids(run: Run) -> torch.Tensor:
@@ -308,8 +319,12 @@ def _weights(run: Run, positions: list[list[int]]) -> torch.Tensor:
     K = run.draft.ttt_steps
     counts = torch.zeros(K)
     for batch in positions:
-        for p in batch:
-            counts += step_counts(run.source.tokens(p)[1][None], K)
+        if run.cfg.anchors is None:
+            for p in batch:
+                counts += step_counts(run.source.tokens(p)[1][None], K)
+        else:  # a DFlash batch: the trained pairs of its anchor rows
+            rows = batch_rows(run.source, batch, K, run.cfg.anchors, run.cfg.seed, run.step)
+            counts += step_counts(loss_masks(run.source, batch), K, rows)
     counts = distributed.all_reduce(_to_device(counts, run.device), run.d)
     decay = _to_device(torch.tensor([run.draft.ttt_decay ** k for k in range(K)]), run.device)
     return torch.where(counts > 0, decay * run.d.world / counts.clamp_min(1), torch.zeros_like(decay))
@@ -340,7 +355,9 @@ def accumulate(run: Run, timer: StepTimer | None = None
         with _part(timer, "load"):
             batch = run.source.load(positions, run.device)
         with distributed.no_sync(run.model, last=i == len(micro) - 1):
-            loss, s, rows = forward(run, batch, weights, timer=timer)
+            anchored = _anchor_rows(run.source, positions, run.draft.ttt_steps, run.cfg.anchors, run.cfg.seed,
+                                    run.step, run.device)
+            loss, s, rows = forward(run, batch, weights, timer=timer, rows=anchored)
             with _part(timer, "backward"):
                 loss.backward()
         stats += s
@@ -399,16 +416,18 @@ def evaluate(run: Run, positions: list[int]) -> dict[str, Any] | None:
     """Metrics over `positions` (split among the processes), with the current weights."""
     model = run.model if run.cfg.fsdp else run.objective
     return score(run.source, run.head, model, _draft_ids(run), run.draft.ttt_steps, positions, run.cfg.batch_tokens,
-                 run.cfg.seed, run.device, run.d)
+                 run.cfg.seed, run.device, run.d, anchors=run.cfg.anchors)
 
 
 @torch.no_grad()
 def score(source, head: TargetHead, model: torch.nn.Module, draft_ids: torch.Tensor, K: int, positions: list[int],
-          batch_tokens: int, seed: int, device: torch.device, d: distributed.Dist) -> dict[str, Any] | None:
+          batch_tokens: int, seed: int, device: torch.device, d: distributed.Dist,
+          anchors: int | None = None) -> dict[str, Any] | None:
     """Teacher-forced metrics per TTT step over `positions` of `source`: the trainer's held-out
     pass, and `eyas eval --teacher-forced` (one scorer, so the two agree by construction).
     `model` is the TTTObjective (or its FSDP wrapper, which gathers weights in every forward,
-    so each process runs the same number of them)."""
+    so each process runs the same number of them). A DFlash drafter trained on `anchors` rows
+    per sample is scored on as many, drawn the same way at every evaluation."""
     if not positions:
         return None
     stream = BatchStream(positions, source.lengths, source.sample_index, batch_tokens, seed)
@@ -416,11 +435,13 @@ def score(source, head: TargetHead, model: torch.nn.Module, draft_ids: torch.Ten
     weights = torch.zeros(K, device=device)
     rounds = math.ceil(len(stream) / d.world)
     for i in range(d.rank, rounds * d.world, d.world):
-        batch = source.load(stream.batches[min(i, len(stream) - 1)], device)
+        positions_i = stream.batches[min(i, len(stream) - 1)]
+        batch = source.load(positions_i, device)
         _check_inputs(batch)
+        rows = _anchor_rows(source, positions_i, K, anchors, seed, HELD_OUT, device)
         with _autocast(device):
             labels = make_labels(head, batch.hidden[:, :, -1], batch.loss_mask, draft_ids)
-            s = model(batch.input_ids, batch.hidden[:, :, :-1], labels, weights)[1]
+            s = model(batch.input_ids, batch.hidden[:, :, :-1], labels, weights, *([] if rows is None else [rows]))[1]
         if i < len(stream):
             stats += s
     return summarize(distributed.all_reduce(stats, d))

@@ -39,11 +39,17 @@ def trained_positions(loss_mask: torch.Tensor) -> torch.Tensor:
     return trained
 
 
-def step_counts(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
-    """[steps] float: trained pairs at each TTT step; known before any forward, so processes
-    can agree on the loss normaliser first."""
+def step_counts(loss_mask: torch.Tensor, steps: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """[steps] float: trained pairs at each TTT step (of the rows [B, T] bool that anchor a
+    DFlash block, when given); known before any forward, so processes can agree on the loss
+    normaliser first."""
     trained = trained_positions(loss_mask)
-    return torch.stack([trained[:, 1 + k :].sum() for k in range(steps)]).float()
+    return torch.stack([_at_rows(trained[:, 1 + k :], rows).sum() for k in range(steps)]).float()
+
+
+def _at_rows(pairs: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """pairs [B, T-1-k] (label positions 1+k.. of step k) -> those whose row i is in `rows`."""
+    return pairs if rows is None else pairs & rows[:, : pairs.shape[1]]
 
 
 @torch.no_grad()
@@ -78,8 +84,9 @@ class TTTObjective(nn.Module):
         self.drafter = drafter
 
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, labels: Labels,
-                weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """input_ids [B, T], aux_hidden [B, T, L_aux, H], weights [K] (decay^k / normaliser_k).
+                weights: torch.Tensor, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """input_ids [B, T], aux_hidden [B, T, L_aux, H], weights [K] (decay^k / normaliser_k),
+        rows [B, T] bool: the rows anchoring a DFlash block (train/anchors.py), the only ones scored.
 
         Returns the loss (sum_k weights[k] * summed soft CE of step k), per-step statistics
         [K, 4] (loss sum, correct, trained, target argmax in draft vocab) and the per-row
@@ -87,7 +94,8 @@ class TTTObjective(nn.Module):
         """
         K = len(weights)
         B, T = input_ids.shape
-        states = self.drafter.forward_ttt_states(input_ids, aux_hidden, K)  # K x [B, T, H]
+        anchored = {} if rows is None else {"rows": rows}
+        states = self.drafter.forward_ttt_states(input_ids, aux_hidden, K, **anchored)  # K x [B, T, H]
         # Step k at position i is scored iff its label position j = i+1+k is trained and the
         # target's token there is in the draft vocabulary. Only scored positions go through
         # lm_head and the loss (prompts, padding and the steps' overhang are ~30% of a batch);
@@ -96,8 +104,8 @@ class TTTObjective(nn.Module):
         trained = torch.zeros(K, device=input_ids.device)
         for k in range(min(K, T - 1)):
             target = labels.target_draft[:, 1 + k :]  # [B, T-1-k]
-            scored[k, :, : T - 1 - k] = labels.trained[:, 1 + k :] & (target >= 0)
-            trained[k] = labels.trained[:, 1 + k :].sum()
+            scored[k, :, : T - 1 - k] = _at_rows(labels.trained[:, 1 + k :] & (target >= 0), rows)
+            trained[k] = _at_rows(labels.trained[:, 1 + k :], rows).sum()
         counts = scored.flatten(1).sum(1)  # [K]: scored positions per step
         where = scored.nonzero().split(counts.tolist())  # K x [N_k, 3]: (k, b, i)
         loss = aux_hidden.new_zeros((), dtype=torch.float32)

@@ -1,0 +1,53 @@
+"""Which rows anchor a DFlash block in training: up to `per_sequence` of each sample's rows,
+drawn afresh at every step, among the rows whose block holds a trained pair.
+
+Anchoring every row multiplies the block tokens a batch runs through the drafter by the
+block size; a fixed number per sample bounds them at per_sequence x block size per sample,
+whatever the samples' lengths (SpecForge and speculators draw 512 per sequence). The draw
+depends only on (seed, step, the batch's prepared indices), so the loss normaliser, computed
+from the samples before any forward, and a resumed run see the same anchors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from eyas.train.objective import trained_positions
+
+HELD_OUT = -1  # the step of the held-out pass's draw: the same anchors at every evaluation
+
+
+def eligible_rows(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
+    """loss_mask [B, T] bool -> [B, T] bool: rows i whose block trains a pair (some label
+    position i+1..i+steps is trained)."""
+    T = loss_mask.shape[1]
+    before = F.pad(trained_positions(loss_mask).long().cumsum(1), (1, 0))  # [B, T+1]: trained before j
+    i = torch.arange(T)
+    return before[:, (i + 1 + steps).clamp(max=T)] > before[:, (i + 1).clamp(max=T)]
+
+
+def anchor_rows(loss_mask: torch.Tensor, steps: int, per_sequence: int, key: tuple[int, ...]) -> torch.Tensor:
+    """loss_mask [B, T] bool (on the host) -> [B, T] bool: each row's eligible rows, or
+    `per_sequence` of them, drawn by `key` (one draw for the batch, so one sort)."""
+    rows = eligible_rows(loss_mask, steps)
+    if per_sequence >= loss_mask.shape[1]:
+        return rows
+    g = torch.Generator().manual_seed(hash(key) & (2**63 - 1))
+    score = torch.rand(rows.shape, generator=g).masked_fill(~rows, 2.0)  # [B, T]: the lowest scores are drawn
+    return rows & (score <= score.sort(1).values[:, per_sequence - 1 : per_sequence])
+
+
+def loss_masks(source, positions: list[int]) -> torch.Tensor:
+    """[B, T] bool on the host: the loss masks of the samples at `positions`, T the longest."""
+    masks = [source.tokens(p)[1] for p in positions]
+    out = torch.zeros(len(masks), max(len(m) for m in masks), dtype=torch.bool)
+    for b, m in enumerate(masks):
+        out[b, : len(m)] = m
+    return out
+
+
+def batch_rows(source, positions: list[int], steps: int, per_sequence: int, seed: int, step: int) -> torch.Tensor:
+    """[B, T] bool on the host: the anchor rows of the samples at `positions` at `step`."""
+    key = (seed, step, *(source.sample_index[p] for p in positions))
+    return anchor_rows(loss_masks(source, positions), steps, per_sequence, key)
