@@ -57,8 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="processes sharing the prompts, dealt round-robin over categories; the same answers as one "
                         "process, the timings contended (default: %(default)s)")
     p.add_argument("--teacher-forced", metavar="PREPARED",
-                   help="instead of decoding: the drafter's accuracy per TTT step on this prepared folder, scored as "
-                        "the trainer scores its held-out samples")
+                   help="instead of decoding: the drafter's accuracy per TTT step on this prepared folder (or "
+                        "hidden-state store, whose states are used as captured), scored as the trainer scores its "
+                        "held-out samples")
     p.add_argument("--held-out", action="store_true",
                    help="with --teacher-forced: only the samples the drafter's training run held out (--draft is "
                         "that run's folder)")
