@@ -1,78 +1,63 @@
 #!/usr/bin/env bash
-# The whole pipeline on the CPU, on the packaged SmolLM2-135M-Instruct and packaged ShareGPT
-# conversations. `make demo` runs it inside .venv; outputs land in out/demo/.
+# The whole pipeline on the CPU through the one command a user runs, `eyas recipe`, with
+# recipes/tiny-cpu.yaml: the packaged SmolLM2-135M-Instruct, packaged conversations and
+# synthetic prompts. `make demo` runs it inside .venv; outputs land in out/demo/.
 # Sizes are chosen to finish in minutes on 2 cores, so the drafter is small and briefly
 # trained: the point is the pipeline, not the acceptance length.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${EYAS_DEMO_OUT:-out/demo}
-MODEL=packaged:smollm2-135m
-N=${EYAS_DEMO_SAMPLES:-200}
-TRAIN_MINUTES=${EYAS_DEMO_TRAIN_MINUTES:-3}
-mkdir -p "$OUT"
-rm -rf "$OUT/prepared" "$OUT/drafter" "$OUT/vllm"   # quick to redo; the store below resumes instead
-
+RECIPE=recipes/tiny-cpu.yaml
 start=$(date +%s)
-last=$start
-step() {
-    local now; now=$(date +%s)
-    [ "$now" = "$start" ] || printf '(%d s)\n' $(( now - last ))
-    last=$now
-    printf '\n\033[1m== %s\033[0m\n' "$*"
-}
 
 cat <<EOF
-eyas demo: the whole pipeline on this machine's CPU, in roughly 5-7 minutes on 2 cores (a
-first run also dequantizes the packaged model once, about half a minute more):
-  prepare   $N ShareGPT conversations -> token ids + an assistant-only loss mask
-  capture   SmolLM2-135M's hidden states at three layers -> a checksummed store
-  train     an EAGLE-3 drafter for at most $TRAIN_MINUTES minutes
-  eval      speculative decoding on one MT-bench question, checked token for token against plain decoding
-  export    the drafter as vLLM loads it, and the command that serves it
-Everything lands in $OUT/. A drafter trained for minutes on a CPU accepts little: the end says
-what the GPU recipe reaches.
+eyas demo: the whole pipeline on this machine's CPU with one command, in a few minutes on 2
+cores (a first run also dequantizes the packaged model once, about half a minute more):
+
+  eyas recipe $RECIPE --work $OUT
+
+  prepare     16 two-user-turn windows of chitchat and synthetic instruction prompts
+  regenerate  SmolLM2-135M answers them itself (what the drafter will have to predict)
+  train       an EAGLE-3 drafter, online (hidden states computed as it trains), 20 steps
+  heldout     its accuracy per training-time-test step on the held-out conversations
+  eval-chain  speculative decoding on 2 MT-bench questions, checked against plain decoding
+  eval-tree   the same with a dynamic draft tree
+  export      the drafter as vLLM loads it, and the command that serves it
+  report      $OUT/report.md
+
+Each stage's output is its checkpoint: interrupt it (Ctrl-C) and run \`make demo\` again, and
+it continues where it stopped; once finished, a re-run redoes nothing (rm -rf $OUT to start
+over). The plan first (--dry-run):
 EOF
+eyas recipe "$RECIPE" --work "$OUT" --dry-run
+echo
+eyas recipe "$RECIPE" --work "$OUT"
 
-step "1/6 prepare: $N ShareGPT conversations, SmolLM2's chat template, assistant-only loss mask"
-eyas prepare --model "$MODEL" --data packaged:sharegpt --out "$OUT/prepared" --limit "$N" --max-len 256
-eyas prepare --show 1 "$OUT/prepared" | head -c 1200; echo
-
-step "2/6 capture: hidden states at layer ids 2, 15, 27 (+30, the label source)"
-eyas capture --model "$MODEL" --data "$OUT/prepared" --out "$OUT/store" --batch-tokens 4096 --shard-mb 32
-
-step "3/6 inspect --verify: checksums, shapes, layer ids, NaN/inf"
-eyas inspect "$OUT/store" --verify
-
-step "4/6 train: an EAGLE-3 drafter with 3-step training-time test, at most $TRAIN_MINUTES minutes"
-eyas train --store "$OUT/store" --out "$OUT/drafter" --minutes "$TRAIN_MINUTES" --steps 40 --draft-vocab 4096 \
-    --ttt-steps 3 --lr 3e-3 --warmup 3 --batch-tokens 1024 --eval-every 20 --log-every 5
-
-step "5/6 eval: speculative decoding on 1 MT-bench question (both turns), beside plain decoding and prompt lookup"
+printf '\n\033[1m== the report, %s/report.md\033[0m\n' "$OUT"
 cat <<EOF
-What to read below: tau (1 + draft tokens accepted per verification step) and whether every
-answer equals plain decoding's. Expect this drafter's tau near 1 and EAGLE-3 slower than plain
-decoding: it saw $N conversations for a few minutes, and every verification step also runs the
-drafter 3 times and verifies 4 tokens, which a tau near 1 does not repay. Prompt lookup's
-proposals cost nothing to make.
+What to read below: tau (1 + draft tokens accepted per verification step). Expect this
+drafter's tau near 1 and EAGLE-3 slower than plain decoding: it saw 16 conversations for 20
+steps, and every verification step also runs the drafter and verifies its tokens, which a tau
+near 1 does not repay. Prompt lookup's proposals cost nothing to make.
+
 EOF
-eyas eval --model "$MODEL" --draft "$OUT/drafter" --prompts mt-bench --limit 1 --max-new-tokens 48 --steps 3 \
-    --output "$OUT/eval.json"
-python - "$OUT/eval.json" <<'EOF'
+cat "$OUT/report.md"
+python - "$OUT/eval" <<'EOF'
 import json, sys
-records = json.load(open(sys.argv[1]))["records"]
-plain = {(r["prompt_id"], r["turn"]): r["generated_ids"] for r in records if r["method"] == "plain"}
-for method in dict.fromkeys(r["method"] for r in records if r["method"] != "plain"):
-    mine = [r for r in records if r["method"] == method]
-    same = sum(r["generated_ids"] == plain[r["prompt_id"], r["turn"]] for r in mine)
-    print(f"{method}: {same} of {len(mine)} answers identical to plain decoding, token for token")
+from pathlib import Path
+for run in ("chain", "tree"):
+    records = json.loads((Path(sys.argv[1]) / f"{run}.json").read_text())["records"]
+    plain = {(r["prompt_id"], r["turn"]): r["generated_ids"] for r in records if r["method"] == "plain"}
+    for method in dict.fromkeys(r["method"] for r in records if r["method"] != "plain"):
+        mine = [r for r in records if r["method"] == method]
+        same = sum(r["generated_ids"] == plain[r["prompt_id"], r["turn"]] for r in mine)
+        print(f"{method}: {same} of {len(mine)} answers identical to plain decoding, token for token")
 EOF
 
-step "6/6 export for vLLM, and the command that serves it"
-eyas export "$OUT/drafter" --to vllm --out "$OUT/vllm"
-
-step "done in $(( $(date +%s) - start )) s; everything is under $OUT/"
-echo "prepared $OUT/prepared | store $OUT/store | drafter $OUT/drafter | eval $OUT/eval.json | vLLM drafter $OUT/vllm"
-echo "This drafter saw $N conversations for a few CPU minutes: it shows the pipeline works, not what a drafter"
-echo "accepts. The GPU recipe (40,960 regenerated conversations, 14 min on one H200) reached MT-bench tau 3.13"
-echo "(chain of 7) and 4.44 (tree) against prompt lookup's 2.46 on the same 20 questions x 2 turns:"
-echo "bench/README.md's table of figures; the recipe is recipes/smollm2-1gpu.yaml and docs/train.md."
+printf '\n\033[1m== done in %d s; everything is under %s/\033[0m\n' $(( $(date +%s) - start )) "$OUT"
+echo "prepared $OUT/prepared | regenerated $OUT/regen | drafter $OUT/drafter | eval $OUT/eval | vLLM drafter $OUT/export/vllm"
+echo "This drafter saw 16 conversations for 20 CPU steps: it shows the pipeline works, not what a drafter"
+echo "accepts. On one H200 the same recipe at full size (40,960 regenerated conversations, ~20 min) reached"
+echo "MT-bench tau 3.13 (chain of 7) and 4.44 (tree) against prompt lookup's 2.46 on 20 questions x 2 turns,"
+echo "made with bench/quality_gpu.py (bench/README.md's table). recipes/smollm2-1gpu.yaml is that recipe for"
+echo "\`eyas recipe\` (docs/recipe.md; its own GPU run is not measured yet)."

@@ -76,3 +76,17 @@ def test_teacher_forced_equals_the_trainers_held_out_pass(tiny_llama_dir, traine
     assert scored["loss"] == pytest.approx(held["loss"], rel=1e-5)
     everything = teacher_forced(str(tiny_llama_dir), root / "drafter", root / "prep", device="cpu")
     assert everything["samples"] == 16 and everything["positions"] > scored["positions"]
+
+
+def test_teacher_forced_from_a_store_equals_running_the_target(tiny_llama_dir, trained, tmp_path):
+    """Scored from an fp32 store of the same samples (how a recipe with offline training scores
+    a target too large to load in transformers), the held-out figures equal the online ones."""
+    from eyas.capture.run import capture
+
+    root, _ = trained
+    capture(str(tiny_llama_dir), root / "prep", tmp_path / "store", dtype="fp32", progress=False)
+    online = teacher_forced(str(tiny_llama_dir), root / "drafter", root / "prep", held_out=True, device="cpu")
+    stored = teacher_forced(str(tiny_llama_dir), root / "drafter", tmp_path / "store", held_out=True, device="cpu")
+    assert stored["samples"] == online["samples"] == 4 and stored["positions"] == online["positions"]
+    assert stored["acc_per_step"] == pytest.approx(online["acc_per_step"], abs=1e-6)
+    assert stored["loss"] == pytest.approx(online["loss"], rel=1e-5)

@@ -121,3 +121,47 @@ def test_failing_in_each_stage_then_rerunning_ends_as_an_uninterrupted_run(tiny_
     assert list(json.loads((tmp_path / "part/recipe-state.json").read_text())["done"]) == ["prepare"]
     with pytest.raises(EyasError, match="this recipe's stages are prepare, regenerate, train, heldout"):
         run_recipe(recipe, tmp_path / "part", stop_after="nothing")
+
+
+@pytest.mark.parametrize("name", ["smollm2-1gpu", "kimi-k2.5-8gpu"])
+def test_dry_run_plans_the_shipped_gpu_recipes_without_a_gpu(name, tmp_path, capsys):
+    """--dry-run checks every stage's options and prints its command, status and estimate; it
+    needs no GPU and no model (Kimi-K2.5's folder does not exist here), and writes nothing."""
+    recipe = Path(__file__).parents[1] / "recipes" / f"{name}.yaml"
+    assert run_recipe(recipe, tmp_path / "work", dry_run=True) is None
+    out = capsys.readouterr().out
+    assert not (tmp_path / "work").exists()
+    names = [line.split()[1] for line in out.splitlines() if line[:3].strip().rstrip(".").isdigit()]
+    if name == "smollm2-1gpu":
+        assert names == ["prepare", "regenerate", "train", "heldout", "eval-chain", "eval-tree", "export-vllm",
+                         "export-speculators"]
+        assert "<= 40,960 samples" in out and "<= 7 min" in out and "7.5 min (the schedule is sized to it)" in out
+    else:
+        assert names == ["prepare", "regenerate", "capture", "train", "heldout", "export-vllm"]
+        assert "torchrun --nproc-per-node 8 -m eyas train" in out and "fp8 store: 4 states" in out
+        assert f"--teacher-forced {tmp_path / 'work' / 'store'} --held-out" in out  # scored without the target
+    assert out.count(" to do\n") == len(names)
+
+
+def test_offline_recipe_scores_held_out_samples_from_the_store(tiny_llama_dir, tmp_path, capsys):
+    """A recipe training from a store (as the Kimi-K2.5 one does) and without `eval` still gets
+    held-out accuracy per TTT step in its report, read from the store; once data and store
+    exist, --dry-run gives the store's size from the measured tokens."""
+    recipe = _recipe(tmp_path, str(tiny_llama_dir), capture={"dtype": "fp8"},
+                     train={"steps": 2, "batch_tokens": 256, "ttt_steps": 2, "draft_vocab": 512,
+                            "eval_fraction": 0.34, "progress": False})
+    spec = yaml.safe_load(recipe.read_text())
+    del spec["eval"]
+    recipe.write_text(yaml.safe_dump(spec))
+    work = tmp_path / "work"
+    run_recipe(recipe, work)
+    data = json.loads((work / "report.json").read_text())
+    assert len(data["heldout"]["acc_per_step"]) == 2 and data["heldout"]["samples"] >= 1 and not data["summary"]
+    capsys.readouterr()
+    run_recipe(recipe, work, dry_run=True)
+    out = capsys.readouterr().out
+    regen = PreparedData(work / "regen")
+    hidden = regen.identity.hidden_size
+    per_token = 4 * hidden + 4 * 4 + 5
+    assert out.count(" done\n") == 6 and f"{len(regen):,} samples, {int(regen.offsets[-1]):,} tokens" in out
+    assert f"fp8 store: {per_token:,} B per token" in out

@@ -216,9 +216,10 @@ def test_minutes_stops_with_a_checkpoint_and_resume_finishes(tiny_llama_data, tm
     assert [r["step"] for r in rows(out)] == [1, 3, 4]
 
 
-def _budgeted_run(data: Path, out: Path, monkeypatch, seconds_per_step, **options) -> tuple[dict, list[dict], float]:
-    """A --minutes 0.5 run on a fake clock that `seconds_per_step(step)` advances after each
-    step: returns its result, its train rows and the clock at its end."""
+def _budgeted_run(data: Path, out: Path, monkeypatch, seconds_per_step, minutes: float = 0.5,
+                  **options) -> tuple[dict, list[dict], float]:
+    """A --minutes run on a fake clock that `seconds_per_step(step)` advances after each step:
+    returns its result, its train rows and the clock at its end."""
     from eyas.train import budget, loop
 
     now = [0.0]
@@ -231,7 +232,7 @@ def _budgeted_run(data: Path, out: Path, monkeypatch, seconds_per_step, **option
         return stats
 
     monkeypatch.setattr(loop, "train_step", timed)
-    result = train(TrainConfig(out=str(out), store=str(data), minutes=0.5, batch_tokens=128, eval_fraction=0.0,
+    result = train(TrainConfig(out=str(out), store=str(data), minutes=minutes, batch_tokens=128, eval_fraction=0.0,
                                ttt_steps=1, progress=False, log_every=1, **options))
     return result, rows(out), now[0]
 
@@ -247,6 +248,27 @@ def test_minutes_sizes_the_schedule_from_the_steady_state_rate(tiny_llama_data, 
         assert result["step"] == log[-1]["total_steps"] == log[-1]["step"], log[-1]
         assert steady - 2 <= result["step"] <= steady + 2, (rate, result["step"], steady)
         assert end <= 30 and log[-1]["lr"] < 1e-6  # the cosine (peak 1e-4) reached its end
+
+
+def test_a_cold_start_costs_only_the_seconds_it_spent_compiling(tiny_llama_data, tmp_path, monkeypatch):
+    """A cold compile cache (first step 10 s, then 1 s) against a warm one (every step 1 s) at
+    the same steady rate: the warm start's plan follows the rate (29 steps fit 30 s less the 3%
+    margin), the cold one's is shorter by the 9 s spent compiling, and given a budget shorter by
+    those seconds (21 s) the warm start trains the same schedule to the same drafter, bit for
+    bit: the first steps' learning rates do not depend on how long compilation took."""
+    cold, cold_log, _ = _budgeted_run(tiny_llama_data[1], tmp_path / "cold", monkeypatch,
+                                      lambda step: 10.0 if step == 1 else 1.0)
+    warm, warm_log, _ = _budgeted_run(tiny_llama_data[1], tmp_path / "warm", monkeypatch, lambda step: 1.0)
+    short, short_log, _ = _budgeted_run(tiny_llama_data[1], tmp_path / "short", monkeypatch, lambda step: 1.0,
+                                        minutes=21 / 60)
+    assert (warm["step"], cold["step"], short["step"]) == (29, 20, 20)
+    for log in (cold_log, warm_log, short_log):
+        assert log[-1]["step"] == log[-1]["total_steps"] and log[-1]["lr"] < 1e-6  # the schedule completed
+        assert len({r["total_steps"] for r in log if r["step"] >= 5}) == 1  # planned once, at the steady state
+    assert [(r["step"], r["lr"], r["total_steps"]) for r in cold_log] == \
+        [(r["step"], r["lr"], r["total_steps"]) for r in short_log]
+    x, y = load_file(tmp_path / "cold" / "model.safetensors"), load_file(tmp_path / "short" / "model.safetensors")
+    assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
 
 
 def test_minutes_replans_when_the_rate_changes(tiny_llama_data, tmp_path, monkeypatch):

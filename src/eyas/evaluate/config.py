@@ -45,8 +45,9 @@ class EvalConfig:
     workers: int = option("processes sharing the prompts, dealt round-robin over categories; the same answers as "
                           "one process, the timings contended", 1, rule=COUNT)
     teacher_forced: str | None = option(
-        "instead of decoding: the drafter's accuracy per TTT step on this prepared folder, scored as the trainer "
-        "scores its held-out samples", None, metavar="PREPARED")
+        "instead of decoding: the drafter's accuracy per TTT step on this prepared folder (or hidden-state store, "
+        "whose states are used as captured), scored as the trainer scores its held-out samples", None,
+        metavar="PREPARED")
     held_out: bool = option("with --teacher-forced: only the samples the drafter's training run held out (--draft "
                             "is that run's folder)", False)
 

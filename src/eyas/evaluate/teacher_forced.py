@@ -1,7 +1,9 @@
 """`eyas eval --teacher-forced PREPARED`: a drafter's accuracy per TTT step on a prepared set.
 
 Teacher-forced: every position of every answer is drafted from the ground-truth prefix, the
-target's states computed by the target itself (as online training does), and step k's token
+target's states computed by the target itself (as online training does) or, given a
+hidden-state store, read from it (as offline training does, so a target too large for
+transformers, captured through vLLM, is scored without loading it), and step k's token
 is scored against the target's greedy token, exactly as the trainer's held-out pass scores it
 (the same function, `train.loop.score`). `--held-out` picks the samples the drafter's
 training run held out, with its batch size and crop, so the figure equals the trainer's own.
@@ -14,17 +16,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig
 
 from eyas import distributed
 from eyas.device import resolve_device
 from eyas.draft import DraftConfig, load_config, load_drafter
 from eyas.errors import EyasError
-from eyas.models import resolve_model
+from eyas.models import load_tokenizer, model_identity, resolve_model
 from eyas.models.target_head import load_target_head
 from eyas.options import BATCH_TOKENS
 from eyas.paths import atomic_write_json
-from eyas.train.checkpoint import latest_checkpoint, read_checkpoint
-from eyas.train.data import OnlineSource, split
+from eyas.store.format import MANIFEST
+from eyas.train.checkpoint import check_store_matches, latest_checkpoint, read_checkpoint
+from eyas.train.data import OnlineSource, StoreSource, split
 from eyas.train.loop import score
 from eyas.train.metrics import TAU_DEFINITION
 from eyas.train.objective import TTTObjective
@@ -42,8 +46,9 @@ def training_settings(draft: str | Path) -> dict[str, Any]:
 def teacher_forced(model: str, draft: str | Path, data: str | Path, held_out: bool = False,
                    limit: int | None = None, batch_tokens: int = BATCH_TOKENS, max_len: int | None = None,
                    device: str | None = None) -> dict[str, Any]:
-    """Loss, accuracy per TTT step and tau_sim of the drafter `draft` on the prepared `data`
-    (all samples, the first `limit`, or with `held_out` the training run's held-out ones)."""
+    """Loss, accuracy per TTT step and tau_sim of the drafter `draft` on `data`, a prepared
+    folder or a store (all samples, the first `limit`, or with `held_out` the training run's
+    held-out ones)."""
     seed = 0
     if held_out:
         trained = training_settings(draft)
@@ -51,7 +56,12 @@ def teacher_forced(model: str, draft: str | Path, data: str | Path, held_out: bo
     dev = resolve_device(device)
     config = load_config(draft)
     crop = min(max_len or batch_tokens, batch_tokens)
-    source = OnlineSource(model, data, ",".join(map(str, config.aux_layer_ids)), crop, dev)
+    if (Path(data) / MANIFEST).is_file():
+        source = StoreSource(data, crop)
+        check_store_matches(config, source.identity, source.layer_ids, source.hidden_size, f"The store {data}")
+        _check_target(model, source.identity, f"The store {data}")  # the head below is the target's
+    else:
+        source = OnlineSource(model, data, ",".join(map(str, config.aux_layer_ids)), crop, dev)
     config.identity.check_same(source.identity, f"The drafter {draft}")
     positions = list(range(len(source.sample_index)))
     if held_out:
@@ -65,6 +75,11 @@ def teacher_forced(model: str, draft: str | Path, data: str | Path, held_out: bo
     result = score(source, head, TTTObjective(drafter), draft_ids, config.ttt_steps, positions, batch_tokens, seed,
                    dev, distributed.Dist())
     return {"data": str(data), "samples": len(positions), "held_out": held_out, **result}
+
+
+def _check_target(model: str, identity, what: str) -> None:
+    target = model_identity(model, AutoConfig.from_pretrained(resolve_model(model)), load_tokenizer(model))
+    target.check_same(identity, what)
 
 
 def write(result: dict[str, Any], out: str | Path) -> None:

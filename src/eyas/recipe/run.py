@@ -10,6 +10,7 @@ links the stages (--model, --data, --out, --store, --draft...). Stages, in order
   train       WORK/drafter             online, or offline from the store (under torchrun with
                                        `train: nproc_per_node: N`)
   heldout     WORK/eval/heldout.json   teacher-forced accuracy per TTT step on the held-out samples
+                                       (offline: from the store, without loading the target)
   eval-chain  WORK/eval/chain.json     MT-bench (or `eval: prompts`), chain, against prompt lookup
   eval-tree   WORK/eval/tree.json      the same prompts, dynamic tree (the eval stages run only
                                        with an `eval` key: they load the target in transformers)
@@ -31,6 +32,7 @@ import json
 import shlex
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,8 +158,18 @@ def plan(recipe: dict[str, Any], work: Path, where: str) -> list[Stage]:
     processes = int(train.pop("nproc_per_node", 1))
     stages.append(Stage("train", "train", source + ["--out", str(drafter)] + _options("train", train, where), drafter,
                         processes))
+    ev = work / "eval"
+    # Held-out accuracy (when training holds samples out) needs no eval key: offline it reads the store (the
+    # target is not loaded), online it runs the target as training did.
+    device = opts["eval"].get("device", train.get("device"))
+    held = {k.replace("-", "_"): v for k, v in train.items()}.get("eval_fraction")
+    if held is None or float(held) > 0:
+        stages.append(Stage("heldout", "eval", ["--model", model, "--draft", str(drafter), "--teacher-forced",
+                                                str(data if online else store), "--held-out", "--output",
+                                                str(ev / "heldout.json")]
+                            + (["--device", str(device)] if device else []), ev / "heldout.json"))
     if "eval" in recipe:
-        stages += _eval_stages(model, drafter, data, work / "eval", opts["eval"], where)
+        stages += _eval_stages(model, drafter, ev, opts["eval"], where)
     export = opts["export"]
     formats = export.pop("to", ["vllm"])
     for fmt in [formats] if isinstance(formats, str) else formats:
@@ -168,12 +180,8 @@ def plan(recipe: dict[str, Any], work: Path, where: str) -> list[Stage]:
     return stages
 
 
-def _eval_stages(model: str, drafter: Path, data: Path, ev: Path, options: dict[str, Any], where: str) -> list[Stage]:
+def _eval_stages(model: str, drafter: Path, ev: Path, options: dict[str, Any], where: str) -> list[Stage]:
     stages = []
-    stages.append(Stage("heldout", "eval", ["--model", model, "--draft", str(drafter), "--teacher-forced", str(data),
-                                            "--held-out", "--output", str(ev / "heldout.json")]
-                        + (["--device", str(options["device"])] if "device" in options else []),
-                        ev / "heldout.json"))
     common = ["--model", model, "--draft", str(drafter)] + _options("eval", options, where)
     stages.append(Stage("eval-chain", "eval", common + ["--output", str(ev / "chain.json")], ev / "chain.json"))
     stages.append(Stage("eval-tree", "eval", common + ["--tree", "--baseline", "none", "--output", str(ev / "tree.json")],
@@ -256,8 +264,10 @@ def run_recipe(path: str | Path, work: str | Path | None = None, dry_run: bool =
             continue
         again = " (continuing: its output exists)" if stage.output.exists() else ""
         print(f"[{k}/{len(stages)}] {stage.name}{again}\n  {stage.line}", flush=True)
+        started = time.monotonic()
         _run_stage(stage)
         state.finish(stage)
+        print(f"[{k}/{len(stages)}] {stage.name}: done in {time.monotonic() - started:.0f} s", flush=True)
         if stage.name == stop_after and k < len(stages):
             print(f"stopped after {stop_after} (--stop-after); run without it to go on.", flush=True)
             return None

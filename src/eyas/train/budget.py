@@ -6,7 +6,10 @@ measured 1.79 s/step instead of ~0.55 and planned 205 steps instead of ~740. Ins
 run plans from its own steady-state rate: the median duration of its recent steps, the first
 `SETTLE` steps left out, plus the held-out passes and checkpoints still to come, as measured.
 The plan is revised as the rate changes, so the learning-rate schedule (which depends on the
-total) reaches its end inside the budget.
+total) reaches its end inside the budget. Until the steady state shows, the schedule keeps
+the length it started with: a plan made from a compiling step would cut the warm-up short and
+run those steps near the peak learning rate. So the steps of a cold start see the same
+learning rates as a warm start's, and the cold start costs only the seconds it spent.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections import deque
 clock = time.monotonic  # the budget's clock (tests drive it)
 
 SETTLE = 2  # steps left out of the rate: compilation and warm-up
+STEADY = 3  # steady steps measured before the first plan
 WINDOW = 9  # recent steps whose median is the rate: long enough to ignore a stray slow step,
             # short enough to follow a lasting change within a few steps
 MARGIN = 0.03  # share of the budget kept free: the final save and the jitter of the last steps
@@ -42,13 +46,12 @@ class Budget:
 
     @property
     def steady(self) -> bool:
-        return len(self.steps) >= 3
+        return len(self.steps) >= STEADY
 
     @property
     def step_s(self) -> float:
-        """Seconds per step: the steady state's once it shows, until then every step's median
-        (a provisional plan, which only has to keep the run going until the rate is known)."""
-        return statistics.median(self.steps if self.steady else [*self.early, *self.steps])
+        """Seconds per step in the steady state (once `steady`)."""
+        return statistics.median(self.steps)
 
     def plan(self, step: int, step_s: float, eval_every: int, save_every: int, eval_guess: float) -> int | None:
         """The total step count that ends the schedule before the deadline, from `step` on

@@ -124,10 +124,10 @@ def read_optimizer(folder: Path) -> dict:
 
 
 def check_store_matches(cfg: DraftConfig, identity, layer_ids: tuple[int, ...], hidden_size: int, what: str) -> None:
-    """Refuse training data that disagrees with the drafter being resumed."""
+    """Refuse training (or scoring) data that disagrees with the drafter."""
     cfg.identity.check_same(identity, what)
     if tuple(layer_ids) != cfg.layer_ids:
-        raise EyasError(f"{what} holds layer ids {list(layer_ids)}, but the drafter being resumed was trained on "
+        raise EyasError(f"{what} holds layer ids {list(layer_ids)}, but the drafter was trained on "
                         f"{list(cfg.layer_ids)}.")
     if hidden_size != cfg.hidden_size:
-        raise EyasError(f"{what} has hidden size {hidden_size}, the drafter being resumed {cfg.hidden_size}.")
+        raise EyasError(f"{what} has hidden size {hidden_size}, the drafter {cfg.hidden_size}.")

@@ -135,8 +135,10 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device) -> Run:
     stream = BatchStream(train_pos, source.lengths, source.sample_index, cfg.batch_tokens, cfg.seed)
     per_epoch = len(stream) / (d.world * cfg.grad_accum)
     cap = cfg.steps or (math.ceil(cfg.epochs * per_epoch) if cfg.epochs else None)
-    # Under --minutes this is provisional: the plan replaces it once the steady-state rate is known.
-    total = trainer["total_steps"] if previous is not None else cap or math.ceil(per_epoch)
+    # Under --minutes this is provisional, long enough to reach the steady state, whose rate then
+    # plans the run; it does not depend on time, so neither do the first steps' learning rates.
+    first = max(math.ceil(per_epoch), budget.SETTLE + budget.STEADY) if cfg.minutes else math.ceil(per_epoch)
+    total = trainer["total_steps"] if previous is not None else cap or first
     run = Run(cfg=cfg, d=d, device=device, source=source, head=head, draft=draft, model=model, optimizer=optimizer,
               train_stream=stream, eval_positions=eval_pos, total_steps=total, cap=cap)
     if previous is not None:
@@ -471,12 +473,14 @@ def _out_of_time(run: Run) -> bool:
 
 def _replan(run: Run, plan: budget.Budget, eval_batches: int) -> None:
     """Size the schedule to the time left at the steady-state rate (the slowest process's)."""
+    if not plan.steady:  # the same on every process: it counts steps
+        return
     step_s = distributed.all_reduce(torch.tensor([plan.step_s], device=run.device), run.d, "max").item()
     eval_guess = step_s / run.cfg.grad_accum * math.ceil(eval_batches / run.d.world)  # with backward: an upper bound
     total = plan.plan(run.step, step_s, run.cfg.eval_every, run.cfg.save_every, eval_guess if eval_batches else 0.0)
     if total is None or abs(total - run.total_steps) <= run.total_steps // 200:  # jitter: keep the lr smooth
         return
-    if plan.steady and (not plan.logged or abs(total - run.total_steps) > run.total_steps // 10):
+    if not plan.logged or abs(total - run.total_steps) > run.total_steps // 10:
         _log(run.d, f"{step_s:.3g} s/step in the steady state: {total} steps fit --minutes {run.cfg.minutes}"
                     + (f" (--steps/--epochs allow {run.cap})" if run.cap else ""))
         plan.logged = True
