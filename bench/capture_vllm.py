@@ -35,7 +35,7 @@ def start_plain(model: str, dtype: str, engine_args: dict):
 def run(args) -> dict:
     from vllm import SamplingParams
 
-    from eyas.capture import run as capture_run
+    from eyas.capture.run import capture
     from eyas.vllm.engine import parse_engine_args, stop_llm
     from eyas.data.prepare import prepare
     from eyas.data.prepared import PreparedData
@@ -49,32 +49,21 @@ def run(args) -> dict:
     engine_args = parse_engine_args(args.engine_arg)
     plain = start_plain(args.model, args.model_dtype, engine_args)
     timing = {"plain": 0.0, "startup": 0.0}
-    make = capture_run.BACKENDS["vllm"]
-
-    def interleaved(**kwargs):
-        t = time.perf_counter()
-        backend = make(**kwargs)
-        timing["startup"] = time.perf_counter() - t
-        capture = backend.capture
-
-        def plain_then_capture(batch):
-            t = time.perf_counter()
-            plain.generate([{"prompt_token_ids": s.input_ids.tolist()} for s in batch],
-                           SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
-            timing["plain"] += time.perf_counter() - t
-            return capture(batch)
-
-        backend.capture = plain_then_capture
-        return backend
-
-    capture_run.BACKENDS["vllm"] = interleaved
     t = time.perf_counter()
-    capture_run.capture(args.model, data, work / "store", backend="vllm", dtype=args.store_dtype,
-                        model_dtype=args.model_dtype, batch_tokens=args.batch_tokens, engine_args=engine_args,
-                        progress=False)
+    first: list[float] = []  # when the first batch arrived: engine start-up ends there
+
+    def plain_first(batch) -> None:
+        first[:] = first or [time.perf_counter()]
+        t0 = time.perf_counter()
+        plain.generate([{"prompt_token_ids": s.input_ids.tolist()} for s in batch],
+                       SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+        timing["plain"] += time.perf_counter() - t0
+
+    capture(args.model, data, work / "store", backend="vllm", dtype=args.store_dtype, model_dtype=args.model_dtype,
+            batch_tokens=args.batch_tokens, engine_args=engine_args, progress=False, on_batch=plain_first)
+    timing["startup"] = first[0] - t if first else 0.0
     Store(work / "store").verify()
     eyas = time.perf_counter() - t - timing["startup"] - timing["plain"]
-    capture_run.BACKENDS["vllm"] = make
     stop_llm(plain)
     return {
         "samples": len(PreparedData(data)), "tokens": tokens, "model_dtype": args.model_dtype,

@@ -99,6 +99,24 @@ def test_smollm2_store_matches_transformers_float32(smollm2_store, smollm2_prepa
                                    atol=ATOL, rtol=RTOL)
 
 
+def test_on_batch_sees_each_batch_before_its_capture_and_changes_nothing(tmp_path, smollm2_prepared, smollm2_store):
+    """The batch hook (bench/capture_vllm.py times a plain prefill there) is handed every prepared
+    sample exactly once, in batches, and the store is the one captured without it."""
+    seen: list[tuple[int, ...]] = []
+    calls: list[int] = []
+
+    def hook(samples: list[PreparedSample]) -> None:
+        calls.append(len(samples))
+        seen.extend(tuple(s.input_ids.tolist()) for s in samples)
+
+    capture(SMOLLM2, smollm2_prepared, tmp_path / "store", dtype="fp32", batch_tokens=2048, progress=False,
+            on_batch=hook)
+    prepared = PreparedData(smollm2_prepared)
+    assert sorted(seen) == sorted(tuple(prepared[i].input_ids.tolist()) for i in range(len(prepared)))
+    assert len(calls) > 1  # 16 samples of up to 256 tokens do not fit one 2,048-token batch
+    _assert_same_store(tmp_path / "store", smollm2_store)
+
+
 def _store_by_index(path) -> dict[int, dict[str, torch.Tensor]]:
     store = Store(path)
     return {int(s["index"]): s for s in store}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from tqdm import tqdm
@@ -13,7 +13,7 @@ from eyas.capture.config import BACKENDS, CaptureConfig
 from eyas.capture.hf import HFCapturer
 from eyas.capture.staging import HostStager
 from eyas.data.batching import token_budget_batches
-from eyas.data.prepared import PreparedData
+from eyas.data.prepared import PreparedData, PreparedSample
 from eyas.data.template import check_same_template
 from eyas.device import parse_device
 from eyas.distributed import all_reduce, barrier, init, shutdown
@@ -26,17 +26,23 @@ from eyas.store import StoreWriter
 from eyas.store.format import manifest_header, read_manifest
 from eyas.vllm import make_vllm_backend  # light: vLLM itself is imported only when used
 
-def capture(model: str, data: str | Path, out: str | Path, *, progress: bool = True, **options: Any) -> dict[str, Any]:
+# Called with each batch's samples just before the engine captures them (bench/capture_vllm.py
+# times a plain prefill of the same batch there).
+BatchHook = Callable[[list[PreparedSample]], None]
+
+
+def capture(model: str, data: str | Path, out: str | Path, *, progress: bool = True, on_batch: BatchHook | None = None,
+            **options: Any) -> dict[str, Any]:
     """`run_capture` for library callers: `options` are CaptureConfig's (and its vLLM options'),
     by name; an unknown one is refused with its name."""
     config = from_mapping(CaptureConfig, {"model": model, "data": str(data), "out": str(out), **options}, "capture")
-    return run_capture(config, progress)
+    return run_capture(config, progress, on_batch)
 
 
-capture.__signature__ = keyword_signature(CaptureConfig, ("model", "data", "out"), progress=True)
+capture.__signature__ = keyword_signature(CaptureConfig, ("model", "data", "out"), progress=True, on_batch=None)
 
 
-def run_capture(cfg: CaptureConfig, progress: bool = True) -> dict[str, Any]:
+def run_capture(cfg: CaptureConfig, progress: bool = True, on_batch: BatchHook | None = None) -> dict[str, Any]:
     """Capture every prepared sample of `cfg.data` not yet in the store at `cfg.out`; return the
     manifest. The samples were rendered with the chat template recorded in the data; a
     `cfg.chat_template` file, if given, must be that template.
@@ -50,7 +56,7 @@ def run_capture(cfg: CaptureConfig, progress: bool = True) -> dict[str, Any]:
     if cfg.backend == "hf":
         parse_device(cfg.device)
     with output_lock(cfg.out, "capture"):
-        return _capture(cfg, progress)
+        return _capture(cfg, progress, on_batch)
 
 
 def _open_backend(cfg: CaptureConfig, dev: torch.device):
@@ -62,7 +68,7 @@ def _open_backend(cfg: CaptureConfig, dev: torch.device):
                       device=str(dev))
 
 
-def _capture(cfg: CaptureConfig, progress: bool) -> dict[str, Any]:
+def _capture(cfg: CaptureConfig, progress: bool, on_batch: BatchHook | None) -> dict[str, Any]:
     backend, data, out = cfg.backend, cfg.data, cfg.out
     if backend not in BACKENDS:
         raise EyasError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
@@ -94,6 +100,8 @@ def _capture(cfg: CaptureConfig, progress: bool) -> dict[str, Any]:
     try:
         for batch in token_budget_batches(todo, lengths, cfg.batch_tokens):
             samples = [prepared[i] for i in batch]
+            if on_batch is not None:
+                on_batch(samples)
             staged = (batch, samples, stager.start(engine.capture(samples)))
             if pending:
                 write(*pending)  # while the GPU runs this batch
