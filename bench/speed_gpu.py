@@ -542,6 +542,12 @@ class PreloadedSource:
     def load(self, positions: list[int], device: torch.device):
         return self.batches[tuple(positions)]
 
+    def read_ahead(self, items, device: torch.device) -> None:
+        """Nothing to read ahead: the batches are already on the device (eyas.train.data.SampleSource)."""
+
+    def close(self) -> None:
+        """Nothing was started in the background."""
+
 
 @contextlib.contextmanager
 def _preloaded(run, steps: int):
@@ -649,6 +655,12 @@ class InMemorySource:
             mask[: n // 5] = False
             self._masks.append(mask)
         self._hidden = torch.randn(max(lengths), layers, hidden_size, device=device, dtype=dtype)
+
+    def read_ahead(self, items, device: torch.device) -> None:
+        """Nothing to read ahead: the batches are already on the device (eyas.train.data.SampleSource)."""
+
+    def close(self) -> None:
+        """Nothing was started in the background."""
 
     def tokens(self, pos: int):
         return self._ids[pos], self._masks[pos]

@@ -113,7 +113,7 @@ def test_written_files_get_the_mode_of_an_ordinary_file_under_the_umask(tmp_path
 
 @pytest.mark.parametrize("command,function,hint", [
     ("train", "eyas.train.loop.train", "add --resume to the same command to continue from its last checkpoint."),
-    ("capture", "eyas.capture.run.capture", "run the same command again to resume."),
+    ("capture", "eyas.capture.run.run_capture", "run the same command again to resume."),
     ("export", "eyas.export.exporter.export_drafter", "interrupted."),
 ])
 def test_ctrl_c_says_what_resumes(monkeypatch, capsys, command, function, hint):
