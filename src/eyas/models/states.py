@@ -16,6 +16,7 @@ from torch.utils.hooks import RemovableHandle
 from eyas.models.identity import model_identity
 from eyas.models.layers import decoder_parts, resolve_layer_ids
 from eyas.models.load import load_target
+from eyas.options import AUTO_LAYERS
 
 
 def hook_layer_inputs(model, layer_ids: tuple[int, ...],
@@ -40,7 +41,7 @@ class _StopForward(Exception):
 class TargetStates:
     """A transformers causal LM that returns its states at `layer_ids` for a padded batch."""
 
-    def __init__(self, model: str, layers: str = "auto", dtype: str = "float32", device: str = "cpu"):
+    def __init__(self, model: str, layers: str = AUTO_LAYERS, dtype: str = "float32", device: str = "cpu"):
         self.model, self.tokenizer = load_target(model, dtype=dtype, device=device)
         self.device = torch.device(device)
         self.identity = model_identity(model, self.model.config, self.tokenizer)

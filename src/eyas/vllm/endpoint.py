@@ -23,6 +23,7 @@ import torch
 
 from eyas.data.prepared import PreparedSample
 from eyas.errors import EyasError
+from eyas.options import AUTO_LAYERS
 from eyas.vllm.backend import check_hidden
 from eyas.vllm.spool import PARAM_ERROR, PARAM_KEY, error_file, read_hidden, spool_file, wait_for
 from eyas.vllm.target import describe_target
@@ -33,7 +34,7 @@ class Transient(Exception):
 
 
 class EndpointCapturer:
-    def __init__(self, model: str, endpoint: str, spool: str, layers: str = "auto", served_model_name: str | None = None,
+    def __init__(self, model: str, endpoint: str, spool: str, layers: str = AUTO_LAYERS, served_model_name: str | None = None,
                  concurrency: int = 8, request_timeout: float = 120.0, retries: int = 3, backoff: float = 1.0):
         target = describe_target(model, layers)
         self.identity, self.layer_ids = target.identity, target.layer_ids

@@ -11,6 +11,7 @@ from transformers import AutoConfig
 from eyas.errors import EyasError
 from eyas.models import load_tokenizer, model_identity, resolve_layer_ids, resolve_model
 from eyas.models.identity import ModelIdentity
+from eyas.options import AUTO_LAYERS
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,7 @@ def read_target(model: str) -> tuple[str, object, ModelIdentity]:
     return folder, config, model_identity(model, config, load_tokenizer(model))
 
 
-def describe_target(model: str, layers: str = "auto") -> Target:
+def describe_target(model: str, layers: str = AUTO_LAYERS) -> Target:
     """Raise `EyasError` for a model that cannot be read or a layer id out of range."""
     folder, config, identity = read_target(model)
     return Target(folder, config, identity, resolve_layer_ids(layers, identity.num_layers))
