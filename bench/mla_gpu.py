@@ -126,23 +126,28 @@ def measure_speed(draft, args, device: torch.device) -> dict[str, Any]:
 
 def flex_check(device: torch.device) -> dict[str, Any]:
     """The compiled flex TTT attention against the dense path at MLA's head dims (q/k 192, v 128),
-    float32, 7 steps: the largest differences in value and in any input's gradient."""
+    7 steps: the largest differences in value and in any input's gradient. Flex runs in bf16, as
+    training runs it (its float32 kernel at head dim 192 needs more shared memory than an H200
+    has); the dense path runs in float32 on the same bf16 inputs, so the bound is bf16's rounding."""
     import eyas.draft.model as dm
 
     if device.type != "cuda":
         return {"skipped": "flex attention is used on CUDA only"}
     g = torch.Generator(device=device).manual_seed(0)
-    T, steps = 300, TTT_STEPS
+    T, steps, tol = 300, TTT_STEPS, 2e-2
     dims = [192, 192, 128] + [192, 128] * (steps - 1)  # q, k0, v0, then (k_j, v_j)
-    leaves = [torch.randn(1, 4, T, d, device=device, generator=g, requires_grad=True) for d in dims]
-    extra = list(zip(leaves[3::2], leaves[4::2]))
+    leaves = [torch.randn(1, 4, T, d, device=device, generator=g).bfloat16().requires_grad_() for d in dims]
     out = {}
-    for name, fn in (("flex", dm.ttt_attention_flex), ("dense", dm.ttt_attention_dense)):
-        y = fn(leaves[0], leaves[1], leaves[2], extra, 0.07)
-        out[name] = (y, torch.autograd.grad((y * torch.linspace(-1, 1, T, device=device)[:, None]).sum(), leaves))
+    for name, fn, dtype in (("flex", dm.ttt_attention_flex, torch.bfloat16), ("dense", dm.ttt_attention_dense, torch.float32)):
+        x = [t.to(dtype) for t in leaves]
+        y = fn(x[0], x[1], x[2], list(zip(x[3::2], x[4::2])), 0.07)
+        grads = torch.autograd.grad((y.float() * torch.linspace(-1, 1, T, device=device)[:, None]).sum(), leaves)
+        out[name] = (y.float(), [gr.float() for gr in grads])
     value = (out["flex"][0] - out["dense"][0]).abs().max().item()
     grad = max((a - b).abs().max().item() for a, b in zip(out["flex"][1], out["dense"][1]))
-    return {"max_abs_diff_value": value, "max_abs_diff_grad": grad, "ok": value < 1e-4 and grad < 1e-4}
+    pairs = [(out["flex"][0], out["dense"][0]), *zip(out["flex"][1], out["dense"][1])]
+    return {"dtype": "bf16 flex against float32 dense", "max_abs_diff_value": value, "max_abs_diff_grad": grad,
+            "tolerance": f"atol = rtol = {tol}", "ok": all(torch.allclose(a, b, atol=tol, rtol=tol) for a, b in pairs)}
 
 
 def fits(draft, length: int, device: torch.device) -> dict[str, Any]:

