@@ -1,9 +1,10 @@
-"""A parallel drafter against the EAGLE-3 chain, from the same data for the same minutes, in
+"""Parallel drafters against the EAGLE-3 chain, from the same data for the same minutes, in
 one GPU run: regenerate a small set of conversations with the target (e.g. SmolLM2-135M-Instruct),
-train an EAGLE-3 drafter and a DFlash drafter online on it for equal minutes each, then on
-MT-bench (both turns, T=0, one decoding process) decode plain, prompt lookup (7), the EAGLE-3
-chain (7) and DFlash (a block of 7 in one pass) interleaved per question, in eyas's lossless
-loop. Reports held-out accuracy per block position (training's own held-out pass), tau, the
+or take an earlier run's (--data); train each of --arms online on it for equal minutes (EAGLE-3,
+DFlash, P-EAGLE); then on MT-bench (both turns, T=0, one decoding process), interleaved with a
+second prompt set (--second-prompts), decode plain, prompt lookup (7), the EAGLE-3 chain (7),
+DFlash and P-EAGLE (a block of 7 in one pass each) per question, in eyas's lossless loop.
+Reports held-out accuracy per block position (training's own held-out pass), tau, the
 wall-clock speed-ups, every answer against plain decoding, and in a separate synchronised
 pass the draft's time per step against the target's verification pass.
 
@@ -43,27 +44,35 @@ def main() -> None:
     report: dict = {"command": " ".join(sys.argv), "commit": _commit(), "device": _device_name(args.device),
                     "settings": {k: v for k, v in vars(args).items()}, "train": {}, "errors": {}}
     # Each phase that fails is recorded and the run goes on without it: the JSON holds what was measured.
-    phase(report, out, "regenerate", lambda: regenerate_set(args, work, report))
-    trained = []
+    if args.data or args.store:  # an earlier run's regenerated set or store: the arms train on it as it is
+        report["regenerate"] = {"data": args.data, "store": args.store, "reused": True}
+    else:
+        phase(report, out, "regenerate", lambda: regenerate_set(args, work, report))
+    trained = dict(args.drafter)
     for kind, options in arms(args).items():
         if "regenerate" in report["errors"]:
             break
         if phase(report, out, kind, lambda: train_arm(args, work, report, kind, options)):
-            trained.append(kind)
+            trained[kind] = work / kind
     if trained:
         phase(report, out, "decode",
-              lambda: decode(args, work, report, trained, min(60 * args.eval_minutes, deadline - time.monotonic() - 30)))
+              lambda: decode(args, report, trained, min(60 * args.eval_minutes, deadline - time.monotonic() - 30)))
     report["seconds"] = round(time.monotonic() - t0, 1)
     _dump(out / "parallel_gpu.json", report)
     print_summary(report)
 
 
+KINDS = ("eagle3", "dflash", "peagle")
+
+
 def arms(args) -> dict[str, dict]:
-    """The drafters trained, in order, each for --arm-minutes on the same regenerated data."""
+    """The drafters trained (--arms, in order), each for --arm-minutes on the same regenerated data.
+    P-EAGLE is EAGLE-3's recipe drafting its CHAIN tokens in one pass (CHAIN = its TTT steps)."""
     dflash = {"drafter": "dflash", "block_size": CHAIN + 1, "anchors": args.dflash_anchors}
     if args.dflash_layers:
         dflash["draft_layers"] = args.dflash_layers
-    return {"eagle3": RECIPE, "dflash": dflash}
+    every = {"eagle3": RECIPE, "dflash": dflash, "peagle": {**RECIPE, "drafter": "peagle", "ttt_steps": CHAIN}}
+    return {kind: every[kind] for kind in args.arms}
 
 
 def phase(report: dict, out: Path, name: str, run) -> bool:
@@ -80,7 +89,9 @@ def phase(report: dict, out: Path, name: str, run) -> bool:
 
 
 def train_arm(args, work: Path, report: dict, kind: str, options: dict) -> None:
-    result = train_for(args, work / "regen", work / kind, 60 * args.arm_minutes, options, evals=2)
+    data = None if args.store else Path(args.data) if args.data else work / "regen"
+    result = train_for(args, data, work / kind, 60 * args.arm_minutes, options, evals=2,
+                       store=Path(args.store) if args.store else None)
     report["train"][kind] = {"steps": result["final"]["step"], "steps_planned": result["steps"],
                              "seconds": result["seconds"], "options": options,
                              "heldout": result["final"].get("eval"), "train": result["final"].get("train")}
@@ -105,22 +116,24 @@ def regenerate_set(args, work: Path, report: dict) -> None:
     print("regenerated:", json.dumps(report["regenerate"]), flush=True)
 
 
-def proposers_for(work: Path, trained: list[str], model, identity):
-    """plain, prompt lookup and each trained drafter (the EAGLE-3 chain, DFlash), all drafting CHAIN tokens."""
+def proposers_for(trained: dict[str, Path], model, identity):
+    """plain, prompt lookup and each trained drafter (the EAGLE-3 chain, DFlash, P-EAGLE), all drafting CHAIN tokens."""
     from eyas.evaluate.dflash import DFlash, DFlashSession
     from eyas.evaluate.drafter import DrafterSession
+    from eyas.evaluate.peagle import PEagle
     from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
     from eyas.evaluate.run import load_checked_drafter
 
-    drafters = {kind: load_checked_drafter(str(work / kind), model, identity) for kind in trained}
+    drafters = {kind: load_checked_drafter(str(folder), model, identity) for kind, folder in trained.items()}
     if len({d.config.aux_layer_ids for d in drafters.values()}) > 1:
         raise SystemExit("the drafters must read the same aux layers (one target session serves them all)")
-    make = {"eagle3": lambda d: Eagle3(DrafterSession(d), CHAIN), "dflash": lambda d: DFlash(DFlashSession(d), CHAIN)}
+    make = {"eagle3": lambda d: Eagle3(DrafterSession(d), CHAIN), "dflash": lambda d: DFlash(DFlashSession(d), CHAIN),
+            "peagle": lambda d: PEagle(DrafterSession(d), CHAIN)}
     aux = next(iter(drafters.values())).config.aux_layer_ids
     return [Proposer(), PromptLookup(CHAIN), *(make[kind](d) for kind, d in drafters.items())], aux
 
 
-def decode(args, work: Path, report: dict, trained: list[str], seconds: float) -> None:
+def decode(args, report: dict, trained: dict[str, Path], seconds: float) -> None:
     """Every method on whole MT-bench questions (stratified by category), interleaved per
     question, until `seconds` are spent; then the timing pass."""
     from eyas.evaluate.prompts import load_prompts, stratified
@@ -133,11 +146,15 @@ def decode(args, work: Path, report: dict, trained: list[str], seconds: float) -
     t0 = time.monotonic()
     model, tok = load_target(args.model, dtype="float32", device=args.device)
     identity = model_identity(args.model, model.config, tok)
-    proposers, aux_ids = proposers_for(work, trained, model, identity)
+    proposers, aux_ids = proposers_for(trained, model, identity)
     target = TargetSession(model, aux_ids)
     eos = set(eos_ids(model.generation_config, tok))
     prompts = load_prompts(args.mt_bench)
     order = [prompts[i] for i in stratified(prompts)][: args.questions]
+    second = load_prompts(args.second_prompts, args.second_questions) if args.second_prompts else []
+    for p in second:
+        p.id = f"second-{p.id}"  # MT-bench ids are numbers; a second file's may collide with them
+    order = interleave(order, second)
     records, per_question = [], 0.0
     for i, prompt in enumerate(order):
         if i and time.monotonic() - t0 + per_question + 60 > seconds:  # the timing pass needs its minute
@@ -148,24 +165,37 @@ def decode(args, work: Path, report: dict, trained: list[str], seconds: float) -
         per_question = max(per_question, time.monotonic() - q0)
         print(f"question {prompt.id}: {time.monotonic() - q0:.1f} s", flush=True)
     positions = {p.name: CHAIN for p in proposers[1:]}
-    summaries = summarize(records, positions)
+    mt_records = [r for r in records if not r["prompt_id"].startswith("second-")]
+    summaries = summarize(mt_records, positions)
+    second_records = [r for r in records if r["prompt_id"].startswith("second-")]
     plain = {(r["prompt_id"], r["turn"]): r["generated_ids"] for r in records if r["method"] == "plain"}
     identical = {m: f"{sum(plain.get((r['prompt_id'], r['turn'])) == r['generated_ids'] for r in records if r['method'] == m)}"
                     f"/{sum(r['method'] == m for r in records)}" for m in summaries}
-    by_turn = {str(t): {m: round(s.tau, 3) for m, s in summarize([r for r in records if r["turn"] == t],
+    by_turn = {str(t): {m: round(s.tau, 3) for m, s in summarize([r for r in mt_records if r["turn"] == t],
                                                                   positions).items()}
-               for t in sorted({r["turn"] for r in records})}
-    par, chain, lookup = summaries.get("dflash"), summaries.get("eagle3-chain"), summaries.get("prompt-lookup")
+               for t in sorted({r["turn"] for r in mt_records})}
+    chain, lookup = summaries.get("eagle3-chain"), summaries.get("prompt-lookup")
+    parallel = {}
+    for kind in ("dflash", "peagle"):
+        if (par := summaries.get(kind)) is not None:
+            parallel[kind] = {"speedup_over_chain": _ratio(par.speedup, chain and chain.speedup),
+                              "tau_over_chain": _ratio(par.tau, chain and chain.tau),
+                              "speedup_over_prompt_lookup": _ratio(par.speedup, lookup and lookup.speedup)}
+    second_summary = summarize(second_records, positions) if second_records else {}
+    best = max(parallel, key=lambda k: summaries[k].speedup, default=None)  # the issue's keys: the best kind's
     report.update({
-        "parallel_kind": "dflash",
-        "speedup_parallel_over_chain": _ratio(par and par.speedup, chain and chain.speedup),
-        "tau_parallel_over_chain": _ratio(par and par.tau, chain and chain.tau),
-        "speedup_parallel_over_prompt_lookup": _ratio(par and par.speedup, lookup and lookup.speedup),
+        "parallel_kind": best,
+        "speedup_parallel_over_chain": (parallel.get(best) or {}).get("speedup_over_chain"),
+        "tau_parallel_over_chain": (parallel.get(best) or {}).get("tau_over_chain"),
+        "speedup_parallel_over_prompt_lookup": (parallel.get(best) or {}).get("speedup_over_prompt_lookup"),
+        "parallel_over_chain": parallel,
         "identical_to_plain": identical,
         "tau_definition": TAU_DEFINITION,
-        "mt_bench": {"questions": len({r["prompt_id"] for r in records}), "answers_per_method": len(plain),
+        "mt_bench": {"questions": len({r["prompt_id"] for r in mt_records}), "answers_per_method": len(plain),
                      "max_new_tokens": args.max_new_tokens, "dtype": "float32", "decoding_processes": 1,
                      "summary": {k: s.to_dict() for k, s in summaries.items()}, "tau_by_turn": by_turn},
+        "second_set": {"prompts": args.second_prompts, "questions": len({r["prompt_id"] for r in second_records}),
+                       "summary": {k: s.to_dict() for k, s in second_summary.items()}},
         "heldout_acc_per_position": {k: (v.get("heldout") or {}).get("acc_per_step") for k, v in report["train"].items()},
     })
     _dump(Path(args.out) / "parallel_gpu.json", report)
@@ -220,13 +250,25 @@ def print_summary(report: dict) -> None:
     summaries = {k: Summary(**v) for k, v in mt.get("summary", {}).items()}
     print(format_table(summaries))
     print(f"\nMT-bench: {mt.get('questions')} questions, both turns, {mt.get('max_new_tokens')} new tokens, one process")
-    for key in ("speedup_parallel_over_chain", "tau_parallel_over_chain", "speedup_parallel_over_prompt_lookup"):
-        print(f"{key}: {report.get(key)}")
+    for kind, ratios in (report.get("parallel_over_chain") or {}).items():
+        print(f"{kind}: {json.dumps(ratios)}")
+    second = report.get("second_set") or {}
+    if second.get("summary"):
+        print(f"\nsecond set ({second['prompts']}, {second['questions']} prompts):")
+        print(format_table({k: Summary(**v) for k, v in second["summary"].items()}))
     print(f"identical to plain (answers equal / answers): {report.get('identical_to_plain')}")
     print(f"held-out accuracy per block position: {json.dumps(report.get('heldout_acc_per_position'))}")
     for m, t in (report.get("draft_vs_verify") or {}).items():
         print(f"  {m:<15} draft {t['draft_ms_per_step']:.2f} ms/step, verify {t['verify_ms_per_step']:.2f} ms/step, "
               f"wall {t['wall_ms_per_step']:.2f} ms/step")
+
+
+def interleave(first: list, second: list) -> list:
+    """Alternate two prompt lists (the rest of the longer at the end): a run stopped by its time
+    has answered both sets about equally."""
+    out = [x for pair in zip(first, second) for x in pair]
+    n = min(len(first), len(second))
+    return out + first[n:] + second[n:]
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -256,9 +298,17 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--regen-minutes", type=float, default=0.75)
     p.add_argument("--regen-tokens", type=int, default=256)
     p.add_argument("--regen-group", type=int, default=4096)
-    p.add_argument("--arm-minutes", type=float, default=1.25, help="training minutes per drafter (equal for both)")
+    p.add_argument("--arms", default=",".join(KINDS), help=f"drafters trained, in order (default {','.join(KINDS)})")
+    p.add_argument("--data", help="a regenerated set from an earlier run (its --work/regen): no regeneration")
+    p.add_argument("--store", help="a store captured from such a set: the arms train offline from it instead")
+    p.add_argument("--drafter", action="append", default=[], metavar="KIND=FOLDER",
+                   help="a drafter trained elsewhere on the same data (e.g. eagle3=DIR), decoded beside the arms")
+    p.add_argument("--arm-minutes", type=float, default=1.25, help="training minutes per drafter (equal for all)")
     p.add_argument("--eval-minutes", type=float, default=4.0, help="MT-bench decoding at most, timing pass included")
     p.add_argument("--questions", type=int, default=80)
+    p.add_argument("--second-prompts", help="a second prompt file (any file `eyas eval --prompts` reads) kept out of "
+                   "training, e.g. conversations past --conversations-limit; decoded interleaved with MT-bench")
+    p.add_argument("--second-questions", type=int, default=40, help="prompts taken from --second-prompts")
     p.add_argument("--timing-questions", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-len", type=int, default=1024)
@@ -273,6 +323,12 @@ def parse_args() -> argparse.Namespace:
                    help="CPU end to end in minutes: the packaged SmolLM2, 12 chitchat dialogues, 32-token answers, "
                         "tiny batches, one question")
     args = p.parse_args()
+    args.arms = [a for a in args.arms.split(",") if a]
+    args.drafter = [tuple(d.split("=", 1)) for d in args.drafter]
+    if bad := [k for k, *_ in args.drafter if k not in KINDS] + [d for d, *rest in args.drafter if not rest]:
+        p.error(f"--drafter takes KIND=FOLDER with KIND one of {','.join(KINDS)}; got {bad}")
+    if unknown := set(args.arms) - set(KINDS):
+        p.error(f"--arms: unknown {sorted(unknown)}; choose from {','.join(KINDS)}")
     if args.smoke:
         args.model = args.model or "packaged:smollm2-135m"
         args.conversations = ["packaged:chitchat"]

@@ -122,15 +122,16 @@ def _best_arm(arms: dict) -> str:
     return max(arms, key=lambda a: arms[a]["final"].get("eval", {}).get("tau_sim", 0.0))
 
 
-def train_for(args, data: Path, folder: Path, seconds: float, options: dict, evals: int = 8,
-              profile: bool = False) -> dict:
-    """Train online for about `seconds`: `eyas train --minutes` sizes the whole cosine schedule
+def train_for(args, data: Path | None, folder: Path, seconds: float, options: dict, evals: int = 8,
+              profile: bool = False, store: Path | None = None) -> dict:
+    """Train online on `data` (or offline from a captured `store`) for about `seconds`: `eyas train --minutes` sizes the whole cosine schedule
     to the budget from the run's own steady-state rate (a probe on a cold compile cache once
     planned 205 steps instead of ~740). With `profile`, a short run after it goes under
     torch.profiler (CUDA activity only) and its top kernels go into the result."""
     from eyas.train import TrainConfig, train
 
-    common = dict(online=True, model=args.model, data=str(data), batch_tokens=args.batch_tokens, lr=args.lr,
+    source = dict(store=str(store)) if store else dict(online=True, model=args.model, data=str(data))
+    common = dict(**source, batch_tokens=args.batch_tokens, lr=args.lr,
                   max_len=args.max_len, device=args.device, progress=False, save_every=10**6, **options)
     shutil.rmtree(folder, ignore_errors=True)
     t0 = time.monotonic()

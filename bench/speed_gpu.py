@@ -529,7 +529,18 @@ def _time_block_masks(device: torch.device) -> dict[str, Any]:
     return {"causal_s": time.perf_counter() - start}
 
 
-class PreloadedSource:
+class OnDevice:
+    """A source whose batches already sit on the device: nothing to read ahead, nothing started
+    in the background (the rest of eyas.train.data.SampleSource)."""
+
+    def read_ahead(self, items, device: torch.device) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class PreloadedSource(OnDevice):
     """A training source answering `load` from the batches of the next `steps` steps of
     `run`, loaded (onto the device) by its own source beforehand."""
 
@@ -541,12 +552,6 @@ class PreloadedSource:
 
     def load(self, positions: list[int], device: torch.device):
         return self.batches[tuple(positions)]
-
-    def read_ahead(self, items, device: torch.device) -> None:
-        """Nothing to read ahead: the batches are already on the device (eyas.train.data.SampleSource)."""
-
-    def close(self) -> None:
-        """Nothing was started in the background."""
 
 
 @contextlib.contextmanager
@@ -638,7 +643,7 @@ def _kernel_classes(kernels, total: float) -> dict[str, float]:
     return {k: round(v / total, 4) for k, v in sorted(out.items(), key=lambda kv: -kv[1])} if total else {}
 
 
-class InMemorySource:
+class InMemorySource(OnDevice):
     """A training source of random samples whose states already sit on the device: every
     sample's hidden is a view of one random [max_len, L+1, H] tensor (speed does not depend
     on values); `load` pads on the device as StoreSource pads on the host."""
@@ -655,12 +660,6 @@ class InMemorySource:
             mask[: n // 5] = False
             self._masks.append(mask)
         self._hidden = torch.randn(max(lengths), layers, hidden_size, device=device, dtype=dtype)
-
-    def read_ahead(self, items, device: torch.device) -> None:
-        """Nothing to read ahead: the batches are already on the device (eyas.train.data.SampleSource)."""
-
-    def close(self) -> None:
-        """Nothing was started in the background."""
 
     def tokens(self, pos: int):
         return self._ids[pos], self._masks[pos]
