@@ -96,6 +96,15 @@ def datasets_quiet() -> None:
     datasets.config.TORCHVISION_AVAILABLE = False
 
 
+def quiet_worker(worker_id: int) -> None:
+    """The peer's DataLoader worker set-up with `datasets_quiet` first: its workers are spawned,
+    so they import `datasets` afresh and would not see the parent's setting."""
+    from speculators.train import dataloader
+
+    datasets_quiet()
+    dataloader._worker_init_fn(worker_id)
+
+
 def convert(store_path: str | Path, out: str | Path, *, dtype: str = "bf16", positions: list[int] | None = None,
             draft_to_target: torch.Tensor | None = None) -> dict[str, Any]:
     """Write `store_path`'s samples (all, or `positions` in that order) to `out` in speculators'
