@@ -30,3 +30,28 @@ def test_each_mask_kind_compiles_apart_and_raises_past_its_limit(monkeypatch):
         with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):  # a second variant of the same kind
             first(*longer, block_mask=causal_mask(256))
         torch.testing.assert_close(second(q, k, v, block_mask=causal_mask(128)), out)  # its own cache: compiles
+
+
+def test_limited_compiles_past_the_default_limit():
+    """The TTT step parts (draft/model.py) run compiled under `flex.limited`: with and without
+    gradients, several dtypes and a second drafter kind in one process they need more than
+    Dynamo's default 8 variants, past which they would silently run eagerly (seen on an H200)."""
+    compiles = []
+
+    def count(gm, example_inputs):  # a backend that records each variant it is asked to compile
+        compiles.append(1)
+        return gm.forward
+
+    variants = [(dtype, grad) for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int32)
+                for grad in (False, True) if not (grad and dtype == torch.int32)]  # 9 variants
+    for wrap, expected in ((lambda f: f, 8), (flex.limited, len(variants))):
+        compiles.clear()
+        torch._dynamo.reset()  # Dynamo keeps variants per code object: both runs start empty
+
+        def double(x):
+            return x * 2
+
+        fn = wrap(torch.compile(double, backend=count, dynamic=True))
+        for dtype, grad in variants:
+            fn(torch.ones(3, dtype=dtype).requires_grad_(grad))
+        assert len(compiles) == expected

@@ -34,11 +34,24 @@ def compiled(kind: str) -> Callable[..., torch.Tensor]:
     one `kind`, apart from every other kind's."""
     name = "flex_" + "".join(c if c.isalnum() else "_" for c in kind)
     code = _attend.__code__.replace(co_name=name, co_qualname=name)
-    fn = torch.compile(types.FunctionType(code, _attend.__globals__, name), dynamic=True, fullgraph=True)
+    fn = limited(torch.compile(types.FunctionType(code, _attend.__globals__, name), dynamic=True, fullgraph=True))
 
     def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_mask=None, scale: float | None = None,
              enable_gqa: bool = False, return_aux=None):
+        return fn(q, k, v, block_mask, scale, enable_gqa, return_aux)
+
+    return call
+
+
+def limited(fn: Callable) -> Callable:
+    """A compiled `fn` called under RECOMPILE_LIMIT. The step parts around attention (draft/model.py)
+    need it too: with and without gradients, then a second drafter kind in the same process
+    (bench/parallel_gpu.py trains EAGLE-3, then P-EAGLE), they passed the default 8 variants on an
+    H200 and ran eagerly from then on."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            return fn(q, k, v, block_mask, scale, enable_gqa, return_aux)
+            return fn(*args, **kwargs)
 
     return call

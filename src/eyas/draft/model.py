@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 
 from eyas.draft.config import DraftConfig
-from eyas.draft.flex import compiled
+from eyas.draft.flex import compiled, limited
 from eyas.draft.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary_pos_emb
 from eyas.draft.mla import MLAAttention
 
@@ -202,7 +202,7 @@ COMPILE_STEP_PARTS = True
 def _step_parts(compiled: bool):
     if not compiled:
         return _pre_attention, _post_attention
-    return torch.compile(_pre_attention, dynamic=True), torch.compile(_post_attention, dynamic=True)
+    return limited(torch.compile(_pre_attention, dynamic=True)), limited(torch.compile(_post_attention, dynamic=True))
 
 
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
