@@ -123,6 +123,39 @@ def test_failing_in_each_stage_then_rerunning_ends_as_an_uninterrupted_run(tiny_
         run_recipe(recipe, tmp_path / "part", stop_after="nothing")
 
 
+def test_recipe_killed_in_training_resumes_to_an_uninterrupted_runs_drafter(tiny_llama_dir, tmp_path):
+    """A real SIGKILL: `eyas recipe` in its own process, killed once training has written its
+    first checkpoint, then the same command again: the drafter and its export equal those of
+    an uninterrupted run (nothing half-written is read back, nothing is redone silently)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    train = {"online": True, "steps": 40, "batch_tokens": 256, "ttt_steps": 2, "draft_vocab": 512,
+             "eval_fraction": 0.34, "save_every": 1, "lr": 0.001, "progress": False}
+    recipe = _recipe(tmp_path, str(tiny_llama_dir), train=train, eval={"prompts": str(tmp_path / "prompts.jsonl"),
+                                                                       "max_new_tokens": 4, "steps": 2})
+    clean = run_recipe(recipe, tmp_path / "clean").parent
+    work = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    command = [sys.executable, "-m", "eyas", "recipe", str(recipe), "--work", str(work)]
+    child = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    latest = work / "drafter" / "checkpoints" / "latest"
+    deadline = time.monotonic() + 600
+    while not latest.exists() and child.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    child.send_signal(signal.SIGKILL)
+    assert child.wait() == -signal.SIGKILL, "the run ended before training wrote its first checkpoint"
+    assert not (work / "report.md").exists()
+    done = subprocess.run(command, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for weights in ("drafter/model.safetensors", "export/vllm/model.safetensors"):
+        x, y = load_file(clean / weights), load_file(work / weights)
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), weights
+
+
 @pytest.mark.parametrize("name", ["smollm2-1gpu", "kimi-k2.5-8gpu"])
 def test_dry_run_plans_the_shipped_gpu_recipes_without_a_gpu(name, tmp_path, capsys):
     """--dry-run checks every stage's options and prints its command, status and estimate; it
