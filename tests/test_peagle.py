@@ -7,7 +7,8 @@ entries 0..i (entry p reads token p+1 and the target's aux states at p, at posit
 slot k >= 1 reads the mask token and fc(mask_hidden) at position i+k, attending to the
 context entries and to slots 1..k; softmax, the MLP, logits and the soft cross-entropy
 weighted decay^k. Both run in float32 and agree to 1e-5 (logits, loss) and 1e-4 relative
-(gradients).
+(gradients). The MLA variants take each entry's heads from the DeepSeek-V2 paper's equations
+(test_mla.py's paper_heads) instead of the Llama layer's.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ from eyas.evaluate.proposers import Proposer
 from eyas.evaluate.target import TargetSession
 from test_dflash import make_setup as dflash_setup
 from test_eval_sampling import T as TEMPERATURE, V as TOY_V, build_toy, check_sampling
+from test_mla import SIZES, YARN, paper_heads
 from test_ttt import K, V, H, VD, check_against_reference, fuse, gqa_heads, reference_loss
+
+MLA = {"attention": "mla", "mla": dict(SIZES), "num_key_value_heads": 4, "head_dim": SIZES["qk_rope_head_dim"]}
 
 
 def make_setup(**options):
@@ -36,13 +40,14 @@ def make_setup(**options):
 def reference_peagle(m, input_ids, hidden, labels, decay: float):
     """Logits [K][B, T, Vd] (valid pairs only) and the loss, one (row, slot) at a time."""
     layer = m.midlayer
+    project = paper_heads if m.config.attention == "mla" else gqa_heads  # per-head q, k, v, scale
     B, T = input_ids.shape
     mask_embed = m.embed_tokens.weight[m.config.mask_token_id]
     mask_state = fuse(m, m.mask_hidden.view(3, H))
 
     def entry(embed, state, pos):
         x = torch.cat([layer.input_layernorm(embed), layer.hidden_norm(state)])
-        return (*gqa_heads(m, x, pos), state)  # q, k, v, scale, residual
+        return (*project(m, x, pos), state)  # q, k, v, scale, residual
 
     logits = [torch.zeros(B, T, VD) for _ in range(K)]
     for b in range(B):
@@ -63,17 +68,20 @@ def reference_peagle(m, input_ids, hidden, labels, decay: float):
     return logits, reference_loss(logits, labels, decay)
 
 
-@pytest.mark.parametrize("options", [{}, {"fc_norm": True, "norm_output": True}])
+@pytest.mark.parametrize("options", [{}, {"fc_norm": True, "norm_output": True}, MLA,
+                                     {**MLA, "rope_parameters": YARN, "fc_norm": True, "norm_output": True}],
+                         ids=["gqa", "gqa-eagle31", "mla", "mla-yarn-eagle31"])
 def test_training_step_matches_plain_reference_forward_and_gradients(options):
     drafter = make_setup(**options)
     loss, _ = check_against_reference(*drafter, reference_peagle)
     assert loss.item() > 0
 
 
-def test_decoding_block_equals_the_training_rows():
-    """One parallel pass after committing the context (DrafterSession) proposes what training
-    scored at the same row, slot by slot."""
-    drafter, _, _, input_ids, hidden, _ = make_setup()
+@pytest.mark.parametrize("options", [{}, MLA], ids=["gqa", "mla"])
+def test_decoding_block_equals_the_training_rows(options):
+    """One parallel pass after committing the context (DrafterSession; MLA's cache its latent)
+    proposes what training scored at the same row, slot by slot."""
+    drafter, _, _, input_ids, hidden, _ = make_setup(**options)
     drafter.eval()
     with torch.no_grad():
         logits = drafter.forward_ttt(input_ids, hidden[:, :, :3])

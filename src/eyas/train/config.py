@@ -131,6 +131,9 @@ class TrainConfig:
             return
         if self.fc_norm or self.norm_output:
             raise EyasError("--fc-norm and --norm-output are EAGLE-3 options; drop them with --drafter dflash.")
+        if self.draft_attention == "mla":
+            raise EyasError("--draft-attention mla is for --drafter eagle3 or peagle; a DFlash drafter has its own "
+                            "Qwen3-style layers.")
         if self.block_size is not None:
             if self.block_size < 2:
                 raise EyasError("--block-size must be at least 2 (the last token and one to draft).")
