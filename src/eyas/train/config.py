@@ -64,7 +64,8 @@ class TrainConfig:
         rule=COUNT, group=DRAFTER)
     draft_attention: str = option(
         "the drafter layer's attention: gqa (Llama-style) or mla (the target's multi-head latent attention, its "
-        "ranks and head dims); auto = mla for DeepSeek-V2/V3-style targets (Kimi-K2/K2.5 included), else gqa",
+        "ranks and head dims); auto = mla for DeepSeek-V2/V3-style targets (Kimi-K2/K2.5 included), else gqa "
+        "(peagle: always gqa, the head vLLM serves it with; dflash has its own layers)",
         "auto", choices=("auto", "gqa", "mla"), group=DRAFTER)  # draft/mla.py
     fc_norm: bool = option("an RMSNorm on each aux state before fc (EAGLE 3.1; served by vLLM, not SGLang)", False,
                            negatable=True, group=DRAFTER)
