@@ -7,7 +7,8 @@ entries 0..i (entry p reads token p+1 and the target's aux states at p, at posit
 slot k >= 1 reads the mask token and fc(mask_hidden) at position i+k, attending to the
 context entries and to slots 1..k; softmax, the MLP, logits and the soft cross-entropy
 weighted decay^k. Both run in float32 and agree to 1e-5 (logits, loss) and 1e-4 relative
-(gradients).
+(gradients). The MLA variants take each entry's heads from the DeepSeek-V2 paper's equations
+(test_mla.py's paper_heads) instead of the Llama layer's.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ from eyas.evaluate.proposers import Proposer
 from eyas.evaluate.target import TargetSession
 from test_dflash import make_setup as dflash_setup
 from test_eval_sampling import T as TEMPERATURE, V as TOY_V, build_toy, check_sampling
+from test_mla import SIZES, YARN, paper_heads
 from test_ttt import K, V, H, VD, check_against_reference, fuse, gqa_heads, reference_loss
+
+MLA = {"attention": "mla", "mla": dict(SIZES), "num_key_value_heads": 4, "head_dim": SIZES["qk_rope_head_dim"]}
 
 
 def make_setup(**options):
@@ -36,13 +40,14 @@ def make_setup(**options):
 def reference_peagle(m, input_ids, hidden, labels, decay: float):
     """Logits [K][B, T, Vd] (valid pairs only) and the loss, one (row, slot) at a time."""
     layer = m.midlayer
+    project = paper_heads if m.config.attention == "mla" else gqa_heads  # per-head q, k, v, scale
     B, T = input_ids.shape
     mask_embed = m.embed_tokens.weight[m.config.mask_token_id]
     mask_state = fuse(m, m.mask_hidden.view(3, H))
 
     def entry(embed, state, pos):
         x = torch.cat([layer.input_layernorm(embed), layer.hidden_norm(state)])
-        return (*gqa_heads(m, x, pos), state)  # q, k, v, scale, residual
+        return (*project(m, x, pos), state)  # q, k, v, scale, residual
 
     logits = [torch.zeros(B, T, VD) for _ in range(K)]
     for b in range(B):
@@ -63,17 +68,20 @@ def reference_peagle(m, input_ids, hidden, labels, decay: float):
     return logits, reference_loss(logits, labels, decay)
 
 
-@pytest.mark.parametrize("options", [{}, {"fc_norm": True, "norm_output": True}])
+@pytest.mark.parametrize("options", [{}, {"fc_norm": True, "norm_output": True}, MLA,
+                                     {**MLA, "rope_parameters": YARN, "fc_norm": True, "norm_output": True}],
+                         ids=["gqa", "gqa-eagle31", "mla", "mla-yarn-eagle31"])
 def test_training_step_matches_plain_reference_forward_and_gradients(options):
     drafter = make_setup(**options)
     loss, _ = check_against_reference(*drafter, reference_peagle)
     assert loss.item() > 0
 
 
-def test_decoding_block_equals_the_training_rows():
-    """One parallel pass after committing the context (DrafterSession) proposes what training
-    scored at the same row, slot by slot."""
-    drafter, _, _, input_ids, hidden, _ = make_setup()
+@pytest.mark.parametrize("options", [{}, MLA], ids=["gqa", "mla"])
+def test_decoding_block_equals_the_training_rows(options):
+    """One parallel pass after committing the context (DrafterSession; MLA's cache its latent)
+    proposes what training scored at the same row, slot by slot."""
+    drafter, _, _, input_ids, hidden, _ = make_setup(**options)
     drafter.eval()
     with torch.no_grad():
         logits = drafter.forward_ttt(input_ids, hidden[:, :, :3])
@@ -152,3 +160,65 @@ def test_export_writes_vllms_eagle3_layout_with_mask_hidden(tmp_path):
     for layout in ("sglang", "speculators"):
         with pytest.raises(EyasError, match="exports only --to vllm"):
             export_drafter(tmp_path / "ckpt", layout, tmp_path / layout)
+
+
+@pytest.fixture(scope="module")
+def deepseek_dir(tmp_path_factory, tiny_tokenizer_dir):
+    from tiny import build_model
+
+    return str(build_model(tmp_path_factory.mktemp("peagle-deepseek"), "deepseek_v3", tokenizer_dir=tiny_tokenizer_dir))
+
+
+def test_mla_peagle_decodes_losslessly_and_vllm_export_is_refused(deepseek_dir, tmp_path, one_thread):
+    """An MLA P-EAGLE drafter on a tiny DeepseekV3 target, fitted on the first half of the
+    target's greedy answer: eyas eval's parallel blocks emit exactly transformers' greedy answer
+    with drafts accepted. vLLM 0.32's MLA head (Eagle3DeepseekV3ForCausalLM) has no mask_hidden
+    for parallel drafting, so `export --to vllm` refuses it in one line and writes nothing."""
+    from test_export_vllm import capture, fit_drafter
+    from eyas.evaluate.prompts import render
+    from eyas.evaluate.run import load_checked_drafter
+    from eyas.export import export_drafter
+    from eyas.models import load_target, model_identity
+
+    model, tokenizer = load_target(deepseek_dir, dtype="float32")
+    ids = render(tokenizer, [{"role": "user", "content": "hello there, how are you?"}])
+    with torch.inference_mode():
+        expected = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False, eos_token_id=[],
+                                  pad_token_id=0)[0, len(ids):].tolist()
+    ckpt = fit_drafter(capture([ids + expected[:12]], model=deepseek_dir), tmp_path / "drafter", steps=40,
+                       attention="mla", drafter="peagle", mask_token_id=model.config.vocab_size - 1)
+    drafter = load_checked_drafter(str(ckpt), model, model_identity(deepseek_dir, model.config, tokenizer))
+    assert type(drafter).__name__ == "PEagleDrafter" and drafter.config.attention == "mla"
+    session = DrafterSession(drafter)
+    g = generate(TargetSession(model, drafter.config.aux_layer_ids), PEagle(session, 3), ids, 24, eos_ids=set())
+    assert g.generated_ids == expected
+    assert sum(g.accept_counts) >= 6, g.accept_counts
+    assert session.keys.shape[1] == 1  # the latent cache
+    with pytest.raises(EyasError, match="Eagle3DeepseekV3ForCausalLM \\(no mask_hidden\\)"):
+        export_drafter(ckpt, "vllm", tmp_path / "vllm")
+    assert not (tmp_path / "vllm").exists()
+
+
+def test_train_peagle_draft_attention_on_an_mla_target(deepseek_dir, tmp_path, capsys):
+    """`eyas train --drafter peagle` on a DeepseekV3 target: auto keeps the Llama layer vLLM
+    serves with parallel drafting and says why; explicit mla trains an MLA P-EAGLE drafter;
+    DFlash refuses mla in one line."""
+    import json
+
+    from eyas.capture.run import capture
+    from eyas.data.prepare import prepare
+    from eyas.train import TrainConfig, train
+
+    prepare(deepseek_dir, "packaged:chitchat", tmp_path / "prep", max_len=64, limit=4, progress=False)
+    capture(deepseek_dir, tmp_path / "prep", tmp_path / "store", dtype="fp32", progress=False)
+    common = dict(store=str(tmp_path / "store"), drafter="peagle", steps=2, batch_tokens=128, ttt_steps=2,
+                  progress=False)
+    for attention, written in (("auto", "gqa"), ("mla", "mla")):
+        capsys.readouterr()
+        train(TrainConfig(out=str(tmp_path / attention), draft_attention=attention, **common))
+        config = json.loads((tmp_path / attention / "config.json").read_text())
+        assert config["eyas"]["drafter"] == "peagle" and config["eyas"]["attention"] == written
+        assert ("takes a GQA layer on this MLA target" in capsys.readouterr().out) == (attention == "auto")
+    assert config["architectures"] == ["Eagle3DeepseekV3ForCausalLM"] and config["mask_token_id"] is not None
+    with pytest.raises(EyasError, match="--draft-attention mla is for --drafter eagle3 or peagle"):
+        TrainConfig(out="x", store="s", drafter="dflash", draft_attention="mla")

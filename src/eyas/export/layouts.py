@@ -209,6 +209,10 @@ def layout_for(cfg: DraftConfig, name: str) -> Layout:
         raise EyasError(f"A {cfg.drafter} drafter exports only --to vllm (vLLM 0.32 serves it; neither SGLang nor "
                         f"the speculators format is written for it).")
     if cfg.drafter == "peagle":
+        if cfg.attention == "mla":  # deepseek_eagle3.py has no `mask_hidden`, which the proposer reads
+            raise EyasError("vLLM 0.32 serves parallel drafting (P-EAGLE) only with its Llama EAGLE-3 head, not "
+                            "Eagle3DeepseekV3ForCausalLM (no mask_hidden); this MLA P-EAGLE drafter runs in eyas eval "
+                            "only: train with --draft-attention gqa to serve it.")
         return Layout("vllm", "vllm", EYAS_PREFIX, False, peagle_vllm_config, _needs_silu)
     return Layout("vllm", "vllm", "", False, dflash_vllm_config, _needs_silu)
 

@@ -64,7 +64,8 @@ class TrainConfig:
         rule=COUNT, group=DRAFTER)
     draft_attention: str = option(
         "the drafter layer's attention: gqa (Llama-style) or mla (the target's multi-head latent attention, its "
-        "ranks and head dims); auto = mla for DeepSeek-V2/V3-style targets (Kimi-K2/K2.5 included), else gqa",
+        "ranks and head dims); auto = mla for DeepSeek-V2/V3-style targets (Kimi-K2/K2.5 included), else gqa "
+        "(peagle: always gqa, the head vLLM serves it with; dflash has its own layers)",
         "auto", choices=("auto", "gqa", "mla"), group=DRAFTER)  # draft/mla.py
     fc_norm: bool = option("an RMSNorm on each aux state before fc (EAGLE 3.1; served by vLLM, not SGLang)", False,
                            negatable=True, group=DRAFTER)
@@ -131,6 +132,9 @@ class TrainConfig:
             return
         if self.fc_norm or self.norm_output:
             raise EyasError("--fc-norm and --norm-output are EAGLE-3 options; drop them with --drafter dflash.")
+        if self.draft_attention == "mla":
+            raise EyasError("--draft-attention mla is for --drafter eagle3 or peagle; a DFlash drafter has its own "
+                            "Qwen3-style layers.")
         if self.block_size is not None:
             if self.block_size < 2:
                 raise EyasError("--block-size must be at least 2 (the last token and one to draft).")

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig
 
+from eyas.draft import mla_config as latent
 from eyas.draft.build import new_drafter
 from eyas.draft.checkpoint import load_drafter
 from eyas.draft.config import DraftConfig
@@ -27,6 +28,7 @@ from eyas.errors import EyasError
 from eyas.device import check_fits, synchronize
 from eyas.lock import output_lock, reading_lock
 from eyas.models import load_tokenizer, model_identity, resolve_model
+from eyas.models.identity import text_config
 from eyas.models.target_head import TargetHead, load_target_head
 from eyas.paths import check_confined
 from eyas.store.format import first_nonfinite
@@ -205,12 +207,29 @@ def _new_draft_config(cfg: TrainConfig, source, folder: str, train_pos: list[int
     _log(d, f"draft vocabulary: {size} of {source.identity.vocab_size} tokens, covering "
             f"{100 * coverage(counter, draft_ids):.2f}% of the trained tokens in the data")
     width = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
-    draft = DraftConfig.for_target(AutoConfig.from_pretrained(folder), source.identity, source.layer_ids, size,
+    target_config = AutoConfig.from_pretrained(folder)
+    draft = DraftConfig.for_target(target_config, source.identity, source.layer_ids, size,
                                    ttt_steps=cfg.ttt_steps, ttt_decay=cfg.ttt_decay, fc_norm=cfg.fc_norm,
                                    norm_output=cfg.norm_output, chat_template=source.chat_template,
-                                   attention=cfg.draft_attention if cfg.drafter == "eagle3" else "gqa", **width,
+                                   attention=_draft_attention(cfg, target_config, d), **width,
                                    **cfg.kind_options(source.identity))
     return draft, draft_ids
+
+
+def _draft_attention(cfg: TrainConfig, target_config, d: distributed.Dist) -> str:
+    """--draft-attention for the kind. A DFlash drafter has its own layers (gqa; TrainConfig
+    refuses mla). For P-EAGLE, `auto` keeps the Llama layer on an MLA target too: vLLM 0.32
+    serves parallel drafting only with that head (its MLA head has no `mask_hidden`), and a
+    user asking for P-EAGLE wants a drafter vLLM serves; `mla` trains one for eyas eval."""
+    if cfg.drafter == "dflash":
+        return "gqa"
+    if cfg.drafter == "peagle" and cfg.draft_attention == "auto":
+        if latent.target_uses_mla(text_config(target_config)):
+            _log(d, "note: --drafter peagle takes a GQA layer on this MLA target (--draft-attention auto): vLLM 0.32 "
+                    "serves parallel drafting only with its Llama EAGLE-3 head; --draft-attention mla trains an MLA "
+                    "P-EAGLE drafter that eyas eval runs but no engine serves")
+        return "gqa"
+    return cfg.draft_attention
 
 
 def _check_fits(draft: DraftConfig, d: distributed.Dist, device: torch.device) -> None:
