@@ -187,6 +187,31 @@ def test_static_cache_path_equals_generate(smollm2_dir):
     assert all(0 < len(f) <= b for f, b in zip(fast, budgets)) and any(len(f) == b for f, b in zip(fast, budgets))
 
 
+def test_sampling_batches_stay_within_the_cache_budget(tiny_llama_dir, monkeypatch):
+    """A group can hold thousands of conversations (4096 by default on a GPU): sampling, which
+    takes `model.generate`, runs it in batches of rows x (longest prompt + longest answer) within
+    the generator's cache budget. A seed gives the same answers again; greedy answers do not
+    depend on how the prompts were split."""
+    from eyas.regenerate.generate import HFGenerator
+    from eyas.regenerate.run import RegenerateConfig, default_group_size
+
+    gen = HFGenerator(str(tiny_llama_dir), dtype="float32", cache_tokens=40)
+    prompts = [[5 + i, 6, 7 + i % 3] for i in range(7)]  # 3 tokens each
+    budgets = [5, 3, 5, 4, 5, 2, 5]
+    seen = []
+    generate = gen._generate
+    monkeypatch.setattr(gen, "_generate", lambda p, b, t: seen.append(len(p)) or generate(p, b, t))
+    sampled = gen.sample(prompts, budgets, temperature=1.0, seed=3)
+    assert seen == [5, 2]  # 40 slots // (3 + 5) = 5 rows a batch
+    assert gen.sample(prompts, budgets, temperature=1.0, seed=3) == sampled
+    assert all(len(a) <= b for a, b in zip(sampled, budgets))
+    greedy = gen.sample(prompts, budgets, temperature=0.0, seed=0)
+    gen.slots = 8  # one row a batch
+    assert gen.sample(prompts, budgets, temperature=0.0, seed=0) == greedy and seen[-7:] == [1] * 7
+    cfg = RegenerateConfig(model="m", data="d", out="o", device="cpu")
+    assert cfg.group_size is None and default_group_size(cfg) == 64
+
+
 def test_static_path_drops_stopped_rows_and_stays_greedy(smollm2_dir, monkeypatch):
     """When a quarter of a batch has stopped, the fast path compacts it (the cache keeps only
     live rows), and each decode step reads only the cache slots written so far (rounded up to

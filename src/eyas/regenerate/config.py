@@ -18,7 +18,9 @@ class RegenerateConfig:
     backend: str = option("hf (transformers) or vllm", "hf", choices=("hf", "vllm"))
     temperature: float = option("sampling temperature; 0 = greedy", 0.0, rule=Number(lo=0, required=True))
     max_new_tokens: int = option("longest answer per turn", 1024, rule=COUNT)
-    group_size: int = option("conversations generated together, and saved together for resume", 64, rule=COUNT)
+    group_size: int | None = option(
+        "conversations generated together, and saved together for resume (default: 4096 on a GPU, whose batches the "
+        "cache budget bounds; 64 on the CPU)", None, rule=COUNT)
     minutes: float | None = option(
         "stop after the group that ends past this many minutes; the output holds what is done, and the same "
         "command continues", None, rule=POSITIVE)

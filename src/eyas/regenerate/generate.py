@@ -25,7 +25,7 @@ class HFGenerator:
         self.stops = eos_ids(saved_generation_config(resolve_model(model)), self.tokenizer)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stops[0]
         # 2M slots of a 135M model's cache are ~46 GiB in bf16: a GPU's worth; a CPU batch stays small.
-        slots = cache_tokens or (1 << 21 if self.device.type == "cuda" else 1 << 14)
+        self.slots = slots = cache_tokens or (1 << 21 if self.device.type == "cuda" else 1 << 14)
         self.greedy = StaticGreedy(self.model, self.pad, self.stops, slots) if supports_static(self.model) else None
 
     def generate(self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, seed: int) -> list[list[int]]:
@@ -35,14 +35,21 @@ class HFGenerator:
 
     @torch.inference_mode()
     def sample(self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, seed: int) -> list[list[int]]:
-        """Batched `model.generate`, left-padded: sampling, and greedy decoding of any model."""
+        """Batched `model.generate`, left-padded: sampling, and greedy decoding of any model; in
+        batches whose rows x (longest prompt + longest answer) fit the cache budget, since a group
+        can hold thousands of conversations. One seed for the whole call, drawn from in order."""
+        torch.manual_seed(seed)
+        rows = max(1, self.slots // (max(len(p) for p in prompts) + max(max_new_tokens)))
+        return [ids for b in range(0, len(prompts), rows)
+                for ids in self._generate(prompts[b:b + rows], max_new_tokens[b:b + rows], temperature)]
+
+    def _generate(self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float) -> list[list[int]]:
         T = max(len(p) for p in prompts)
         input_ids = torch.full((len(prompts), T), self.pad, dtype=torch.long)  # [B, T], left-padded
         attention_mask = torch.zeros(len(prompts), T, dtype=torch.long)
         for b, p in enumerate(prompts):
             input_ids[b, T - len(p):] = torch.tensor(p)
             attention_mask[b, T - len(p):] = 1
-        torch.manual_seed(seed)
         sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 else {
             "do_sample": False, "temperature": None, "top_k": None, "top_p": None}
         out = self.model.generate(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),

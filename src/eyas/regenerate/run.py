@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from eyas.data.prepare import prepare_into
@@ -50,6 +51,16 @@ def make_generator(cfg: RegenerateConfig, max_len: int):
                              pipeline_parallel_size=cfg.vllm.pipeline_parallel_size, engine_args=cfg.vllm.engine_args)
     dev = resolve_device(cfg.device)
     return HFGenerator(cfg.model, dtype=cfg.model_dtype or default_model_dtype(dev.type), device=str(dev))
+
+
+def default_group_size(cfg: RegenerateConfig) -> int:
+    """Conversations per group when --group-size is not given. A GPU is fed thousands at once
+    (1.5 minutes of SmolLM2 on an H200 regenerated 320 conversations in groups of 64, about
+    6,000 in groups of 4096); its batches stay within the generator's cache budget either way.
+    The CPU saves every 64, so a killed run loses little."""
+    if cfg.backend == "vllm":
+        return 4096 if torch.cuda.is_available() else 64
+    return 4096 if resolve_device(cfg.device).type == "cuda" else 64
 
 
 def regenerate(model: str, data: str | Path, out: str | Path, *, progress: bool = True,
@@ -93,8 +104,9 @@ def run_regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict[str, An
                 with open(out / PROGRESS, "a", encoding="utf-8") as log:
                     if log.tell() == 0:
                         _append(log, {"data": str(source.path.resolve()), "fingerprint": fingerprint})
-                    for start in range(0, len(todo), cfg.group_size):
-                        group = todo[start:start + cfg.group_size]
+                    size = cfg.group_size or default_group_size(cfg)
+                    for start in range(0, len(todo), size):
+                        group = todo[start:start + size]
                         answers = regenerate_group(generator, tokenizer, [conversations[i] for i in group],
                                                    max_len, cfg.max_new_tokens, cfg.temperature, cfg.seed + start,
                                                    seconds)
