@@ -212,6 +212,21 @@ def test_sampling_batches_stay_within_the_cache_budget(tiny_llama_dir, monkeypat
     assert cfg.group_size is None and default_group_size(cfg) == 64
 
 
+def test_gpu_cache_budget_follows_the_models_cache_per_token():
+    """On a GPU a batch takes the cache slots that half the free memory holds: keys and values
+    of every layer and kv head (MLA models: nope + rope key dims, v dims), at most 2M slots."""
+    from transformers import DeepseekV3Config, LlamaConfig
+
+    from eyas.regenerate.generate import cache_tokens_within
+
+    llama_8b = LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32)
+    per_token = 32 * 8 * (128 + 128) * 2  # layers x kv heads x (k + v dims) x bf16 bytes = 128 KiB
+    assert cache_tokens_within(llama_8b, 64 << 30, 2) == (64 << 30) // per_token == 524288
+    deepseek = DeepseekV3Config(num_hidden_layers=61)  # 128 heads, keys 128 + 64 wide, values 128
+    assert cache_tokens_within(deepseek, 64 << 30, 2) == (64 << 30) // (61 * 128 * (192 + 128) * 2)
+    assert cache_tokens_within(llama_8b, 1 << 50, 2) == 1 << 21 and cache_tokens_within(llama_8b, 0, 2) == 1024
+
+
 def test_static_path_drops_stopped_rows_and_stays_greedy(smollm2_dir, monkeypatch):
     """When a quarter of a batch has stopped, the fast path compacts it (the cache keeps only
     live rows), and each decode step reads only the cache slots written so far (rounded up to

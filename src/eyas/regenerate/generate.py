@@ -14,6 +14,19 @@ from eyas.regenerate.static import StaticGreedy, supports_static
 from eyas.vllm.engine import base_kwargs, check_vllm_version, start_llm, stop_llm
 
 
+def cache_tokens_within(config, budget_bytes: int, itemsize: int, most: int = 1 << 21) -> int:
+    """Cache slots (one per token and row) whose keys and values fit `budget_bytes`: a group of
+    thousands of conversations is cut into batches of at most this many slots, so an 8B target
+    gets ~10x fewer than a 135M one. MLA models cache full keys (nope + rope dims) and values."""
+    text = config.get_text_config()
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    k_dim = (getattr(text, "qk_nope_head_dim", 0) + getattr(text, "qk_rope_head_dim", 0)) or head_dim
+    v_dim = getattr(text, "v_head_dim", None) or head_dim
+    per_token = text.num_hidden_layers * heads * (k_dim + v_dim) * itemsize
+    return max(1024, min(most, budget_bytes // per_token))
+
+
 class HFGenerator:
     """transformers on one device. Greedy decoding of full-attention models takes the static-
     cache path (`StaticGreedy`: length-sorted batches of up to `cache_tokens` cache slots);
@@ -24,9 +37,16 @@ class HFGenerator:
         self.device = torch.device(device)
         self.stops = eos_ids(saved_generation_config(resolve_model(model)), self.tokenizer)
         self.pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stops[0]
-        # 2M slots of a 135M model's cache are ~46 GiB in bf16: a GPU's worth; a CPU batch stays small.
-        self.slots = slots = cache_tokens or (1 << 21 if self.device.type == "cuda" else 1 << 14)
+        self.slots = slots = cache_tokens or self._default_cache_tokens()
         self.greedy = StaticGreedy(self.model, self.pad, self.stops, slots) if supports_static(self.model) else None
+
+    def _default_cache_tokens(self) -> int:
+        """A CPU batch stays small (16k slots); a GPU's takes half its free memory after the
+        weights, at most 2M slots (a 135M model's ~46 GiB in bf16)."""
+        if self.device.type != "cuda":
+            return 1 << 14
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return cache_tokens_within(self.model.config, free // 2, self.model.dtype.itemsize)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, seed: int) -> list[list[int]]:
         if temperature == 0 and self.greedy is not None:
