@@ -45,9 +45,9 @@ def compiled(kind: str) -> Callable[..., torch.Tensor]:
 
 def limited(fn: Callable) -> Callable:
     """A compiled `fn` called under RECOMPILE_LIMIT. The step parts around attention (draft/model.py)
-    need it too: with and without gradients, then a second drafter kind in the same process
-    (bench/parallel_gpu.py trains EAGLE-3, then P-EAGLE), they passed the default 8 variants on an
-    H200 and ran eagerly from then on."""
+    and the step loss (train/objective.py) need it too: with and without gradients, then a second
+    drafter kind in the same process (bench/parallel_gpu.py trains EAGLE-3, then P-EAGLE), the step
+    parts passed the default 8 variants on an H200 and ran eagerly from then on."""
 
     @functools.wraps(fn)
     def call(*args, **kwargs):

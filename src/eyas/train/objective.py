@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from eyas.draft.flex import limited
 from eyas.draft.model import Eagle3Drafter
 from eyas.models.target_head import TargetHead
 
@@ -140,7 +141,7 @@ def step_loss(cuda: bool):
     """The loss of one TTT step; on CUDA compiled, to fuse the float32 passes that eager makes
     over [B, n, Vd] (cast, log-softmax, product, sum, and their backward): for a small head
     they move more bytes than its matrix products."""
-    return torch.compile(soft_cross_entropy, dynamic=True) if cuda else soft_cross_entropy
+    return limited(torch.compile(soft_cross_entropy, dynamic=True)) if cuda else soft_cross_entropy
 
 
 def simulated_acceptance(acc: list[float]) -> float:
