@@ -160,6 +160,29 @@ def test_killed_regenerate_resumes_to_the_same_result(tmp_path, source):
     assert torch.equal(PreparedData(out).loss_mask, PreparedData(whole).loss_mask)
 
 
+def test_sampled_regeneration_resumed_after_a_failure_equals_an_uninterrupted_run(tmp_path, source, monkeypatch):
+    """At T > 0 a group's seed comes from its first conversation's index, not from its place
+    among the conversations still to do: a resumed run draws what an uninterrupted one draws."""
+    import eyas.regenerate.run as run
+
+    options = dict(backend="hf", max_new_tokens=NEW, group_size=1, temperature=1.0, seed=7, progress=False)
+    regenerate(SMOLLM2, source, tmp_path / "whole", **options)
+    real, calls = run.regenerate_group, [0]
+
+    def failing(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise RuntimeError("injected failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(run, "regenerate_group", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        regenerate(SMOLLM2, source, tmp_path / "resumed", **options)
+    monkeypatch.setattr(run, "regenerate_group", real)
+    regenerate(SMOLLM2, source, tmp_path / "resumed", **options)
+    assert PreparedData(tmp_path / "resumed").conversations() == PreparedData(tmp_path / "whole").conversations()
+
+
 def test_regenerate_refuses_data_prepared_for_another_model(tmp_path, tiny_llama_dir, source):
     with pytest.raises(EyasError, match="different tokenizer"):
         regenerate(str(tiny_llama_dir), source, tmp_path / "out", progress=False)

@@ -108,7 +108,7 @@ def run_regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict[str, An
                     for start in range(0, len(todo), size):
                         group = todo[start:start + size]
                         answers = regenerate_group(generator, tokenizer, [conversations[i] for i in group],
-                                                   max_len, cfg.max_new_tokens, cfg.temperature, cfg.seed + start,
+                                                   max_len, cfg.max_new_tokens, cfg.temperature, cfg.seed + group[0],
                                                    seconds)
                         for i, messages in zip(group, answers):
                             _append(log, {"index": i, "messages": messages})
