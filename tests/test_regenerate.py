@@ -236,7 +236,7 @@ def test_sampling_batches_stay_within_the_cache_budget(tiny_llama_dir, monkeypat
 
 
 def test_gpu_cache_budget_follows_the_models_cache_per_token():
-    """On a GPU a batch takes the cache slots that half the free memory holds: keys and values
+    """On a GPU a batch takes the cache slots that half the memory left after the weights holds: keys and values
     of every layer and kv head (MLA models: nope + rope key dims, v dims), at most 2M slots."""
     from transformers import DeepseekV3Config, LlamaConfig
 

@@ -41,12 +41,14 @@ class HFGenerator:
         self.greedy = StaticGreedy(self.model, self.pad, self.stops, slots) if supports_static(self.model) else None
 
     def _default_cache_tokens(self) -> int:
-        """A CPU batch stays small (16k slots); a GPU's takes half its free memory after the
-        weights, at most 2M slots (a 135M model's ~46 GiB in bf16)."""
+        """A CPU batch stays small (16k slots); a GPU's takes half of what its memory leaves after
+        the weights, at most 2M slots (a 135M model's ~46 GiB in bf16). From the device's total,
+        not its free memory, so that the same GPU batches a sampled run alike every time."""
         if self.device.type != "cuda":
             return 1 << 14
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return cache_tokens_within(self.model.config, free // 2, self.model.dtype.itemsize)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return cache_tokens_within(self.model.config, max(total - weights, 0) // 2, self.model.dtype.itemsize)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: list[int], temperature: float, seed: int) -> list[list[int]]:
         if temperature == 0 and self.greedy is not None:
