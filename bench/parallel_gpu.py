@@ -207,39 +207,19 @@ def decode(args, report: dict, trained: dict[str, Path], seconds: float) -> None
 def timing_pass(target, tok, proposers, prompts, max_new_tokens: int, eos: set[int]) -> dict:
     """Per method, milliseconds per verification step spent drafting (propose + the drafter's
     context update) and in the target's verification pass, each timed between device
-    synchronisations: apart from the headline run, since the synchronisations cost time."""
-    from eyas.device import synchronize
+    synchronisations (eyas's StepTimer in the decoding loop): apart from the headline run,
+    since the synchronisations cost time."""
     from eyas.evaluate.run import run_methods
+    from eyas.timing import StepTimer
 
-    clock = {"verify": 0.0}
-    verify = target.verify
-
-    def timed(fn, key, into):
-        def wrapper(*a, **k):
-            synchronize(target.device)
-            t = time.perf_counter()
-            result = fn(*a, **k)
-            synchronize(target.device)
-            into[key] += time.perf_counter() - t
-            return result
-        return wrapper
-
-    target.verify = timed(verify, "verify", clock)
     out = {}
-    try:
-        for p in proposers:
-            spent = {"draft": 0.0}
-            inner_propose, inner_update = p.propose, p.update
-            p.propose, p.update = timed(inner_propose, "draft", spent), timed(inner_update, "draft", spent)
-            clock["verify"] = 0.0
-            records = run_methods(target, tok, [p], prompts, max_new_tokens, eos, progress=False, warmup=False)
-            p.propose, p.update = inner_propose, inner_update
-            steps = sum(len(r["accept_counts"]) for r in records)
-            out[p.name] = {"steps": steps, "draft_ms_per_step": round(1e3 * spent["draft"] / max(steps, 1), 3),
-                           "verify_ms_per_step": round(1e3 * clock["verify"] / max(steps, 1), 3),
-                           "wall_ms_per_step": round(1e3 * sum(r["seconds"] for r in records) / max(steps, 1), 3)}
-    finally:
-        target.verify = verify
+    for p in proposers:
+        timer = StepTimer(target.device)
+        records = run_methods(target, tok, [p], prompts, max_new_tokens, eos, progress=False, warmup=False, timer=timer)
+        steps = max(sum(len(r["accept_counts"]) for r in records), 1)
+        out[p.name] = {"steps": steps, "draft_ms_per_step": round(1e3 * timer.seconds.get("draft", 0.0) / steps, 3),
+                       "verify_ms_per_step": round(1e3 * timer.seconds.get("verify", 0.0) / steps, 3),
+                       "wall_ms_per_step": round(1e3 * sum(r["seconds"] for r in records) / steps, 3)}
     return out
 
 

@@ -13,7 +13,7 @@ figure). Parts, in order, each timed on its own:
   batch1_loop     the peers' way: batch 1, output_hidden_states, torch.save per sample
   train           `eyas train`'s own step (loop.train_step) from the fp8 store: tok/s,
                   TFLOP/s by FLOP_FORMULA, peak memory, compile/recompile counters
-  train_parts     the trainer's step with its per-part timer (loop.StepTimer), synchronised
+  train_parts     the trainer's step with its per-part timer (eyas.timing.StepTimer), synchronised
                   around each part: data loading + dequantisation, labels, forward, backward,
                   clip, checks, optimizer
   train_preloaded the same step over batches already on the GPU (loading taken out)
@@ -488,7 +488,8 @@ def part_train(ctx: Context) -> dict[str, Any]:
 
 
 def part_train_parts(ctx: Context) -> dict[str, Any]:
-    from eyas.train.loop import StepTimer, train_step
+    from eyas.timing import StepTimer
+    from eyas.train.loop import train_step
 
     run = ctx.run
     timer = StepTimer(run.device)

@@ -160,9 +160,10 @@ def probe_train(model_dir: Path, prepared: Path, work: Path, batch_tokens: int, 
 
 
 def phase_times(run, steps: int) -> dict:
-    """The parts of a training step, each synchronised (the trainer's own StepTimer): their
-    sum against an unsynchronised step shows how much overlaps."""
-    from eyas.train.loop import StepTimer, train_step
+    """The parts of a training step, each synchronised (the trainer's own eyas.timing.StepTimer):
+    their sum against an unsynchronised step shows how much overlaps."""
+    from eyas.timing import StepTimer
+    from eyas.train.loop import train_step
 
     timer = StepTimer(run.device)
     for _ in range(steps):

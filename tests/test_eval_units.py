@@ -240,3 +240,21 @@ def test_report_recomputes_tau_and_rates_from_counts():
     table = format_table(s)
     assert "1 + accepted draft tokens per verification step" in table
     assert "eagle3-chain     2.50" in table and "2.00x" in table
+
+
+def test_a_timed_decoding_step_is_the_same_step_with_its_parts_timed(toy):
+    """bench/parallel_gpu.py times drafting and verification through `generate(timer=)`: the
+    answer and its acceptance are the untimed run's, and both parts are counted."""
+    from eyas.evaluate.generate import generate
+    from eyas.evaluate.proposers import Eagle3
+    from eyas.timing import StepTimer
+
+    target, drafter = toy
+    runs = []
+    for timer in (None, StepTimer(torch.device("cpu"))):
+        session = TargetSession(target, drafter.config.aux_layer_ids)
+        g = generate(session, Eagle3(DrafterSession(drafter), 3), [5, 9, 17, 33], 20, set(), timer=timer)
+        session.close()
+        runs.append((g.generated_ids, g.accept_counts))
+    assert runs[0] == runs[1] and len(runs[0][0]) == 20
+    assert set(timer.seconds) == {"draft", "verify"} and all(s > 0 for s in timer.seconds.values())

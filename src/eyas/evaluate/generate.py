@@ -21,6 +21,7 @@ from eyas.device import synchronize
 from eyas.evaluate.accept import accept_greedy, accept_sampled, sample_or_argmax
 from eyas.evaluate.proposers import Proposer
 from eyas.evaluate.target import TargetSession
+from eyas.timing import StepTimer, timed
 
 
 @dataclass
@@ -33,7 +34,9 @@ class Generation:
 
 @torch.inference_mode()
 def generate(target: TargetSession, proposer: Proposer, prompt_ids: list[int], max_new_tokens: int,
-             eos_ids: set[int], temperature: float = 0.0, generator: torch.Generator | None = None) -> Generation:
+             eos_ids: set[int], temperature: float = 0.0, generator: torch.Generator | None = None,
+             timer: StepTimer | None = None) -> Generation:
+    """With `timer`, each step's drafting (propose and update) and verification are timed apart."""
     synchronize(target.device)
     t0 = time.perf_counter()
     target.capture_aux = proposer.needs_aux
@@ -42,8 +45,10 @@ def generate(target: TargetSession, proposer: Proposer, prompt_ids: list[int], m
     proposer.start(prompt_ids, out[0], aux)
     counts: list[int] = []
     while out[-1] not in eos_ids and len(out) < max_new_tokens:
-        tree = proposer.propose(prompt_ids + out, max_new_tokens - len(out) - 1)
-        logits, aux = target.verify(out[-1], tree)
+        with timed(timer, "draft"):
+            tree = proposer.propose(prompt_ids + out, max_new_tokens - len(out) - 1)
+        with timed(timer, "verify"):
+            logits, aux = target.verify(out[-1], tree)
         if temperature > 0:
             path, bonus = accept_sampled(tree, logits, temperature, generator)
         else:
@@ -57,6 +62,7 @@ def generate(target: TargetSession, proposer: Proposer, prompt_ids: list[int], m
         counts.append(min(len(path), len(emitted)))
         out += emitted
         if out[-1] not in eos_ids:
-            proposer.update(emitted, None if aux is None else aux[rows])
+            with timed(timer, "draft"):
+                proposer.update(emitted, None if aux is None else aux[rows])
     synchronize(target.device)
     return Generation(list(prompt_ids), out, counts, time.perf_counter() - t0)

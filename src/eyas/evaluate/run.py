@@ -36,6 +36,7 @@ from eyas.evaluate.target import TargetSession
 from eyas.models import ModelIdentity, load_target, model_identity
 from eyas.models.eos import eos_ids
 from eyas.paths import atomic_write_json, check_confined, check_writable
+from eyas.timing import StepTimer
 from eyas.train.checkpoint import unfinished_note
 
 __all__ = ["EvalConfig", "evaluate"]  # EvalConfig lives in evaluate/config.py (torch-free)
@@ -64,14 +65,15 @@ def load_checked_drafter(path: str, model, identity: ModelIdentity) -> torch.nn.
 
 
 def run_prompt(target: TargetSession, tokenizer, proposer: Proposer, prompt: EvalPrompt, max_new_tokens: int,
-               eos: set[int], temperature: float, generator: torch.Generator | None) -> list[dict]:
+               eos: set[int], temperature: float, generator: torch.Generator | None,
+               timer: StepTimer | None = None) -> list[dict]:
     """Answer every turn of `prompt` with `proposer`; later turns see its own earlier answers."""
     messages = list(prompt.history)
     records = []
     for turn, question in enumerate(prompt.turns):
         messages.append({"role": "user", "content": question})
         ids = render(tokenizer, messages)
-        g = generate(target, proposer, ids, max_new_tokens, eos, temperature, generator)
+        g = generate(target, proposer, ids, max_new_tokens, eos, temperature, generator, timer)
         answer = tokenizer.decode([t for t in g.generated_ids if t not in eos], skip_special_tokens=True)
         messages.append({"role": "assistant", "content": answer})
         records.append({"prompt_id": prompt.id, "category": prompt.category, "turn": turn, "method": proposer.name,
@@ -83,10 +85,12 @@ def run_prompt(target: TargetSession, tokenizer, proposer: Proposer, prompt: Eva
 
 def run_methods(target: TargetSession, tokenizer, proposers: list[Proposer], prompts: list[EvalPrompt],
                 max_new_tokens: int, eos: set[int], temperature: float = 0.0, seed: int = 0,
-                progress: bool = True, warmup: bool = True, indices: list[int] | None = None) -> list[dict]:
+                progress: bool = True, warmup: bool = True, indices: list[int] | None = None,
+                timer: StepTimer | None = None) -> list[dict]:
     """Every method on every prompt, interleaved per prompt so load changes hit all alike;
     first (with `warmup`) one short untimed generation per method. `indices` are the prompts'
-    places in the whole set (sampling seeds follow them), when these are a worker's share."""
+    places in the whole set (sampling seeds follow them), when these are a worker's share.
+    `timer` (benchmarks) sums every method's draft and verify seconds into one timer."""
     def generator(k: int) -> torch.Generator | None:
         return torch.Generator(device=target.device).manual_seed(seed + k) if temperature > 0 else None
 
@@ -99,7 +103,8 @@ def run_methods(target: TargetSession, tokenizer, proposers: list[Proposer], pro
             if getattr(p, "generator", None) is not None:
                 p.generator.manual_seed(seed * 1_000_003 + i)
         for p in proposers:
-            records += run_prompt(target, tokenizer, p, prompt, max_new_tokens, eos, temperature, generator(i))
+            records += run_prompt(target, tokenizer, p, prompt, max_new_tokens, eos, temperature, generator(i),
+                                  timer)
     return records
 
 

@@ -25,7 +25,7 @@ from eyas.draft.config import DraftConfig
 from eyas.draft.model import Eagle3Drafter
 from eyas.draft.vocab import TokenCounter, build_draft_vocab, coverage, default_draft_vocab_size
 from eyas.errors import EyasError
-from eyas.device import check_fits, synchronize
+from eyas.device import check_fits
 from eyas.lock import output_lock, reading_lock
 from eyas.models import load_tokenizer, model_identity, resolve_model
 from eyas.models.identity import text_config
@@ -39,6 +39,7 @@ from eyas.train.config import TrainConfig
 from eyas.train.data import Batch, BatchStream, OnlineSource, SampleSource, StoreSource, split
 from eyas.train.metrics import MetricsLog, format_table, summarize
 from eyas.train.anchors import HELD_OUT, batch_rows, loss_masks
+from eyas.timing import StepTimer, timed
 from eyas.train.objective import TTTObjective, make_labels, step_counts
 
 
@@ -282,33 +283,6 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
-class StepTimer:
-    """Seconds spent in each part of `train_step`, summed over the steps it is given to:
-    weights, load, labels, forward, backward (per micro-batch), clip, checks (the step's one
-    read of its flags), optimizer and weight_check. Each part runs with the device
-    synchronised before and after it, so parts never overlap as they do in a plain step and
-    their sum exceeds its time: for benchmarks (bench/speed_gpu.py). A step given none pays
-    nothing for it."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def part(self, name: str) -> Iterator[None]:
-        synchronize(self.device)
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            synchronize(self.device)
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-
-def _part(timer: StepTimer | None, name: str):
-    return timer.part(name) if timer is not None else contextlib.nullcontext()
-
-
 def forward(run: Run, batch: Batch, weights: torch.Tensor, wrapped: bool = True, timer: StepTimer | None = None,
             rows: torch.Tensor | None = None):
     """One micro-batch: labels from the target head, then the TTT objective (through the
@@ -316,9 +290,9 @@ def forward(run: Run, batch: Batch, weights: torch.Tensor, wrapped: bool = True,
     the rows [B, T] that anchor a DFlash block when given."""
     model = run.model if wrapped else run.objective
     with _autocast(run.device):
-        with _part(timer, "labels"):
+        with timed(timer, "labels"):
             labels = make_labels(run.head, batch.hidden[:, :, -1], batch.loss_mask, _draft_ids(run))
-        with _part(timer, "forward"):
+        with timed(timer, "forward"):
             return model(batch.input_ids, batch.hidden[:, :, :-1], labels, weights, *([] if rows is None else [rows]))
 
 
@@ -369,17 +343,17 @@ def accumulate(run: Run, timer: StepTimer | None = None
     The flags are read on the host once per step (`train_step`), so nothing here waits for the GPU."""
     run.source.read_ahead(_upcoming(run), run.device)  # a store's next batches, read on the host in a thread
     micro = run.train_stream.for_step(run.step, run.group, run.d.rank, run.d.world)
-    with _part(timer, "weights"):
+    with timed(timer, "weights"):
         weights = _weights(run, micro)
     stats, checks = torch.zeros(run.draft.ttt_steps, 4, device=run.device), []
     for i, positions in enumerate(micro):
-        with _part(timer, "load"):
+        with timed(timer, "load"):
             batch = run.source.load(positions, run.device)
         with distributed.no_sync(run.model, last=i == len(micro) - 1):
             anchored = _anchor_rows(run.source, positions, run.draft.ttt_steps, run.cfg.anchors, run.cfg.seed,
                                     run.step, run.device)
             loss, s, rows = forward(run, batch, weights, timer=timer, rows=anchored)
-            with _part(timer, "backward"):
+            with timed(timer, "backward"):
                 loss.backward()
         stats += s
         checks.append((batch.sample_index, _nonfinite_rows(batch.hidden), ~torch.isfinite(rows)))
@@ -393,12 +367,12 @@ def train_step(run: Run, timer: StepTimer | None = None) -> torch.Tensor:
     for g in run.optimizer.param_groups:
         g["lr"] = lr
     stats, checks = accumulate(run, timer)
-    with _part(timer, "clip"):
+    with timed(timer, "clip"):
         norm = torch.nn.utils.clip_grad_norm_([p for p in run.model.parameters() if p.requires_grad], run.cfg.clip)
         norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
     # The step's one wait for the GPU: every micro-batch's flags and the norm, read together.
     samples = [index for sample_index, _, _ in checks for index in sample_index]
-    with _part(timer, "checks"):
+    with timed(timer, "checks"):
         flags = torch.cat([torch.cat([torch.stack([h, l]) for _, h, l in checks], dim=1),
                            torch.isfinite(norm).expand(2, 1)], dim=1).tolist()  # [2, rows + 1]
     if bad_inputs := [index for index, bad in zip(samples, flags[0]) if bad]:
@@ -410,11 +384,11 @@ def train_step(run: Run, timer: StepTimer | None = None) -> torch.Tensor:
         kept = f"the newest checkpoint, {latest.name}, is untouched" if latest else "no checkpoint was written"
         raise EyasError(f"The loss or its gradient is not finite at step {run.step + 1} ({where}); training stopped "
                         f"before updating the weights and {kept}. Check those samples, or lower --lr.")
-    with _part(timer, "optimizer"):
+    with timed(timer, "optimizer"):
         run.optimizer.step()
         run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
-    with _part(timer, "weight_check"):
+    with timed(timer, "weight_check"):
         _check_weights(run)
     return stats
 
