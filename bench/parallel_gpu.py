@@ -304,9 +304,13 @@ def parse_args() -> argparse.Namespace:
                         "tiny batches, one question")
     args = p.parse_args()
     args.arms = [a for a in args.arms.split(",") if a]
-    args.drafter = [tuple(d.split("=", 1)) for d in args.drafter]
-    if bad := [k for k, *_ in args.drafter if k not in KINDS] + [d for d, *rest in args.drafter if not rest]:
-        p.error(f"--drafter takes KIND=FOLDER with KIND one of {','.join(KINDS)}; got {bad}")
+    drafters = {}
+    for given in args.drafter:
+        kind, _, folder = given.partition("=")
+        if kind not in KINDS or not folder:
+            p.error(f"--drafter takes KIND=FOLDER with KIND one of {','.join(KINDS)}; got {given!r}")
+        drafters[kind] = Path(folder)
+    args.drafter = drafters
     if unknown := set(args.arms) - set(KINDS):
         p.error(f"--arms: unknown {sorted(unknown)}; choose from {','.join(KINDS)}")
     if args.smoke:
