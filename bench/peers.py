@@ -672,22 +672,13 @@ def q_eyas(args, ctx) -> dict[str, Any]:
     common = dict(store=str(ctx["store"]), batch_tokens=args.batch_tokens, lr=args.lr, max_len=args.max_len,
                   device=args.device, progress=False, save_every=10**6, eval_fraction=0.05, seed=0, **EYAS_RECIPE)
     t0 = time.monotonic()
-    probe_steps = 4 if args.smoke else 8
-    train(TrainConfig(out=str(work / "eyas-probe"), steps=probe_steps, log_every=probe_steps // 2, eval_every=10**6,
-                      **common))
-    rows = [json.loads(x) for x in (work / "eyas-probe" / "metrics.jsonl").read_text().splitlines()]
-    step_s = args.batch_tokens / [r for r in rows if r.get("split") == "train"][-1]["tokens_per_s"]
-    probe_s = time.monotonic() - t0
-    overhead = max(probe_s - probe_steps * step_s, 0.0)
-    seconds = 60 * args.arm_minutes
-    steps = max(4, int(0.95 * (seconds - overhead) / step_s))
-    t0 = time.monotonic()
-    final = train(TrainConfig(out=str(work / "eyas"), steps=steps, eval_every=max(steps // 2, 1), log_every=10,
-                              minutes=args.arm_minutes, **common))
+    final = train(TrainConfig(out=str(work / "eyas"), epochs=10**4, minutes=args.arm_minutes, eval_every=10**6,
+                              log_every=10, **common))
     wall = time.monotonic() - t0
+    steps = final["step"]
     ckpt = work / "eyas"
     ctx.update(eyas=ckpt, steps=steps, draft_to_target=_draft_to_target(ckpt))
-    return {"steps": steps, "wall_s": round(wall, 1), "probe_s": round(probe_s, 1), "probe_step_s": round(step_s, 4),
+    return {"steps": steps, "wall_s": round(wall, 1), "schedule": "eyas train --minutes (steady-state rate)",
             "tokens_per_step": args.batch_tokens, "recipe": EYAS_RECIPE, "lr": args.lr, "final": final}
 
 
@@ -886,7 +877,7 @@ def forward_agreement(ctx, peer_dir: Path, eyas_dir: Path, device: str) -> dict[
             logits = ours.forward_ttt(ids, hidden[:, :, :-1], K)
         for k in range(K):
             n = T - 1 - k
-            same[k] += (logits[k][0, :n].argmax(-1) == drafts[k][0, :n]).sum()
+            same[k] += (logits[k][0, :n].argmax(-1) == drafts[k][0, :n]).sum().item()
             total[k] += n
     return {"same_draft_token_per_step": [round(x, 4) for x in (same / total.clamp_min(1)).tolist()],
             "positions_per_step": total.int().tolist()}
