@@ -217,23 +217,33 @@ def test_minutes_stops_with_a_checkpoint_and_resume_finishes(tiny_llama_data, tm
 
 
 def _budgeted_run(data: Path, out: Path, monkeypatch, seconds_per_step, minutes: float = 0.5,
-                  **options) -> tuple[dict, list[dict], float]:
-    """A --minutes run on a fake clock that `seconds_per_step(step)` advances after each step:
-    returns its result, its train rows and the clock at its end."""
+                  eval_seconds=None, **options) -> tuple[dict, list[dict], float]:
+    """A --minutes run on a fake clock that `seconds_per_step(step)` advances after each step
+    (and `eval_seconds(n)` after the n-th held-out pass, when given): returns its result, its
+    train rows and the clock at its end."""
     from eyas.train import budget, loop
 
     now = [0.0]
     monkeypatch.setattr(budget, "clock", lambda: now[0])
-    real = loop.train_step
+    real_step, real_eval = loop.train_step, loop.evaluate
+    passes = []
 
     def timed(run):
-        stats = real(run)
+        stats = real_step(run)
         now[0] += seconds_per_step(run.step)
         return stats
 
+    def timed_eval(run, positions):
+        passes.append(run.step)
+        now[0] += eval_seconds(len(passes))
+        return real_eval(run, positions)
+
     monkeypatch.setattr(loop, "train_step", timed)
-    result = train(TrainConfig(out=str(out), store=str(data), minutes=minutes, batch_tokens=128, eval_fraction=0.0,
-                               ttt_steps=1, progress=False, log_every=1, **options))
+    if eval_seconds is not None:
+        monkeypatch.setattr(loop, "evaluate", timed_eval)
+    options = {"eval_fraction": 0.0, **options}
+    result = train(TrainConfig(out=str(out), store=str(data), minutes=minutes, batch_tokens=128, ttt_steps=1,
+                               progress=False, log_every=1, **options))
     return result, rows(out), now[0]
 
 
@@ -280,6 +290,26 @@ def test_minutes_replans_when_the_rate_changes(tiny_llama_data, tmp_path, monkey
     assert result["step"] == log[-1]["total_steps"] < before - 10 and end <= 30, (before, result["step"], end)
     result, log, _ = _budgeted_run(tiny_llama_data[1], tmp_path / "capped", monkeypatch, lambda step: 1.0, steps=12)
     assert result["step"] == 12 and {r["total_steps"] for r in log} == {12}
+
+
+def test_minutes_completes_the_schedule_through_recompiles_and_a_compiling_first_held_out_pass(
+        tiny_llama_data, tmp_path, monkeypatch):
+    """A cold compile cache beyond the first steps, as one H200 showed it. (a) Steps at 1 s with
+    a 4 s recompile every fifth step (a batch shape not seen yet), in a 39 s budget; (b) steady
+    1 s steps and a first held-out pass that compiles for 8 s (later passes 0.5 s), in 40 s.
+    Each schedule completes (the last step is the plan's last, whose cosine rate is < 2% of the
+    1e-4 peak) inside its budget, final held-out pass included; in (b) the first pass ran as
+    soon as the steady state showed. Without the stall reserve (a) ends 1 s late; without the
+    early pass (b) ends 5 s late."""
+    runs = {"stalls": dict(seconds_per_step=lambda step: 4.0 if step % 5 == 2 else 1.0, minutes=39 / 60),
+            "eval": dict(seconds_per_step=lambda step: 1.0, minutes=40 / 60, eval_fraction=0.2, eval_every=10**6,
+                         eval_seconds=lambda n: 8.0 if n == 1 else 0.5)}
+    for name, options in runs.items():
+        result, log, end = _budgeted_run(tiny_llama_data[1], tmp_path / name, monkeypatch, **options)
+        assert result["step"] == log[-1]["total_steps"] == log[-1]["step"] and log[-1]["lr"] < 2e-6, (name, log[-1])
+        assert end <= 60 * options["minutes"], (name, end)
+    evals = [json.loads(x) for x in (tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals if r["split"] == "eval"] == [5, result["step"]]
 
 
 def test_learning_rate_warms_up_then_decays_to_zero():

@@ -10,6 +10,16 @@ total) reaches its end inside the budget. Until the steady state shows, the sche
 the length it started with: a plan made from a compiling step would cut the warm-up short and
 run those steps near the peak learning rate. So the steps of a cold start see the same
 learning rates as a warm start's, and the cold start costs only the seconds it spent.
+
+Compilation does not end with the first steps. On a cold cache a batch of a shape not seen
+yet recompiles, and the first held-out pass compiles its own graph: on one H200, a 1-minute
+run planned 52 steps at 0.37 s/step, met such stalls, and reached its deadline at step 18 of
+28 with the schedule unfinished and the final held-out pass 12 s late. So the plan keeps in
+reserve the seconds that recent steps ran over the steady rate: stalls that have just
+happened predict more (as many again, or as often again, whichever leaves more steps), and a
+run whose stalls have stopped sheds the reserve within `RECENT` steps. The trainer runs the
+first held-out pass as soon as the steady state shows, when the plan can still absorb its
+compilation.
 """
 
 from __future__ import annotations
@@ -25,6 +35,7 @@ SETTLE = 2  # steps left out of the rate: compilation and warm-up
 STEADY = 3  # steady steps measured before the first plan
 WINDOW = 9  # recent steps whose median is the rate: long enough to ignore a stray slow step,
             # short enough to follow a lasting change within a few steps
+RECENT = 3 * WINDOW  # steps whose time over the steady rate is kept in reserve
 MARGIN = 0.03  # share of the budget kept free: the final save and the jitter of the last steps
 
 
@@ -37,12 +48,18 @@ class Budget:
         self.cap = cap  # --steps / --epochs, when given, bound the plan
         self.early: list[float] = []  # the first SETTLE steps
         self.steps: deque[float] = deque(maxlen=WINDOW)  # the steady state's recent steps
-        self.eval_s: float | None = None  # the last held-out pass
+        self.recent: deque[float] = deque(maxlen=RECENT)  # a longer view, for the stalls among them
+        self.eval_s: float | None = None  # the last held-out pass after the first (which compiles)
+        self.evaluated = False  # the first held-out pass has run
         self.save_s = 0.0  # the last intermediate checkpoint
         self.logged = False  # a steady-state plan was announced
 
     def step_took(self, seconds: float) -> None:
-        (self.early if len(self.early) < SETTLE else self.steps).append(seconds)
+        if len(self.early) < SETTLE:
+            self.early.append(seconds)
+        else:
+            self.steps.append(seconds)
+            self.recent.append(seconds)
 
     @property
     def steady(self) -> bool:
@@ -52,6 +69,13 @@ class Budget:
     def step_s(self) -> float:
         """Seconds per step in the steady state (once `steady`)."""
         return statistics.median(self.steps)
+
+    @property
+    def reserve(self) -> float:
+        """Seconds that the recent steady-state steps took over the rate (recompiles and other
+        stalls), kept free in case as many come again."""
+        rate = self.step_s
+        return sum(t - rate for t in self.recent if t > rate)
 
     def plan(self, step: int, step_s: float, eval_every: int, save_every: int, eval_guess: float) -> int | None:
         """The total step count that ends the schedule before the deadline, from `step` on
@@ -64,5 +88,12 @@ class Budget:
         left = self.deadline - clock() - self.margin - eval_s
         if left < per_step:  # spent: the run stops at the deadline, and --resume finishes the plan as it stands
             return None
-        total = step + math.floor(left / per_step)
+        # Recent stalls come again: once more at most (a long run), or at their recent rate (a run
+        # whose rest is shorter than the recent steps); the smaller of the two reserves.
+        stalls = self.reserve
+        fit = max(math.floor((left - stalls) / per_step),
+                  math.floor(left / (per_step + stalls / max(len(self.recent), 1))))
+        if fit < 1:
+            return None
+        total = step + fit
         return min(total, self.cap) if self.cap else total

@@ -509,11 +509,15 @@ def fit(run: Run, stop_at: int | None = None) -> dict[str, Any]:
                 window.zero_()
                 window_start, tokens = time.monotonic(), 0
             t0 = budget.clock()
-            if run.step % cfg.eval_every == 0 and run.step < end and not stopping and (m := evaluate(run, run.eval_positions)):
+            early = plan is not None and plan.steady and not plan.evaluated and bool(run.eval_positions)
+            due = run.step % cfg.eval_every == 0 or early
+            if due and run.step < end and not stopping and (m := evaluate(run, run.eval_positions)):
                 last["eval"] = m
                 _write(log, run, "eval", m, bar, None)
-                if plan is not None:
-                    plan.eval_s, t0 = budget.clock() - t0, budget.clock()
+                if plan is not None:  # the first pass compiles: its time is not the pass's cost
+                    if plan.evaluated:
+                        plan.eval_s = budget.clock() - t0
+                    plan.evaluated, t0 = True, budget.clock()
             if run.step % cfg.save_every == 0 and run.step < end and not stopping:
                 save(run)
                 if plan is not None:
