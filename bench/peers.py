@@ -561,7 +561,7 @@ def part_quality(args, record: Record) -> None:
     peer_reserve = 90 + scoring
     record.data["tau_definition"] = "tau = 1 + accepted draft tokens per verification step (mean over all steps)"
     steps = [("data", 60, lambda: q_data(args, ctx)),
-             ("eyas", 60 * args.arm_minutes + 20, lambda: q_eyas(args, ctx)),
+             ("eyas", 60 * args.arm_minutes + 60, lambda: q_eyas(args, ctx)),
              ("convert", 20, lambda: q_convert(args, ctx)),
              # A peer arm also needs its set-up (~90 s on an H200: imports, data, compiling its step) and
              # leaves the scoring stages of this run their time (import and held-out ~30 s, decoding its
@@ -662,15 +662,21 @@ def q_data(args, ctx) -> dict[str, Any]:
 
 
 def q_eyas(args, ctx) -> dict[str, Any]:
-    """eyas train offline from the store with its recipe; a short probe sizes the cosine schedule to
-    the minutes (as bench/quality_gpu.py does), the run itself is also stopped at them."""
+    """eyas train offline from the store with its recipe, its schedule sized by `--minutes`.
+    A peer's minutes start after its first step, which compiles its step; so eyas's start after
+    a warm-up run of a few steps into a scratch folder, which compiles eyas's step and held-out
+    pass (on one H200, 18 steps fit a cold 1-minute budget and 119 a warm one)."""
     from eyas.train import TrainConfig, train
 
     work = ctx["work"]
-    for old in ("eyas-probe", "eyas"):  # a rerun in the same --work starts afresh
+    for old in ("eyas-warmup", "eyas"):  # a rerun in the same --work starts afresh
         shutil.rmtree(work / old, ignore_errors=True)
     common = dict(store=str(ctx["store"]), batch_tokens=args.batch_tokens, lr=args.lr, max_len=args.max_len,
                   device=args.device, progress=False, save_every=10**6, eval_fraction=0.05, seed=0, **EYAS_RECIPE)
+    t0 = time.monotonic()
+    train(TrainConfig(out=str(work / "eyas-warmup"), steps=8, eval_every=10**6, log_every=8, **common))
+    warmup_s = time.monotonic() - t0
+    shutil.rmtree(work / "eyas-warmup")
     t0 = time.monotonic()
     final = train(TrainConfig(out=str(work / "eyas"), epochs=10**4, minutes=args.arm_minutes, eval_every=10**6,
                               log_every=10, **common))
@@ -678,7 +684,8 @@ def q_eyas(args, ctx) -> dict[str, Any]:
     steps = final["step"]
     ckpt = work / "eyas"
     ctx.update(eyas=ckpt, steps=steps, draft_to_target=_draft_to_target(ckpt))
-    return {"steps": steps, "wall_s": round(wall, 1), "schedule": "eyas train --minutes (steady-state rate)",
+    return {"steps": steps, "wall_s": round(wall, 1), "warmup_s": round(warmup_s, 1),
+            "schedule": "eyas train --minutes (steady-state rate), after an 8-step warm-up run",
             "tokens_per_step": args.batch_tokens, "recipe": EYAS_RECIPE, "lr": args.lr, "final": final}
 
 
@@ -773,7 +780,7 @@ def _lengths(ctx, positions: list[int]) -> list[int]:
 def q_peer(args, ctx, matched: bool) -> dict[str, Any]:
     """The peer's own trainer in a child process for the arm's minutes, counted from the end of
     its first step (FIRST_STEP in its log): imports, data, model set-up and the compilation
-    of its step in that first one are not counted, as eyas's probe run (which compiles eyas's
+    of its step in that first one are not counted, as eyas's warm-up run (which compiles eyas's
     step) is not; at the deadline it gets SIGINT, on which it saves its `interrupted`
     checkpoint (its graceful shutdown)."""
     import signal
