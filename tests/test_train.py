@@ -433,6 +433,46 @@ def test_torchrun_fsdp_cli_trains_like_one_process(two_batch_store, tmp_path):
         torch.testing.assert_close(b[key], a[key], atol=1e-6, rtol=0)
 
 
+BUDGETED_RANKS = """
+import os, sys
+from eyas.train import budget, loop, train, TrainConfig
+
+rank = int(os.environ["RANK"])
+
+now = [0.0]
+budget.clock = lambda: now[0]
+real = loop.train_step
+
+def timed(run):
+    stats = real(run)
+    now[0] += 1.0 + 0.5 * rank  # each process its own clock: rank 1's steps look slower
+    return stats
+
+loop.train_step = timed
+out = train(TrainConfig(out=sys.argv[1], store=sys.argv[2], minutes=0.5, batch_tokens=128, ttt_steps=1,
+                        eval_fraction=0.0, progress=False, log_every=1))
+print("RESULT", rank, out["step"], flush=True)
+"""
+
+
+def test_budgeted_processes_agree_on_one_schedule(two_batch_store, tmp_path):
+    """Under --minutes each process plans from its own clock; with different clocks (rank 1's
+    steps take 1.5 s, rank 0's 1 s) they still run one schedule, the shorter, and end together
+    (without agreeing, the process with the longer plan waits forever in a collective)."""
+    script = tmp_path / "ranks.py"
+    script.write_text(BUDGETED_RANKS)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                             str(script), str(tmp_path / "d"), str(two_batch_store)],
+                            env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ends = sorted(line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RESULT"))
+    assert len(ends) == 2 and ends[0][1] == ends[1][1], result.stdout[-2000:]
+    log = rows(tmp_path / "d")
+    assert log[-1]["step"] == log[-1]["total_steps"] == int(ends[0][1]), ([(r["step"], r["total_steps"]) for r in log], result.stdout[-3000:])
+    assert int(ends[0][1]) <= (30 * 0.97) / 1.5 + 1  # the slower clock's plan
+
+
 def test_online_training_equals_offline_on_the_same_states(tiny_llama_dir, tiny_llama_data, tmp_path):
     """--online captures with the target beside the drafter; on the same prepared data it
     takes the steps offline training takes from a store of the same states (up to float32

@@ -471,6 +471,11 @@ def _replan(run: Run, plan: budget.Budget, eval_batches: int) -> None:
     step_s = distributed.all_reduce(torch.tensor([plan.step_s], device=run.device), run.d, "max").item()
     eval_guess = step_s / run.cfg.grad_accum * math.ceil(eval_batches / run.d.world)  # with backward: an upper bound
     total = plan.plan(run.step, step_s, run.cfg.eval_every, run.cfg.save_every, eval_guess if eval_batches else 0.0)
+    # Every process must run the same schedule: each reads its own clock and stalls, so all take
+    # the shortest plan; a process that is spent (None) keeps everyone's plan as it stands.
+    mine = torch.tensor([-total if total is not None else math.inf], device=run.device, dtype=torch.float64)
+    agreed = distributed.all_reduce(mine, run.d, "max").item()
+    total = None if math.isinf(agreed) else int(-agreed)
     if total is None or abs(total - run.total_steps) <= run.total_steps // 200:  # jitter: keep the lr smooth
         return
     if not plan.logged or abs(total - run.total_steps) > run.total_steps // 10:
