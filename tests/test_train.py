@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -462,9 +463,15 @@ def test_budgeted_processes_agree_on_one_schedule(two_batch_store, tmp_path):
     script = tmp_path / "ranks.py"
     script.write_text(BUDGETED_RANKS)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                             str(script), str(tmp_path / "d"), str(two_batch_store)],
-                            env=env, capture_output=True, text=True, timeout=240)
+    child = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                              str(script), str(tmp_path / "d"), str(two_batch_store)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = child.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)  # the processes too, not only torchrun
+        pytest.fail("the processes did not end: one waited in a collective")
+    result = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
     assert result.returncode == 0, result.stderr[-3000:]
     ends = sorted(line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RESULT"))
     assert len(ends) == 2 and ends[0][1] == ends[1][1], result.stdout[-2000:]
