@@ -57,6 +57,24 @@ def smollm2_store(tmp_path_factory, smollm2_prepared) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def smollm2_vllm_plain(smollm2_dir) -> tuple:
+    """test_export_vllm's prompts, plain vLLM's greedy answers and the states a drafter is fitted
+    on (`plain_and_captured`): the reference of every module that serves a SmolLM2 drafter, all
+    with the same prompts and engine arguments, so one engine start serves them all. On one
+    thread, as the modules' own `one_thread` fixtures (set up after this one) would run it."""
+    import torch
+
+    from test_export_vllm import plain_and_captured
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return plain_and_captured(smollm2_dir)
+    finally:
+        torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models run faster on one thread (no cross-thread hand-off per small op)."""

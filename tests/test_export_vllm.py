@@ -161,7 +161,8 @@ def eyas_eval(ckpt: Path, tmp: Path, method: str = "eagle3-chain", model: str = 
 def plain_and_captured(smollm2_dir: Path) -> tuple[list[list[int]], list[list[int]], dict]:
     """PROMPTS as token ids, vLLM's plain greedy answers, and the aux states a drafter is fitted
     on: each prompt and the first half of its answer (memorised there, guessing after, so
-    acceptance varies from step to step and the step-by-step comparison means something)."""
+    acceptance varies from step to step and the step-by-step comparison means something).
+    Computed once per session (conftest's `smollm2_vllm_plain`) for every module that uses it."""
     from eyas.evaluate.prompts import render
     from eyas.models import load_tokenizer
 
@@ -172,8 +173,8 @@ def plain_and_captured(smollm2_dir: Path) -> tuple[list[list[int]], list[list[in
     return prompt_ids, plain, capture([p + a[: len(a) // 2] for p, a in zip(prompt_ids, plain)])
 
 
-def serve_and_measure(tmp: Path, smollm2_dir: Path) -> dict:
-    prompt_ids, plain, captured = plain_and_captured(smollm2_dir)
+def serve_and_measure(tmp: Path, smollm2_dir: Path, reference: tuple) -> dict:
+    prompt_ids, plain, captured = reference
     ckpts = {"eagle3": fit_drafter(captured, tmp / "drafter"),
              "eagle31": fit_drafter(captured, tmp / "drafter31", fc_norm=True, norm_output=True)}
     served = {}
@@ -189,10 +190,10 @@ def serve_and_measure(tmp: Path, smollm2_dir: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, smollm2_dir, one_thread) -> dict:
+def run(tmp_path_factory, smollm2_dir, smollm2_vllm_plain, one_thread) -> dict:
     """One thread here (vLLM's workers are other processes that set their own): fitting and
     `eyas eval` of a 135M model are small ops, several times faster so on busy shared cores."""
-    return serve_and_measure(tmp_path_factory.mktemp("export-vllm"), smollm2_dir)
+    return serve_and_measure(tmp_path_factory.mktemp("export-vllm"), smollm2_dir, smollm2_vllm_plain)
 
 
 DRAFTERS = ["eagle3", "eagle31"]  # plain EAGLE-3; with fc_norm and norm_output

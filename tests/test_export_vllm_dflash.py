@@ -13,15 +13,15 @@ from __future__ import annotations
 import pytest
 
 from eyas.export import export_drafter
-from test_export_vllm import K, check_acceptance, eyas_eval, fit_drafter, plain_and_captured, served_with
+from test_export_vllm import K, check_acceptance, eyas_eval, fit_drafter, served_with
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, smollm2_dir, one_thread) -> dict:
+def run(tmp_path_factory, smollm2_dir, smollm2_vllm_plain, one_thread) -> dict:
     tmp = tmp_path_factory.mktemp("export-vllm-dflash")
-    prompt_ids, plain, captured = plain_and_captured(smollm2_dir)
+    prompt_ids, plain, captured = smollm2_vllm_plain
     # Its only path to the target's states is attention over the context (EAGLE-3 also feeds them
     # in directly), so it takes more steps than test_export_vllm's drafters to fit as closely.
     ckpt = fit_drafter(captured, tmp / "dflash", steps=120, drafter="dflash", num_hidden_layers=2,
