@@ -8,8 +8,8 @@ Reports held-out accuracy per block position (training's own held-out pass), tau
 wall-clock speed-ups, every answer against plain decoding, and in a separate synchronised
 pass the draft's time per step against the target's verification pass.
 
-The regenerate and train stages are quality_gpu.py's (regenerate, then `train_for`: a short
-probe sizes each cosine schedule to its minutes); the EAGLE-3 arm is its main recipe.
+The regenerate and train stages are quality_gpu.py's (regenerate, then `train_for`: `eyas train
+--minutes` sizes each cosine schedule to its minutes); the EAGLE-3 arm is its main recipe.
 
   PYTHONPATH=src:bench python3 bench/parallel_gpu.py --model MODEL --out OUT
   PYTHONPATH=src:bench python3 bench/parallel_gpu.py --smoke --out /tmp/parallel-smoke   # CPU, minutes
@@ -92,10 +92,9 @@ def train_arm(args, work: Path, report: dict, kind: str, options: dict) -> None:
     data = None if args.store else Path(args.data) if args.data else work / "regen"
     result = train_for(args, data, work / kind, 60 * args.arm_minutes, options, evals=2,
                        store=Path(args.store) if args.store else None)
-    report["train"][kind] = {"steps": result["final"]["step"], "steps_planned": result["steps"],
-                             "seconds": result["seconds"], "options": options,
+    report["train"][kind] = {"steps": result["steps"], "seconds": result["seconds"], "options": options,
                              "heldout": result["final"].get("eval"), "train": result["final"].get("train")}
-    print(f"{kind}: {result['final']['step']} of {result['steps']} planned steps in {result['seconds']} s; "
+    print(f"{kind}: {result['steps']} steps in {result['seconds']} s; "
           f"held-out acc per position {(result['final'].get('eval') or {}).get('acc_per_step')}", flush=True)
 
 
@@ -294,7 +293,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--batch-tokens", type=int, default=65536)
     p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--probe-steps", type=int, default=10)
     p.add_argument("--dflash-layers", type=int, help="DFlash decoder layers (default: eyas's, a tenth of the target's)")
     p.add_argument("--dflash-anchors", type=int, default=128,
                    help="DFlash anchors per sample and step (default 128: a sample of 1,024 tokens runs 1,024 "
@@ -318,7 +316,7 @@ def parse_args() -> argparse.Namespace:
         args.conversations = ["packaged:chitchat"]
         args.device = "cpu"
         args.conversations_limit, args.regen_tokens, args.regen_group, args.max_len = 12, 24, 12, 128
-        args.batch_tokens, args.probe_steps, args.arm_minutes = 512, 2, 0.4
+        args.batch_tokens, args.arm_minutes = 512, 0.4
         args.questions, args.timing_questions, args.max_new_tokens = 1, 1, 24
         args.eval_minutes, args.minutes, args.dflash_anchors = 20.0, 30.0, 8
         args.regen_minutes = None

@@ -678,7 +678,7 @@ def q_eyas(args, ctx) -> dict[str, Any]:
     warmup_s = time.monotonic() - t0
     shutil.rmtree(work / "eyas-warmup")
     t0 = time.monotonic()
-    final = train(TrainConfig(out=str(work / "eyas"), epochs=10**4, minutes=args.arm_minutes, eval_every=10**6,
+    final = train(TrainConfig(out=str(work / "eyas"), minutes=args.arm_minutes, eval_every=10**6,
                               log_every=10, **common))
     wall = time.monotonic() - t0
     steps = final["step"]
