@@ -3,6 +3,7 @@ small prepared set and store built from real conversations. Everything runs offl
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -63,27 +64,29 @@ def smollm2_vllm_plain(smollm2_dir) -> tuple:
     on (`plain_and_captured`): the reference of every module that serves a SmolLM2 drafter, all
     with the same prompts and engine arguments, so one engine start serves them all. On one
     thread, as the modules' own `one_thread` fixtures (set up after this one) would run it."""
-    import torch
-
     from test_export_vllm import plain_and_captured
+
+    with single_thread():
+        return plain_and_captured(smollm2_dir)
+
+
+@contextlib.contextmanager
+def single_thread():
+    """Tiny models run faster on one thread (no cross-thread hand-off per small op)."""
+    import torch
 
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return plain_and_captured(smollm2_dir)
+        yield
     finally:
         torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """Tiny models run faster on one thread (no cross-thread hand-off per small op)."""
-    import torch
-
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+    with single_thread():
+        yield
 
 
 def pytest_collection_modifyitems(items):

@@ -97,6 +97,16 @@ def all_reduce(t: torch.Tensor, d: Dist, op: str = "sum") -> torch.Tensor:
     return t
 
 
+def max_over_processes(value: float, d: Dist, device: torch.device) -> float:
+    """The largest of each process's `value`; in one process the value itself, with no trip
+    through the device (a per-step read there would wait for the step's queued work)."""
+    if not d.enabled:
+        return value
+    t = torch.tensor([value], device=device, dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def barrier(d: Dist) -> None:
     if d.enabled:
         dist.barrier()

@@ -460,21 +460,20 @@ def save(run: Run) -> None:
 def _out_of_time(run: Run) -> bool:
     if run.cfg.minutes is None:
         return False
-    late = torch.tensor([float(budget.clock() - run.started > 60 * run.cfg.minutes)], device=run.device)
-    return bool(distributed.all_reduce(late, run.d).item())
+    late = float(budget.clock() - run.started > 60 * run.cfg.minutes)
+    return distributed.max_over_processes(late, run.d, run.device) > 0
 
 
 def _replan(run: Run, plan: budget.Budget, eval_batches: int) -> None:
     """Size the schedule to the time left at the steady-state rate (the slowest process's)."""
     if not plan.steady:  # the same on every process: it counts steps
         return
-    step_s = distributed.all_reduce(torch.tensor([plan.step_s], device=run.device), run.d, "max").item()
+    step_s = distributed.max_over_processes(plan.step_s, run.d, run.device)
     eval_guess = step_s / run.cfg.grad_accum * math.ceil(eval_batches / run.d.world)  # with backward: an upper bound
     total = plan.plan(run.step, step_s, run.cfg.eval_every, run.cfg.save_every, eval_guess if eval_batches else 0.0)
     # Every process must run the same schedule: each reads its own clock and stalls, so all take
     # the shortest plan; a process that is spent (None) keeps everyone's plan as it stands.
-    mine = torch.tensor([-total if total is not None else math.inf], device=run.device, dtype=torch.float64)
-    agreed = distributed.all_reduce(mine, run.d, "max").item()
+    agreed = distributed.max_over_processes(-total if total is not None else math.inf, run.d, run.device)
     total = None if math.isinf(agreed) else int(-agreed)
     if total is None or abs(total - run.total_steps) <= run.total_steps // 200:  # jitter: keep the lr smooth
         return
