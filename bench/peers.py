@@ -50,6 +50,7 @@ import sys
 import tempfile
 import traceback
 from pathlib import Path
+from itertools import zip_longest
 from typing import Any, Callable
 
 import torch
@@ -953,9 +954,11 @@ def q_decode(args, ctx) -> dict[str, Any]:
             second.append({"id": f"heldout-{pos}", "prompt": first})
         if len(second) >= args.second_set:
             break
+    # The two sets interleaved: workers that run out of seconds still answer some of each.
+    rows = [p for pair in zip_longest(mt[: args.questions], second) for p in pair if p is not None]
     prompts = work / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(p) + "\n" for p in mt[: args.questions] + second))
-    ids = [str(p.get("question_id", p.get("id"))) for p in mt[: args.questions] + second]
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in rows))
+    ids = [str(p.get("question_id", p.get("id"))) for p in rows]
     drafters = _drafters(ctx)
     seconds = max(20.0, min(args.eval_seconds, ctx["left"]() - 30))  # the workers' load and the call's end
     procs, outs = [], []
