@@ -11,7 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from eyas.data.prepare import EXCLUDED, prepare
+from eyas.data.prepare import EXCLUDED, format_summary, prepare
 from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
 
@@ -99,6 +99,7 @@ def test_windows_of_two_user_turns(tmp_path, tiny_llama_dir):
     summary = prepare(str(tiny_llama_dir), str(_jsonl(tmp_path / "long.jsonl", [{"messages": turns}])),
                       tmp_path / "w", window=2, workers=1, progress=False)
     assert summary["kept"] == 3 and summary["records_read"] == 1 and summary["layouts"] == {"messages": 1}
+    assert format_summary(summary, "w").startswith("kept 3 windows of 2 user turns from 1 records -> w")
     assert PreparedData(tmp_path / "w").conversations() == [turns[:5], turns[:1] + turns[5:9], turns[:1] + turns[9:]]
 
 

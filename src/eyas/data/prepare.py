@@ -207,7 +207,8 @@ def _encoded(tokenizer, items: Iterable[Any], max_len: int, workers: int | None)
 
 def format_summary(summary: dict[str, Any], out: str | Path) -> str:
     lines = [
-        f"kept {summary['kept']} of {summary['records_read']} records -> {out}",
+        (f"kept {summary['kept']} windows of {summary['window']} user turns from {summary['records_read']} records"
+         if summary.get("window") else f"kept {summary['kept']} of {summary['records_read']} records") + f" -> {out}",
         f"tokens {summary['tokens']:,}, trained (assistant) {summary['trained_tokens']:,} "
         f"({100 * summary['trained_share']:.1f}%), truncated to --max-len: {summary['truncated']}",
     ]
