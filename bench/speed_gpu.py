@@ -686,6 +686,7 @@ def _in_memory_run(cfg, draft, head, source, device: torch.device):
     from eyas.train.data import BatchStream
     from eyas.train.loop import Run
     from eyas.train.objective import TTTObjective
+    from eyas.train.optim import build_optimizers
 
     d, device = distributed.init(str(device), False)
     torch.manual_seed(cfg.seed)
@@ -695,11 +696,10 @@ def _in_memory_run(cfg, draft, head, source, device: torch.device):
     draft_ids = torch.randperm(V, generator=torch.Generator().manual_seed(0))[: draft.draft_vocab_size].sort().values
     drafter.set_vocab(draft_ids.to(device))
     model = distributed.wrap(TTTObjective(drafter).to(device), d, device)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95),
-                                  weight_decay=cfg.weight_decay)
+    optimizers = build_optimizers(model, cfg.optimizer, cfg.lr, cfg.weight_decay)
     positions = list(range(len(source.lengths)))
     stream = BatchStream(positions, source.lengths, source.sample_index, cfg.batch_tokens, cfg.seed)
-    return Run(cfg=cfg, d=d, device=device, source=source, head=head, draft=draft, model=model, optimizer=optimizer,
+    return Run(cfg=cfg, d=d, device=device, source=source, head=head, draft=draft, model=model, optimizers=optimizers,
                train_stream=stream, eval_positions=[], total_steps=1_000_000)
 
 

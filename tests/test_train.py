@@ -129,12 +129,14 @@ def test_intermediate_size_sets_the_drafters_mlp_width(tiny_store, tmp_path):
         TrainConfig(out=str(out), store=str(tiny_store), intermediate_size=0)
 
 
-def test_interrupted_and_resumed_run_reaches_the_same_weights(two_batch_store, tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_interrupted_and_resumed_run_reaches_the_same_weights(two_batch_store, tmp_path, optimizer):
     """Same seed, 6 steps straight vs. 3 steps, a stop, and --resume: identical weights
-    (tolerance 1e-6: both runs do the same float32 operations in the same order). The
+    (tolerance 1e-6: both runs do the same float32 operations in the same order), with either
+    optimizer (Muon's momentum and AdamW's moments come back from the checkpoint). The
     straight run reads a store holding the same samples in reverse order: batches follow
     the samples' prepared indices, not their places in a store."""
-    common = dict(store=str(two_batch_store), steps=6, batch_tokens=128, save_every=2, **{
+    common = dict(store=str(two_batch_store), steps=6, batch_tokens=128, save_every=2, optimizer=optimizer, **{
         k: v for k, v in FAST.items() if k != "batch_tokens"})
     reversed_store = derive_store(two_batch_store, tmp_path / "reversed", n=8, length=48, reverse=True)
     train(TrainConfig(out=str(tmp_path / "straight"), **{**common, "store": str(reversed_store)}))
@@ -144,6 +146,9 @@ def test_interrupted_and_resumed_run_reaches_the_same_weights(two_batch_store, t
         train(TrainConfig(out=str(tmp_path / "resumed"), **common))
     with pytest.raises(EyasError, match="lr"):
         train(TrainConfig(out=str(tmp_path / "resumed"), resume=True, **{**common, "lr": 1e-3}))
+    other = "adamw" if optimizer == "muon" else "muon"
+    with pytest.raises(EyasError, match=f"optimizer '{other}' \\(the run has '{optimizer}'\\)"):
+        train(TrainConfig(out=str(tmp_path / "resumed"), resume=True, **{**common, "optimizer": other}))
     train(TrainConfig(out=str(tmp_path / "resumed"), resume=True, **common))
     a, b = load_file(tmp_path / "straight" / "model.safetensors"), load_file(tmp_path / "resumed" / "model.safetensors")
     assert a.keys() == b.keys()

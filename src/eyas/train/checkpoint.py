@@ -5,7 +5,7 @@ out/
   metrics.jsonl                      one row per logged step
   checkpoints/step-0000500/          a complete, resumable checkpoint:
       config.json, model.safetensors the drafter at that step (draft/checkpoint.py)
-      optimizer.pt                   AdamW state (tensors only; loaded with weights_only)
+      optimizer.pt                   AdamW's (and Muon's) state (tensors only; loaded with weights_only)
       trainer.json                   step, the run's settings, the stream position
   checkpoints/latest                 the name of the newest complete checkpoint folder
 
@@ -38,16 +38,16 @@ OPTIMIZER = "optimizer.pt"
 TRAINER = "trainer.json"
 
 
-def full_states(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+def full_states(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> tuple[dict, dict]:
     """Unsharded model and optimizer state dicts on the CPU (identical on every process;
     collective under DDP/FSDP, so every process must call it)."""
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizers, options=options)
 
 
-def load_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, optim_state: dict) -> None:
+def load_optimizer(model: nn.Module, optimizers: list[torch.optim.Optimizer], optim_state: dict) -> None:
     """Restore an unsharded optimizer state (as `full_states` saved it) into this process."""
-    set_optimizer_state_dict(model, optimizer, optim_state, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(model, optimizers, optim_state, options=StateDictOptions(full_state_dict=True))
 
 
 def save_checkpoint(out: Path, step: int, drafter_cpu: nn.Module, optim_state: dict, trainer: dict[str, Any],

@@ -18,10 +18,11 @@ DFLASH_ANCHORS = 512  # SpecForge's and speculators' default: bounds a sample's 
 
 # Options added after runs were recorded, with the value such a run had (its drafter, restored
 # from the checkpoint, keeps the attention it was built with).
-ADDED = {"draft_attention": "auto"}
+ADDED = {"draft_attention": "auto", "optimizer": "adamw"}
 
 
 DATA, DRAFTER, SCHEDULE, RUN = "data", "drafter", "schedule", "run"  # the --help sections
+OPTIMIZERS = ("adamw", "muon")  # train/optim.py
 
 
 @dataclass(kw_only=True)
@@ -82,7 +83,12 @@ class TrainConfig:
                        group=SCHEDULE)
     warmup: float = option("warm-up: share of steps if < 1, else steps", 0.03, rule=Number(lo=0, required=True),
                            group=SCHEDULE)
-    weight_decay: float = option("AdamW weight decay", 0.0, rule=Number(lo=0, required=True), group=SCHEDULE)
+    optimizer: str = option(
+        "adamw, or muon: Muon on the drafter's weight matrices (its update scaled to AdamW's RMS, so --lr "
+        "carries over) and AdamW on the rest (docs/train.md compares them)", "adamw",
+        choices=OPTIMIZERS, group=SCHEDULE)
+    weight_decay: float = option("weight decay (AdamW's, and Muon's)", 0.0, rule=Number(lo=0, required=True),
+                                 group=SCHEDULE)
     clip: float = option("gradient-norm clipping", 0.5, rule=Number(lo=0, lo_open=True, required=True),
                          group=SCHEDULE)
     batch_tokens: int = batch_tokens_option("padded tokens per micro-batch per process", group=SCHEDULE)
@@ -119,6 +125,11 @@ class TrainConfig:
         check_rules(self)
         if self.steps is not None and self.epochs is not None:
             raise EyasError("give --steps or --epochs, not both.")
+        if self.fsdp and self.optimizer == "muon":
+            # Muon's bf16 Newton-Schulz on sharded matrices: a step's update then differs from one
+            # process's by up to ~20% (measured on 4 gloo processes); under DDP by ~0.5%, as between any two runs.
+            raise EyasError("--optimizer muon does not take --fsdp: on sharded weights its updates differ from "
+                            "one process's. Use torchrun without --fsdp (data parallel), or --optimizer adamw.")
         self._check_kind()
 
     def _check_kind(self) -> None:

@@ -41,6 +41,7 @@ from eyas.train.metrics import MetricsLog, format_table, summarize
 from eyas.train.anchors import HELD_OUT, batch_rows, loss_masks
 from eyas.timing import StepTimer, timed
 from eyas.train.objective import TTTObjective, make_labels, step_counts
+from eyas.train.optim import build_optimizers
 
 
 @dataclass
@@ -52,7 +53,7 @@ class Run:
     head: TargetHead
     draft: DraftConfig
     model: torch.nn.Module  # TTTObjective, wrapped for DDP/FSDP
-    optimizer: torch.optim.Optimizer
+    optimizers: list[torch.optim.Optimizer]  # [AdamW] or [Muon, AdamW] (train/optim.py)
     train_stream: BatchStream
     eval_positions: list[int]
     total_steps: int  # the schedule's length; under --minutes, revised to fit the budget
@@ -133,8 +134,7 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device) -> Run:
         drafter = new_drafter(draft, head.embed_weight)
         drafter.set_vocab(draft_ids)
     model = distributed.wrap(TTTObjective(drafter).to(device), d, device)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.lr,
-                                  betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    optimizers = build_optimizers(model, cfg.optimizer, cfg.lr, cfg.weight_decay)
     stream = BatchStream(train_pos, source.lengths, source.sample_index, cfg.batch_tokens, cfg.seed)
     per_epoch = len(stream) / (d.world * cfg.grad_accum)
     cap = cfg.steps or (math.ceil(cfg.epochs * per_epoch) if cfg.epochs else None)
@@ -142,11 +142,11 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device) -> Run:
     # plans the run; it does not depend on time, so neither do the first steps' learning rates.
     first = max(math.ceil(per_epoch), budget.SETTLE + budget.STEADY) if cfg.minutes else math.ceil(per_epoch)
     total = trainer["total_steps"] if previous is not None else cap or first
-    run = Run(cfg=cfg, d=d, device=device, source=source, head=head, draft=draft, model=model, optimizer=optimizer,
+    run = Run(cfg=cfg, d=d, device=device, source=source, head=head, draft=draft, model=model, optimizers=optimizers,
               train_stream=stream, eval_positions=eval_pos, total_steps=total, cap=cap)
     if previous is not None:
         run.step = run.resumed_from = trainer["step"]
-        ckpt.load_optimizer(model, optimizer, ckpt.read_optimizer(previous))
+        ckpt.load_optimizer(model, optimizers, ckpt.read_optimizer(previous))
     return run
 
 
@@ -364,7 +364,7 @@ def train_step(run: Run, timer: StepTimer | None = None) -> torch.Tensor:
     """One optimizer step; returns the summed statistics [K, 4] of its micro-batches.
     `timer`, if given, records the seconds of each part of the step (see StepTimer)."""
     lr = lr_at(run.cfg, run.step, run.total_steps)
-    for g in run.optimizer.param_groups:
+    for g in (g for opt in run.optimizers for g in opt.param_groups):
         g["lr"] = lr
     stats, checks = accumulate(run, timer)
     with timed(timer, "clip"):
@@ -385,8 +385,9 @@ def train_step(run: Run, timer: StepTimer | None = None) -> torch.Tensor:
         raise EyasError(f"The loss or its gradient is not finite at step {run.step + 1} ({where}); training stopped "
                         f"before updating the weights and {kept}. Check those samples, or lower --lr.")
     with timed(timer, "optimizer"):
-        run.optimizer.step()
-        run.optimizer.zero_grad(set_to_none=True)
+        for opt in run.optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     run.step += 1
     with timed(timer, "weight_check"):
         _check_weights(run)
@@ -447,7 +448,7 @@ def score(source, head: TargetHead, model: torch.nn.Module, draft_ids: torch.Ten
 
 def save(run: Run) -> None:
     """A resumable checkpoint (collective: every process takes part, the first one writes)."""
-    model_state, optim_state = ckpt.full_states(run.model, run.optimizer)
+    model_state, optim_state = ckpt.full_states(run.model, run.optimizers)
     if run.d.main:
         with torch.device("meta"):
             cpu = new_drafter(run.draft)
