@@ -535,6 +535,9 @@ def add_quality_args(p) -> None:
     q.add_argument("--batch-tokens", type=int, default=65536, help="eyas's recipe; the matched peer packs as many")
     q.add_argument("--max-len", type=int, default=1024)
     q.add_argument("--lr", type=float, default=1e-3)
+    q.add_argument("--ttt-steps", type=int, default=7, help="eyas's recipe; the matched peer unrolls as many")
+    q.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                   help="eyas's (`eyas train --optimizer`); the matched peer uses the same")
     q.add_argument("--heldout-samples", type=int, default=24)
     q.add_argument("--questions", type=int, default=12, help="MT-bench questions (both turns)")
     q.add_argument("--second-set", type=int, default=12, help="held-out conversations' first prompts")
@@ -544,7 +547,7 @@ def add_quality_args(p) -> None:
 
 
 # eyas's SmolLM2 recipe (bench/quality_gpu.py RECIPE + its train settings)
-EYAS_RECIPE = {"fc_norm": True, "norm_output": True, "ttt_steps": 7, "ttt_decay": 0.8}
+EYAS_RECIPE = {"fc_norm": True, "norm_output": True, "ttt_decay": 0.8}  # + --ttt-steps, --optimizer
 ARMS = ("eyas", "peer_matched", "peer_defaults")
 
 
@@ -673,7 +676,8 @@ def q_eyas(args, ctx) -> dict[str, Any]:
     for old in ("eyas-warmup", "eyas"):  # a rerun in the same --work starts afresh
         shutil.rmtree(work / old, ignore_errors=True)
     common = dict(store=str(ctx["store"]), batch_tokens=args.batch_tokens, lr=args.lr, max_len=args.max_len,
-                  device=args.device, progress=False, save_every=10**6, eval_fraction=0.05, seed=0, **EYAS_RECIPE)
+                  device=args.device, progress=False, save_every=10**6, eval_fraction=0.05, seed=0,
+                  ttt_steps=args.ttt_steps, optimizer=args.optimizer, **EYAS_RECIPE)
     t0 = time.monotonic()
     train(TrainConfig(out=str(work / "eyas-warmup"), steps=8, eval_every=10**6, log_every=8, **common))
     warmup_s = time.monotonic() - t0
@@ -687,7 +691,8 @@ def q_eyas(args, ctx) -> dict[str, Any]:
     ctx.update(eyas=ckpt, steps=steps, draft_to_target=_draft_to_target(ckpt))
     return {"steps": steps, "wall_s": round(wall, 1), "warmup_s": round(warmup_s, 1),
             "schedule": "eyas train --minutes (steady-state rate), after an 8-step warm-up run",
-            "tokens_per_step": args.batch_tokens, "recipe": EYAS_RECIPE, "lr": args.lr, "final": final}
+            "tokens_per_step": args.batch_tokens, "recipe": {**EYAS_RECIPE, "ttt_steps": args.ttt_steps,
+                                                                "optimizer": args.optimizer}, "lr": args.lr, "final": final}
 
 
 def _draft_to_target(ckpt: Path) -> torch.Tensor:
@@ -742,9 +747,9 @@ def peer_loader_check(folder: Path, store_path: Path, positions: list[int]) -> d
 
 def peer_command(args, ctx, save: Path, matched: bool) -> list[str]:
     """`python -m speculators.train` on the converted data. Matched: eyas's recipe in the peer's
-    flags (same draft vocabulary, layers, 7 TTT steps, decay 0.8, AdamW at eyas's lr without weight
-    decay, cosine with 3% warm-up over eyas's step count, eyas's tokens per step, eyas's drafter
-    options fc_norm + norm_output, full attention). Defaults: only what the data needs."""
+    flags (same draft vocabulary, layers, --ttt-steps, decay 0.8, --optimizer at eyas's lr without
+    weight decay, cosine with 3% warm-up over eyas's step count, eyas's tokens per step, eyas's
+    drafter options fc_norm + norm_output, full attention). Defaults: only what the data needs."""
     aux = [str(k) for k in ctx["layer_ids"][:-1]]
     launcher = [__file__, "peer-train"] + ([] if args.device.startswith("cuda") else ["--cpu"])
     cmd = [sys.executable, *launcher, "--verifier-name-or-path", str(ctx["folder"]),
@@ -760,10 +765,10 @@ def peer_command(args, ctx, save: Path, matched: bool) -> list[str]:
     train_tokens = sum(_lengths(ctx, ctx["train_pos"]))
     if matched:
         per_step = args.batch_tokens
-        cmd += ["--ttt-steps", "7", "--ttt-step-loss-decay", "0.8", "--optimizer", "adamw", "--lr", str(args.lr),
-                "--weight-decay", "0", "--scheduler-type", "cosine", "--scheduler-warmup-ratio", "0.03",
-                "--total-seq-len", str(per_step), "--no-norm-before-fc", "--no-norm-before-residual", "--fc-norm",
-                "--norm-output", "--full-attention-indices", "0"]
+        cmd += ["--ttt-steps", str(args.ttt_steps), "--ttt-step-loss-decay", "0.8", "--optimizer", args.optimizer,
+                "--lr", str(args.lr), "--weight-decay", "0", "--muon-weight-decay", "0", "--scheduler-type", "cosine",
+                "--scheduler-warmup-ratio", "0.03", "--total-seq-len", str(per_step), "--no-norm-before-fc",
+                "--no-norm-before-residual", "--fc-norm", "--norm-output", "--full-attention-indices", "0"]
     else:
         per_step = 8192  # its --total-seq-len default
     steps = max(1, tokens // per_step)
