@@ -84,8 +84,8 @@ class TrainConfig:
     warmup: float = option("warm-up: share of steps if < 1, else steps", 0.03, rule=Number(lo=0, required=True),
                            group=SCHEDULE)
     optimizer: str = option(
-        "adamw, or muon: Muon on the drafter's weight matrices (its update scaled to AdamW's RMS, so --lr "
-        "carries over) and AdamW on the rest (docs/train.md compares them)", "adamw",
+        "adamw, or muon: Muon on the drafter's weight matrices and AdamW on the rest; Muon wants a larger "
+        "--lr (about 10x AdamW's in docs/train.md's comparison)", "adamw",
         choices=OPTIMIZERS, group=SCHEDULE)
     weight_decay: float = option("weight decay (AdamW's, and Muon's)", 0.0, rule=Number(lo=0, required=True),
                                  group=SCHEDULE)
