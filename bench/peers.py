@@ -49,8 +49,8 @@ import shutil
 import sys
 import tempfile
 import traceback
-from pathlib import Path
 from itertools import zip_longest
+from pathlib import Path
 from typing import Any, Callable
 
 import torch

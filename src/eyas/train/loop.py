@@ -364,8 +364,9 @@ def train_step(run: Run, timer: StepTimer | None = None) -> torch.Tensor:
     """One optimizer step; returns the summed statistics [K, 4] of its micro-batches.
     `timer`, if given, records the seconds of each part of the step (see StepTimer)."""
     lr = lr_at(run.cfg, run.step, run.total_steps)
-    for g in (g for opt in run.optimizers for g in opt.param_groups):
-        g["lr"] = lr
+    for opt in run.optimizers:
+        for group in opt.param_groups:
+            group["lr"] = lr
     stats, checks = accumulate(run, timer)
     with timed(timer, "clip"):
         norm = torch.nn.utils.clip_grad_norm_([p for p in run.model.parameters() if p.requires_grad], run.cfg.clip)
