@@ -167,9 +167,8 @@ def decode(args, report: dict, trained: dict[str, Path], seconds: float) -> None
     mt_records = [r for r in records if not r["prompt_id"].startswith("second-")]
     summaries = summarize(mt_records, positions)
     second_records = [r for r in records if r["prompt_id"].startswith("second-")]
-    plain = {(r["prompt_id"], r["turn"]): r["generated_ids"] for r in records if r["method"] == "plain"}
-    identical = {m: f"{sum(plain.get((r['prompt_id'], r['turn'])) == r['generated_ids'] for r in records if r['method'] == m)}"
-                    f"/{sum(r['method'] == m for r in records)}" for m in summaries}
+    identical = {m: f"{s.identical}/{s.answers}" for m, s in summarize(records, positions).items()
+                 if s.identical is not None}
     by_turn = {str(t): {m: round(s.tau, 3) for m, s in summarize([r for r in mt_records if r["turn"] == t],
                                                                   positions).items()}
                for t in sorted({r["turn"] for r in mt_records})}
@@ -190,7 +189,8 @@ def decode(args, report: dict, trained: dict[str, Path], seconds: float) -> None
         "parallel_over_chain": parallel,
         "identical_to_plain": identical,
         "tau_definition": TAU_DEFINITION,
-        "mt_bench": {"questions": len({r["prompt_id"] for r in mt_records}), "answers_per_method": len(plain),
+        "mt_bench": {"questions": len({r["prompt_id"] for r in mt_records}),
+                     "answers_per_method": summaries["plain"].answers if "plain" in summaries else 0,
                      "max_new_tokens": args.max_new_tokens, "dtype": "float32", "decoding_processes": 1,
                      "summary": {k: s.to_dict() for k, s in summaries.items()}, "tau_by_turn": by_turn},
         "second_set": {"prompts": args.second_prompts, "questions": len({r["prompt_id"] for r in second_records}),

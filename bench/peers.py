@@ -978,9 +978,8 @@ def q_decode(args, ctx) -> dict[str, Any]:
     codes = [p.wait() for p in procs]
     records = [r for o in outs if o.exists() for r in json.loads(o.read_text())]
     methods = {f"{a}-{m}": 7 for a in drafters for m in ("chain", "tree")}
-    plain = {(r["prompt_id"], r["turn"]): r["generated_ids"] for r in records if r["method"] == "plain"}
-    identical = {m: f"{sum(plain.get((r['prompt_id'], r['turn'])) == r['generated_ids'] for r in records if r['method'] == m)}"
-                    f"/{sum(r['method'] == m for r in records)}" for m in ["plain", *methods]}
+    every = summarize(records, methods)
+    identical = {m: f"{s.identical}/{s.answers}" for m, s in every.items() if s.identical is not None}
     by_set = {}
     for name, keep in (("mt_bench", lambda r: not r["prompt_id"].startswith("heldout-")),
                        ("second_set", lambda r: r["prompt_id"].startswith("heldout-")), ("all", lambda r: True)):
@@ -988,7 +987,7 @@ def q_decode(args, ctx) -> dict[str, Any]:
         if rs:
             by_set[name] = {m: round(s.tau, 3) for m, s in summarize(rs, methods).items() if m != "plain"}
     return {"tau": by_set.get("all", {}), "tau_by_set": by_set, "identical_to_plain": identical,
-            "answers": len(plain), "prompts_answered": len({r["prompt_id"] for r in records}),
+            "answers": every["plain"].answers if "plain" in every else 0, "prompts_answered": len({r["prompt_id"] for r in records}),
             "worker_exit_codes": codes, "max_new_tokens": args.max_new_tokens, "worker_seconds": seconds}
 
 

@@ -243,12 +243,11 @@ def eval_stage(args) -> None:
     # since the headline tau averages both.
     by_turn = {str(t): {m: round(s.tau, 3) for m, s in summarize([r for r in records if r["turn"] == t], METHODS).items()}
                for t in sorted({r["turn"] for r in records})}
-    plain = {(r["prompt_id"], r["turn"]): r["generated_ids"] for r in records if r["method"] == "plain"}
-    identical = {m: sum(plain.get((r["prompt_id"], r["turn"])) == r["generated_ids"] for r in records
-                        if r["method"] == m) for m in summaries}
+    identical = {m: s.identical for m, s in summaries.items() if s.identical is not None}
     results = {"command": " ".join(sys.argv), "tau_definition": TAU_DEFINITION, "device": _device_name(args.device),
                "drafter": drafter, "workers": args.workers, "worker_exit_codes": codes, "questions": len(used), "question_ids": used,
-               "answers_per_method": len(plain), "max_new_tokens": args.max_new_tokens, "dtype": "float32",
+               "answers_per_method": summaries["plain"].answers if "plain" in summaries else 0,
+               "max_new_tokens": args.max_new_tokens, "dtype": "float32",
                "identical_to_plain": identical, "heldout_check": check, "summary": {k: s.to_dict() for k, s in summaries.items()},
                "tau_by_category": by_category, "tau_by_turn": by_turn, "train": train_report}
     _dump(out / "quality_gpu.json", results)

@@ -15,7 +15,7 @@ from eyas.draft import DraftConfig, Eagle3Drafter
 from eyas.evaluate.accept import accept_greedy, accept_sampled
 from eyas.evaluate.drafter import DrafterSession
 from eyas.evaluate.proposers import PromptLookup
-from eyas.evaluate.report import acceptance_rates, format_table, summarize
+from eyas.evaluate.report import acceptance_rates, differing, format_table, summarize
 from eyas.evaluate.target import TargetSession
 from eyas.evaluate.tree import DraftTree
 from eyas.models import ModelIdentity
@@ -240,6 +240,27 @@ def test_report_recomputes_tau_and_rates_from_counts():
     table = format_table(s)
     assert "1 + accepted draft tokens per verification step" in table
     assert "eagle3-chain     2.50" in table and "2.00x" in table
+
+
+def test_report_counts_answers_identical_to_plain_decoding_turn_by_turn():
+    """At T=0 the table says, per method, how many answers equal plain decoding's answer to the
+    same prompt and turn, and eval warns about the others; sampled runs promise no such thing."""
+    def rec(method, pid, turn, ids):
+        return {"method": method, "prompt_id": pid, "turn": turn, "generated_ids": ids, "accept_counts": [1],
+                "seconds": 1.0}
+
+    records = [rec("plain", "a", 0, [1, 2]), rec("plain", "a", 1, [3]), rec("plain", "b", 0, [4]),
+               rec("chain", "a", 0, [1, 2]), rec("chain", "a", 1, [3]), rec("chain", "b", 0, [4]),
+               rec("lookup", "a", 0, [1, 2]), rec("lookup", "a", 1, [4]), rec("lookup", "b", 0, [3])]
+    s = summarize(records, {})
+    assert (s["plain"].identical, s["chain"].identical, s["lookup"].identical) == (None, 3, 1)
+    assert differing(s) == ["2 of 3 lookup answers differ from plain decoding's"]
+    table = format_table(s)
+    assert "= plain" in table and "3/3" in table and "1/3" in table
+    assert all(x.identical is None for x in summarize(records, {}, greedy=False).values())
+    no_ids = [{k: v for k, v in r.items() if k != "prompt_id"} for r in records]
+    assert all(x.identical is None for x in summarize(no_ids, {}).values())  # nothing to match turns by
+    assert differing(summarize(records, {}, greedy=False)) == []
 
 
 def test_a_timed_decoding_step_is_the_same_step_with_its_parts_timed(toy):

@@ -55,6 +55,11 @@ def test_smollm2_recipe_runs_every_stage_to_a_report(smollm2_dir, tmp_path, caps
     assert set(data["tau_by"]["category"]["eagle3-tree"]) == {"writing", "math"}
     assert shlex.join(serve_launcher("")[:-1]) in data["exports"]["vllm"]["serve"] and (tmp_path / "work/export/vllm/config.json").is_file()
     assert "Held-out accuracy per TTT step" in text and "tau by category" in text and ".png" in text
+    # The real SmolLM2 decodes greedily: every method's answers are plain decoding's, and the report says so.
+    answers = data["summary"]["plain"]["answers"]
+    assert answers == 3 and all(data["summary"][m]["identical"] == answers for m in ("prompt-lookup", "eagle3-chain",
+                                                                                     "eagle3-tree"))
+    assert f"| eagle3-tree | {data['summary']['eagle3-tree']['tau']:.2f} | " in text and f"| {answers}/{answers} |" in text
     capsys.readouterr()
     run_recipe(recipe, tmp_path / "work", dry_run=True)  # everything done, nothing runs
     assert capsys.readouterr().out.count(" done\n") == 7

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass
 TAU_DEFINITION = "tau = 1 + accepted draft tokens per verification step (mean over all steps of all prompts)"
 RATE_DEFINITION = ("acceptance at position j = share of verification steps that accepted at least j drafted "
                    "tokens (so tau = 1 + the sum over j)")
+SAME_DEFINITION = "= plain: answers equal, token for token, to plain decoding's answer to the same turn (T=0 only)"
 
 
 @dataclass
@@ -24,6 +25,7 @@ class Summary:
     acceptance: list[float]  # per draft position 1..P
     tokens_per_s: float
     speedup: float | None  # over plain decoding; None without a plain run
+    identical: int | None = None  # answers equal, token for token, to plain decoding's (T=0 only)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -34,8 +36,10 @@ def acceptance_rates(counts: list[int], positions: int) -> list[float]:
     return [sum(c >= j for c in counts) / steps for j in range(1, positions + 1)]
 
 
-def summarize(records: list[dict], positions: dict[str, int], reference: str = "plain") -> dict[str, Summary]:
-    """records: dicts with method, generated_ids, accept_counts, seconds (as in results.json)."""
+def summarize(records: list[dict], positions: dict[str, int], reference: str = "plain",
+              greedy: bool = True) -> dict[str, Summary]:
+    """records: dicts with method, generated_ids, accept_counts, seconds (as in results.json), and
+    prompt_id and turn for the `identical` count, which only greedy decoding (T=0) promises."""
     by_method: dict[str, list[dict]] = {}
     for r in records:
         by_method.setdefault(r["method"], []).append(r)
@@ -53,18 +57,35 @@ def summarize(records: list[dict], positions: dict[str, int], reference: str = "
     if reference in out and out[reference].tokens_per_s > 0:
         for s in out.values():
             s.speedup = s.tokens_per_s / out[reference].tokens_per_s
+    if greedy and reference in by_method and all("prompt_id" in r for r in records):
+        answer = {(r["prompt_id"], r.get("turn")): r["generated_ids"] for r in by_method[reference]}
+        for method, rs in by_method.items():
+            if method != reference:
+                out[method].identical = sum(answer.get((r["prompt_id"], r.get("turn"))) == r["generated_ids"]
+                                            for r in rs)
     return out
+
+
+def differing(summaries: dict[str, Summary]) -> list[str]:
+    """One line per method with answers that differ from plain decoding's: at T=0 a lossless
+    method has none, so each line is a fault the user must see (or a near-tie flipped by rounding)."""
+    return [f"{s.answers - s.identical} of {s.answers} {s.method} answers differ from plain decoding's"
+            for s in summaries.values() if s.identical is not None and s.identical < s.answers]
 
 
 def format_table(summaries: dict[str, Summary], max_positions: int = 8) -> str:
     width = min(max([len(s.acceptance) for s in summaries.values()], default=0), max_positions)
-    head = f"{'method':<15}{'tau':>6}{'tok/s':>9}{'speed-up':>10}{'steps':>8}{'tokens':>8}  " + "".join(
+    head = f"{'method':<15}{'tau':>6}{'tok/s':>9}{'speed-up':>10}{'steps':>8}{'tokens':>8}{'= plain':>9}  " + "".join(
         f"{'acc@' + str(j):>7}" for j in range(1, width + 1))
     lines = [TAU_DEFINITION, RATE_DEFINITION, "", head]
     for s in summaries.values():
         speed = f"{s.speedup:.2f}x" if s.speedup is not None else "-"
+        same = f"{s.identical}/{s.answers}" if s.identical is not None else "-"
         rates = "".join(f"{r:>7.2f}" for r in s.acceptance[:width])
-        lines.append(f"{s.method:<15}{s.tau:>6.2f}{s.tokens_per_s:>9.1f}{speed:>10}{s.steps:>8}{s.tokens:>8}  {rates}")
+        lines.append(f"{s.method:<15}{s.tau:>6.2f}{s.tokens_per_s:>9.1f}{speed:>10}{s.steps:>8}{s.tokens:>8}{same:>9}  "
+                     f"{rates}")
+    if any(s.identical is not None for s in summaries.values()):
+        lines.append(SAME_DEFINITION)
     return "\n".join(lines)
 
 

@@ -31,7 +31,8 @@ from eyas.evaluate.peagle import PEagle
 from eyas.evaluate.plot import plot_acceptance
 from eyas.evaluate.prompts import EvalPrompt, load_prompts, render, stratified
 from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
-from eyas.evaluate.report import RATE_DEFINITION, TAU_DEFINITION, format_breakdown, format_table, summarize, tau_by
+from eyas.evaluate.report import (RATE_DEFINITION, TAU_DEFINITION, differing, format_breakdown, format_table, summarize,
+                                  tau_by)
 from eyas.evaluate.target import TargetSession
 from eyas.models import ModelIdentity, load_target, model_identity
 from eyas.models.eos import eos_ids
@@ -184,7 +185,8 @@ def evaluate(cfg: EvalConfig) -> dict:
         records, identity = _answer_in_workers(cfg, prompts)
     else:
         records, identity = _answer(cfg, list(range(len(prompts))))
-    summaries = summarize(records, {m: cfg.steps for m in {r["method"] for r in records} - {"plain"}})
+    summaries = summarize(records, {m: cfg.steps for m in {r["method"] for r in records} - {"plain"}},
+                          greedy=cfg.temperature == 0)
     breakdown = {"category": tau_by(records, "category"), "turn": tau_by(records, "turn")}
     results = {
         "eyas_version": __version__, "tau_definition": TAU_DEFINITION, "acceptance_definition": RATE_DEFINITION,
@@ -199,5 +201,8 @@ def evaluate(cfg: EvalConfig) -> dict:
     print(format_breakdown(breakdown))
     if cfg.workers > 1:
         print(f"({cfg.workers} worker processes shared the machine: the speed-ups are measured under contention)")
+    for line in differing(summaries):
+        print(f"eyas eval: warning: {line} (greedy decoding: a lossless method gives the same answers)",
+              file=sys.stderr, flush=True)
     print(f"\nwrote {out} and {plot}")
     return results

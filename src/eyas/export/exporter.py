@@ -58,13 +58,14 @@ def export_drafter(ckpt: str | Path, to: str, out: str | Path, *, target: str | 
 
 
 def planned_serve_command(ckpt: str | Path, to: str, out: str | Path, *, target: str | None = None,
-                          num_speculative_tokens: int | None = None) -> str:
-    """The serve command for exporting `ckpt` to `out`, without writing anything."""
+                          num_speculative_tokens: int | None = None, check: bool = True) -> str:
+    """The serve command for exporting `ckpt` to `out`, without writing anything; `check=False`
+    skips vLLM's pre-flight (the recipe's report: its export stage ran it already)."""
     cfg = load_config(ckpt)
     layout = layout_for(cfg, to)
     num_speculative_tokens = speculative_tokens(cfg, num_speculative_tokens)
     serving = serving_info(cfg, target, num_speculative_tokens)
-    if layout.engine == "vllm":
+    if check and layout.engine == "vllm":
         check_vllm_serves(cfg, serving["target"])
     return serve_command(layout.engine, serving["target"], Path(out).resolve(), num_speculative_tokens, cfg.drafter)
 

@@ -30,7 +30,7 @@ def write_report(recipe: dict[str, Any], work: Path, stages) -> Path:
     by = {key: {m: v for r in (chain, tree) for m, v in r.get("tau_by", {}).get(key, {}).items() if m != "plain"}
           for key in ("category", "turn")}
     exports = {s.output.name: {"folder": str(s.output), "serve": planned_serve_command(work / "drafter", s.output.name,
-                                                                                       s.output)}
+                                                                                       s.output, check=False)}
                for s in stages if s.command == "export"}
     result = {"model": recipe["model"], "heldout": heldout, "summary": summary, "tau_by": by, "exports": exports,
               "plots": [str(p) for p in (ev / "chain.png", ev / "tree.png") if p.is_file()]}
@@ -42,11 +42,18 @@ def write_report(recipe: dict[str, Any], work: Path, stages) -> Path:
                   + ", ".join(f"step {k} {a:.3f}" for k, a in enumerate(heldout["acc_per_step"]))
                   + f"; tau_sim {heldout['tau_sim']:.3f}", ""]
     if summary:
-        lines += [f"## Acceptance length on {chain.get('settings', {}).get('prompts', '?')}", "",
-                  "tau = 1 + accepted draft tokens per verification step", "",
-                  "| method | tau | speed-up | answers |", "|---|---|---|---|"]
-        lines += [f"| {m} | {s['tau']:.2f} | {s['speedup']:.2f}x | {s['answers']} |" if s.get("speedup") else
-                  f"| {m} | {s['tau']:.2f} | - | {s['answers']} |" for m, s in summary.items()]
+        settings = chain.get("settings") or tree.get("settings") or {}
+        lines += [f"## Acceptance length on {settings.get('prompts', '?')}", "",
+                  "tau = 1 + accepted draft tokens per verification step; = plain: answers equal, token for token, "
+                  "to plain decoding's (T=0)", "",
+                  "| method | tau | speed-up | answers | = plain |", "|---|---|---|---|---|"]
+        for m, s in summary.items():
+            speed = f"{s['speedup']:.2f}x" if s.get("speedup") else "-"
+            same = f"{s['identical']}/{s['answers']}" if s.get("identical") is not None else "-"
+            lines.append(f"| {m} | {s['tau']:.2f} | {speed} | {s['answers']} | {same} |")
+        if settings.get("workers", 1) > 1:
+            lines += ["", f"Speed-ups measured with {settings['workers']} worker processes sharing the machine: "
+                          "under contention, not one process's speed-up."]
         for key, rows in by.items():
             columns = sorted({c for r in rows.values() for c in r})
             if len(columns) > 1:
