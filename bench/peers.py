@@ -987,7 +987,8 @@ def q_decode(args, ctx) -> dict[str, Any]:
         if rs:
             by_set[name] = {m: round(s.tau, 3) for m, s in summarize(rs, methods).items() if m != "plain"}
     return {"tau": by_set.get("all", {}), "tau_by_set": by_set, "identical_to_plain": identical,
-            "answers": every["plain"].answers if "plain" in every else 0, "prompts_answered": len({r["prompt_id"] for r in records}),
+            "answers": every["plain"].answers if "plain" in every else 0,
+            "prompts_answered": len({r["prompt_id"] for r in records}),
             "worker_exit_codes": codes, "max_new_tokens": args.max_new_tokens, "worker_seconds": seconds}
 
 

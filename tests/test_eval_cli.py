@@ -77,8 +77,8 @@ def test_eval_writes_consistent_results(tiny_llama_dir, tiny_drafter, prompts_fi
         row = next(line for line in printed.splitlines() if line.startswith(method + " "))
         assert row.split()[1] == f"{tau:.2f}"
         assert row.split()[7:] == [f"{r:.2f}" for r in rates]
-        assert row.split()[6] == ("-" if method == "plain" else "4/4") and s["identical"] == (None if method == "plain"
-                                                                                             else 4)
+        same = None if method == "plain" else 4  # greedy: all 4 answers are plain decoding's
+        assert s["identical"] == same and row.split()[6] == ("-" if same is None else f"{same}/4")
     # Greedy speculative decoding reproduces plain decoding, answer by answer.
     plain = [r["generated_ids"] for r in records if r["method"] == "plain"]
     assert plain == [r["generated_ids"] for r in records if r["method"] == drafter]
