@@ -54,7 +54,7 @@ def main() -> None:
             break
         if phase(report, out, kind, lambda: train_arm(args, work, report, kind, options)):
             trained[kind] = work / kind
-    if trained:
+    if trained and args.eval_minutes > 0:
         phase(report, out, "decode",
               lambda: decode(args, report, trained, min(60 * args.eval_minutes, deadline - time.monotonic() - 30)))
     report["seconds"] = round(time.monotonic() - t0, 1)
@@ -283,7 +283,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--drafter", action="append", default=[], metavar="KIND=FOLDER",
                    help="a drafter trained elsewhere on the same data (e.g. eagle3=DIR), decoded beside the arms")
     p.add_argument("--arm-minutes", type=float, default=1.25, help="training minutes per drafter (equal for all)")
-    p.add_argument("--eval-minutes", type=float, default=4.0, help="MT-bench decoding at most, timing pass included")
+    p.add_argument("--eval-minutes", type=float, default=4.0,
+                   help="MT-bench decoding at most, timing pass included; 0: train only, and decode in a later call "
+                        "(--arms '' --drafter KIND=WORK/KIND ...), when training and decoding do not fit one call")
     p.add_argument("--questions", type=int, default=80)
     p.add_argument("--second-prompts", help="a second prompt file (any file `eyas eval --prompts` reads) kept out of "
                    "training, e.g. conversations past --conversations-limit; decoded interleaved with MT-bench")
