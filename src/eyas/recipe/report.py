@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from eyas.evaluate.report import SAME_DEFINITION
 from eyas.export.exporter import planned_serve_command
 from eyas.paths import atomic_write_bytes, atomic_write_json
 
@@ -44,8 +45,7 @@ def write_report(recipe: dict[str, Any], work: Path, stages) -> Path:
     if summary:
         settings = chain.get("settings") or tree.get("settings") or {}
         lines += [f"## Acceptance length on {settings.get('prompts', '?')}", "",
-                  "tau = 1 + accepted draft tokens per verification step; = plain: answers equal, token for token, "
-                  "to plain decoding's (T=0)", "",
+                  "tau = 1 + accepted draft tokens per verification step", "", SAME_DEFINITION, "",
                   "| method | tau | speed-up | answers | = plain |", "|---|---|---|---|---|"]
         for m, s in summary.items():
             speed = f"{s['speedup']:.2f}x" if s.get("speedup") else "-"
