@@ -49,6 +49,8 @@ def main() -> None:
     else:
         phase(report, out, "regenerate", lambda: regenerate_set(args, work, report))
     trained = dict(args.drafter)
+    for kind, folder in args.drafter.items():  # trained in an earlier call: their own last held-out pass
+        report["train"][kind] = given_drafter(folder)
     for kind, options in arms(args).items():
         if "regenerate" in report["errors"]:
             break
@@ -90,12 +92,23 @@ def phase(report: dict, out: Path, name: str, run) -> bool:
 
 def train_arm(args, work: Path, report: dict, kind: str, options: dict) -> None:
     data = None if args.store else Path(args.data) if args.data else work / "regen"
-    result = train_for(args, data, work / kind, 60 * args.arm_minutes, options, evals=2,
+    result = train_for(args, data, work / kind, 60 * args.arm_minutes, options, evals=max(700 // args.eval_every, 1),
                        store=Path(args.store) if args.store else None)
     report["train"][kind] = {"steps": result["steps"], "seconds": result["seconds"], "options": options,
                              "heldout": result["final"].get("eval"), "train": result["final"].get("train")}
     print(f"{kind}: {result['steps']} steps in {result['seconds']} s; "
           f"held-out acc per position {(result['final'].get('eval') or {}).get('acc_per_step')}", flush=True)
+
+
+def given_drafter(folder: Path) -> dict:
+    """A --drafter trained elsewhere, as `train_arm` records an arm: its steps and its trainer's
+    last held-out pass (the final one) from the folder's metrics log."""
+    from eyas.train.metrics import METRICS_FILE, read_rows
+
+    rows = [json.loads(r) for r in read_rows(folder / METRICS_FILE)] if (folder / METRICS_FILE).is_file() else []
+    held_out = [r for r in rows if r.get("split") == "eval"]
+    last = {k: v for k, v in held_out[-1].items() if k not in ("step", "split")} if held_out else None
+    return {"folder": str(folder), "steps": held_out[-1]["step"] if held_out else None, "heldout": last}
 
 
 def regenerate_set(args, work: Path, report: dict) -> None:
@@ -283,6 +296,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--drafter", action="append", default=[], metavar="KIND=FOLDER",
                    help="a drafter trained elsewhere on the same data (e.g. eagle3=DIR), decoded beside the arms")
     p.add_argument("--arm-minutes", type=float, default=1.25, help="training minutes per drafter (equal for all)")
+    p.add_argument("--eval-every", type=int, default=350,
+                   help="an arm's held-out pass every N steps (default 350; the SmolLM2 recipe's EAGLE-3 runs one "
+                        "every 100, which an arm matches with 100 when it is compared with that drafter)")
     p.add_argument("--eval-minutes", type=float, default=4.0,
                    help="MT-bench decoding at most, timing pass included; 0: train only, and decode in a later call "
                         "(--arms '' --drafter KIND=WORK/KIND ...), when training and decoding do not fit one call")

@@ -43,7 +43,7 @@ class MetricsLog:
         if resume_step is None:
             self.path.unlink(missing_ok=True)
         elif self.path.is_file():
-            rows = [line for line in _rows(self.path) if json.loads(line)["step"] <= resume_step]
+            rows = [line for line in read_rows(self.path) if json.loads(line)["step"] <= resume_step]
             atomic_write_bytes(self.path, "".join(r + "\n" for r in rows).encode())
         self.tb = _tensorboard(out)
 
@@ -63,7 +63,7 @@ class MetricsLog:
             self.tb.close()
 
 
-def _rows(path: Path) -> list[str]:
+def read_rows(path: Path) -> list[str]:
     """The complete rows of a metrics file. A last line cut off (a run killed mid-write, a full
     disk) is dropped; damage anywhere else is the user's to look at."""
     lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
