@@ -385,6 +385,36 @@ def test_a_full_disk_at_a_checkpoint_and_a_torn_metrics_row_resume_cleanly(tmp_p
     assert all(isinstance(json.loads(x)["step"], int) for x in (out / "metrics.jsonl").read_text().splitlines())
 
 
+def test_running_out_of_accelerator_memory_is_one_line_naming_the_options_and_resume_finishes(
+        tmp_path, capsys, tiny_store, monkeypatch):  # noqa: F811
+    """torch's out-of-memory error (a GPU's, raised here at the second step) becomes one line
+    with its figures and the options that shrink a step, not 'a bug in eyas'; the checkpoint
+    before it resumes to the weights of an uninterrupted run."""
+    import torch
+
+    clean = tmp_path / "clean"
+    assert cli(capsys, *train_args(tiny_store, clean, "--steps", "2", "--save-every", "1"))[0] == 0
+    real, calls = importlib.import_module("eyas.train.loop").train_step, []
+
+    def step(run):
+        calls.append(run.step)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.65 GiB. GPU 0 has a total capacity "
+                                         "of 139.80 GiB of which 4.91 GiB is free. Including non-PyTorch memory, ...")
+        return real(run)
+
+    monkeypatch.setattr("eyas.train.loop.train_step", step)
+    out = tmp_path / "run"
+    argv = train_args(tiny_store, out, "--steps", "2", "--save-every", "1")
+    fails(capsys, tmp_path, out, *argv, code=1,
+          match=r"the accelerator ran out of memory \(it asked for 6.65 GiB more with 4.91 GiB of 139.80 GiB free\); "
+                r"lower --batch-tokens \(with --drafter dflash, --anchors too\), then add --resume")
+    monkeypatch.setattr("eyas.train.loop.train_step", real)
+    assert cli(capsys, *argv, "--resume")[0] == 0
+    final = load_file(out / "model.safetensors")
+    assert all(torch.equal(final[k], v) for k, v in load_file(clean / "model.safetensors").items())
+
+
 def test_a_read_only_output_is_one_line(tmp_path, capsys, tiny_llama_dir, tiny_prepared, monkeypatch):  # noqa: F811
     def read_only(path, flags):
         raise OSError(errno.EROFS, "Read-only file system", str(path))

@@ -27,6 +27,7 @@ CONFIG = CaptureConfig  # its options (eyas.options)
 USAGE = ("%(prog)s --model MODEL --data PREPARED --out STORE [options]\n"
          "       %(prog)s --backend vllm --model MODEL --print-serve-command [options]")
 ON_INTERRUPT = "interrupted; run the same command again to resume."
+ON_OUT_OF_MEMORY = "lower --batch-tokens, then run the same command again to resume"
 
 
 def run(cfg: CaptureConfig) -> int:

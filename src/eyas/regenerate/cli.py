@@ -19,6 +19,8 @@ from eyas.regenerate.config import RegenerateConfig
 HELP = "replace assistant turns with the target's own answers (hf or vLLM)"
 CONFIG = RegenerateConfig  # its options (eyas.options)
 ON_INTERRUPT = "interrupted; run the same command again to resume."
+ON_OUT_OF_MEMORY = ("its batches take half the device's memory: free the device of other work, then run the same "
+                    "command again to resume")
 
 
 def run(cfg: RegenerateConfig) -> int:

@@ -39,6 +39,8 @@ from eyas.train.config import TrainConfig
 HELP = "train an EAGLE-3 (training-time test) or DFlash (block) drafter from a store or online"
 CONFIG = TrainConfig  # its options (eyas.options)
 ON_INTERRUPT = "interrupted; add --resume to the same command to continue from its last checkpoint."
+ON_OUT_OF_MEMORY = ("lower --batch-tokens (with --drafter dflash, --anchors too), then add --resume to the same "
+                    "command to continue from its last checkpoint")
 
 
 def run(cfg: TrainConfig) -> int:
