@@ -168,8 +168,9 @@ def decode(args, report: dict, trained: dict[str, Path], seconds: float) -> None
         p.id = f"second-{p.id}"  # MT-bench ids are numbers; a second file's may collide with them
     order = interleave(order, second)
     records, per_question = [], 0.0
+    timing = 60 if args.timing_questions else 0  # the timing pass needs its minute
     for i, prompt in enumerate(order):
-        if i and time.monotonic() - t0 + per_question + 60 > seconds:  # the timing pass needs its minute
+        if i and time.monotonic() - t0 + per_question + timing > seconds:
             break
         q0 = time.monotonic()
         records += run_methods(target, tok, proposers, [prompt], args.max_new_tokens, eos, progress=False,
@@ -211,8 +212,9 @@ def decode(args, report: dict, trained: dict[str, Path], seconds: float) -> None
         "heldout_acc_per_position": {k: (v.get("heldout") or {}).get("acc_per_step") for k, v in report["train"].items()},
     })
     _dump(Path(args.out) / "parallel_gpu.json", report)
-    report["draft_vs_verify"] = timing_pass(target, tok, proposers, order[: args.timing_questions],
-                                            args.max_new_tokens, eos)
+    if args.timing_questions:
+        report["draft_vs_verify"] = timing_pass(target, tok, proposers, order[: args.timing_questions],
+                                                args.max_new_tokens, eos)
     target.close()
 
 
@@ -306,7 +308,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--second-prompts", help="a second prompt file (any file `eyas eval --prompts` reads) kept out of "
                    "training, e.g. conversations past --conversations-limit; decoded interleaved with MT-bench")
     p.add_argument("--second-questions", type=int, default=40, help="prompts taken from --second-prompts")
-    p.add_argument("--timing-questions", type=int, default=2)
+    p.add_argument("--timing-questions", type=int, default=2,
+                   help="prompts of the draft/verify timing pass, which takes the run's last minute (0: none, and "
+                        "that minute goes to decoding)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--batch-tokens", type=int, default=65536)
@@ -314,7 +318,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dflash-layers", type=int, help="DFlash decoder layers (default: eyas's, a tenth of the target's)")
     p.add_argument("--dflash-anchors", type=int, default=128,
                    help="DFlash anchors per sample and step (default 128: a sample of 1,024 tokens runs 1,024 "
-                        "block tokens through the drafter instead of 8,192)")
+                        "block tokens through the drafter instead of 8,192; 512, eyas train's default, ran out of "
+                        "an H200's memory at 65,536-token batches)")
     p.add_argument("--smoke", action="store_true",
                    help="CPU end to end in minutes: the packaged SmolLM2, 12 chitchat dialogues, 32-token answers, "
                         "tiny batches, one question")
