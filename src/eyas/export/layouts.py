@@ -201,13 +201,19 @@ def peagle_vllm_config(cfg: DraftConfig, serving: dict[str, Any]) -> dict[str, A
     return {**vllm_config(cfg, serving), "mask_token_id": cfg.mask_token_id}
 
 
+def check_format(kind: str, name: str) -> None:
+    """Refuse a format that drafters of this kind (`--drafter`) are not written in: DFlash and
+    P-EAGLE have only the layout vLLM serves. The recipe asks before any stage runs."""
+    if kind != "eagle3" and name != "vllm":
+        raise EyasError(f"A {kind} drafter exports only --to vllm (vLLM 0.32 serves it; neither SGLang nor "
+                        f"the speculators format is written for it).")
+
+
 def layout_for(cfg: DraftConfig, name: str) -> Layout:
     """The layout `name` for this drafter's kind: DFlash and P-EAGLE have the one vLLM serves."""
     if cfg.drafter == "eagle3":
         return get_layout(name)
-    if name != "vllm":
-        raise EyasError(f"A {cfg.drafter} drafter exports only --to vllm (vLLM 0.32 serves it; neither SGLang nor "
-                        f"the speculators format is written for it).")
+    check_format(cfg.drafter, name)
     if cfg.drafter == "peagle":
         if cfg.attention == "mla":  # deepseek_eagle3.py has no `mask_hidden`, which the proposer reads
             raise EyasError("vLLM 0.32 serves parallel drafting (P-EAGLE) only with its Llama EAGLE-3 head, not "

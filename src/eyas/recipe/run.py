@@ -13,7 +13,8 @@ links the stages (--model, --data, --out, --store, --draft...). Stages, in order
                                        (offline: from the store, without loading the target)
   eval-chain  WORK/eval/chain.json     MT-bench (or `eval: prompts`), chain, against prompt lookup
   eval-tree   WORK/eval/tree.json      the same prompts, dynamic tree (the eval stages run only
-                                       with an `eval` key: they load the target in transformers)
+                                       with an `eval` key: they load the target in transformers;
+                                       a DFlash or P-EAGLE drafter drafts no tree, so has none)
   export      WORK/export/FORMAT       one folder per `export: to` format, with its serve command
   report      WORK/report.md
 
@@ -41,6 +42,7 @@ import yaml
 
 from eyas.cli import SUBCOMMANDS, build_parser, run as run_stage
 from eyas.errors import EyasError
+from eyas.export.layouts import check_format
 from eyas.options import check_mapping, from_args
 from eyas.paths import atomic_write_json
 from eyas.recipe.estimate import describe
@@ -147,6 +149,7 @@ def plan(recipe: dict[str, Any], work: Path, where: str) -> list[Stage]:
     drafter = work / "drafter"
     train = opts["train"]
     check_stage_options("train", train, where, also=frozenset({"nproc_per_node"}))
+    kind = str(train.get("drafter", "eagle3"))  # DFlash and P-EAGLE draft one block: no tree, vLLM's layout only
     online = bool(train.pop("online", False))
     if online:
         source = ["--online", "--model", model, "--data", str(data)]
@@ -169,23 +172,29 @@ def plan(recipe: dict[str, Any], work: Path, where: str) -> list[Stage]:
                                                 str(ev / "heldout.json")]
                             + (["--device", str(device)] if device else []), ev / "heldout.json"))
     if "eval" in recipe:
-        stages += _eval_stages(model, drafter, ev, opts["eval"], where)
+        stages += _eval_stages(model, drafter, ev, opts["eval"], where, tree=kind == "eagle3")
     export = opts["export"]
     formats = export.pop("to", ["vllm"])
     for fmt in [formats] if isinstance(formats, str) else formats:
         check_stage_options("export", {"to": fmt}, where)
+        try:
+            check_format(kind, fmt)
+        except EyasError as e:
+            raise EyasError(f"{where}: `export: to` {fmt}: {e}") from None
         stages.append(Stage(f"export-{fmt}", "export", [str(drafter), "--to", fmt, "--out", str(work / "export" / fmt),
                                                         "--force"] + _options("export", export, where),
                             work / "export" / fmt))
     return stages
 
 
-def _eval_stages(model: str, drafter: Path, ev: Path, options: dict[str, Any], where: str) -> list[Stage]:
-    stages = []
+def _eval_stages(model: str, drafter: Path, ev: Path, options: dict[str, Any], where: str,
+                 tree: bool) -> list[Stage]:
+    """The chain against prompt lookup, then (`tree`: the drafter's kind drafts trees) the tree."""
     common = ["--model", model, "--draft", str(drafter)] + _options("eval", options, where)
-    stages.append(Stage("eval-chain", "eval", common + ["--output", str(ev / "chain.json")], ev / "chain.json"))
-    stages.append(Stage("eval-tree", "eval", common + ["--tree", "--baseline", "none", "--output", str(ev / "tree.json")],
-                        ev / "tree.json"))
+    stages = [Stage("eval-chain", "eval", common + ["--output", str(ev / "chain.json")], ev / "chain.json")]
+    if tree:
+        stages.append(Stage("eval-tree", "eval", common + ["--tree", "--baseline", "none", "--output",
+                                                           str(ev / "tree.json")], ev / "tree.json"))
     return stages
 
 
