@@ -33,6 +33,8 @@ SUBCOMMANDS = {
     "recipe": "eyas.recipe.cli",
 }
 
+OUT_OF_MEMORY = "use smaller sizes or batches"  # a stage's ON_OUT_OF_MEMORY names its own options
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -55,8 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
                        _on_out_of_memory=getattr(module, "ON_OUT_OF_MEMORY", OUT_OF_MEMORY))
     return parser
 
-
-OUT_OF_MEMORY = "use smaller sizes or batches"  # a stage's ON_OUT_OF_MEMORY names its own options
 
 # What to do about an environment fault, by errno: the line names the path and the fix.
 ENVIRONMENT = {
