@@ -184,23 +184,25 @@ def test_dry_run_plans_the_shipped_gpu_recipes_without_a_gpu(name, tmp_path, cap
 def test_a_dflash_recipe_drafts_no_tree_and_refuses_other_formats_before_any_work(tiny_llama_dir, tmp_path, capsys):
     """`train: drafter: dflash`: the plan has no tree stage (a DFlash drafter drafts one block,
     which `eyas eval --tree` refuses) and refuses an export format other than vLLM's before
-    anything runs, not after the GPU work; the run ends in a report with the DFlash row."""
+    anything runs, not after the GPU work; its stages run, DFlash decoded in the chain stage."""
     dflash = {"online": True, "steps": 3, "batch_tokens": 256, "drafter": "dflash", "block_size": 3, "draft_layers": 1,
               "draft_vocab": 512, "eval_fraction": 0.34, "lr": 0.001, "progress": False}
     bad = _recipe(tmp_path, str(tiny_llama_dir), name="bad.yaml", train=dflash, export={"to": ["vllm", "speculators"]})
     with pytest.raises(EyasError, match=r"bad.yaml: `export: to` speculators: A dflash drafter exports only --to vllm"):
         run_recipe(bad, tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
-    work = tmp_path / "work"
-    run_recipe(_recipe(tmp_path, str(tiny_llama_dir), train=dflash), work)
-    data = json.loads((work / "report.json").read_text())
-    assert set(data["summary"]) == {"plain", "prompt-lookup", "dflash"} and data["summary"]["dflash"]["answers"] == 3
-    assert len(data["heldout"]["acc_per_step"]) == 2 and (work / "export" / "vllm" / "config.json").is_file()
+    work, recipe = tmp_path / "work", _recipe(tmp_path, str(tiny_llama_dir), train=dflash)
+    run_recipe(recipe, work, stop_after="eval-chain")  # the DFlash export's serving is test_export_vllm_dflash's
+    chain = json.loads((work / "eval" / "chain.json").read_text())["summary"]
+    assert set(chain) == {"plain", "prompt-lookup", "dflash"} and chain["dflash"]["answers"] == 3
+    assert len(json.loads((work / "eval" / "heldout.json").read_text())["teacher_forced"]["acc_per_step"]) == 2
     assert json.loads((work / "drafter" / "config.json").read_text())["eyas"]["drafter"] == "dflash"
     capsys.readouterr()
-    run_recipe(_recipe(tmp_path, str(tiny_llama_dir), train=dflash), work, dry_run=True)
-    names = [line.split()[1] for line in capsys.readouterr().out.splitlines() if line[:3].strip().rstrip(".").isdigit()]
+    run_recipe(recipe, work, dry_run=True)
+    out = capsys.readouterr().out
+    names = [line.split()[1] for line in out.splitlines() if line[:3].strip().rstrip(".").isdigit()]
     assert names == ["prepare", "regenerate", "train", "heldout", "eval-chain", "export-vllm"]
+    assert out.count(" done\n") == 5 and out.count(" to do\n") == 1
 
 
 def test_offline_recipe_scores_held_out_samples_from_the_store(tiny_llama_dir, tmp_path, capsys):
