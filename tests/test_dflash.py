@@ -294,6 +294,20 @@ def test_dflash_greedy_equals_plain_greedy_on_the_toy(one_thread):
         assert len(drafted.accept_counts) < len(plain.accept_counts) or sum(drafted.accept_counts) == 0
 
 
+def test_eval_refuses_a_tree_for_a_block_drafter_as_the_recipe_plans_none(one_thread):
+    """A DFlash block is verified as a chain: `eyas eval --tree` says so in one line, and the
+    recipe, by the same rule (kinds.drafts_trees), plans no tree stage for it."""
+    from eyas.draft.kinds import drafts_trees
+    from eyas.evaluate.config import EvalConfig
+    from eyas.evaluate.run import drafter_proposer
+
+    _, drafter = toy_dflash(0.6)
+    with pytest.raises(EyasError, match="A DFlash drafter proposes one block, verified as a chain; drop --tree"):
+        drafter_proposer(drafter, EvalConfig(model="unused", tree=True), None)
+    assert isinstance(drafter_proposer(drafter, EvalConfig(model="unused"), None), DFlash)
+    assert [drafts_trees(k) for k in ("eagle3", "dflash", "peagle")] == [True, False, False]
+
+
 @pytest.fixture(scope="module")
 def tiny_llama_data(tiny_llama_dir, tmp_path_factory):
     from eyas.capture.run import capture

@@ -15,6 +15,13 @@ from eyas.errors import EyasError
 DRAFTERS = ("eagle3", "dflash", "peagle")
 
 
+def drafts_trees(kind: str) -> bool:
+    """Only EAGLE-3 drafts step by step, so only it can branch into a tree; DFlash and P-EAGLE
+    propose one block in one pass, verified as a chain (eval refuses --tree, the recipe plans
+    no tree stage)."""
+    return kind == "eagle3"
+
+
 def default_num_layers(target_layers: int) -> int:
     """A DFlash drafter's layers when none are asked for: DFlash's published heads use a few; a
     small target gets at least one and no more than a tenth of its own depth, rounded up."""

@@ -22,6 +22,7 @@ from eyas import __version__
 from eyas.data.template import ChatTemplate
 from eyas.device import parse_device, resolve_device
 from eyas.draft import DraftConfig, Eagle3Drafter, load_config, load_drafter
+from eyas.draft.kinds import drafts_trees
 from eyas.errors import EyasError
 from eyas.evaluate.dflash import DFlash, DFlashSession
 from eyas.evaluate.config import EvalConfig
@@ -113,7 +114,7 @@ def drafter_proposer(drafter, cfg: EvalConfig, generator: torch.Generator | None
     """The drafter's kind decides how it drafts: EAGLE-3 a chain or tree step by step, DFlash
     and P-EAGLE a block in one pass (verified as a chain)."""
     kind = drafter.config.drafter
-    if kind != "eagle3" and cfg.tree:
+    if cfg.tree and not drafts_trees(kind):
         raise EyasError(f"A {'DFlash' if kind == 'dflash' else 'P-EAGLE'} drafter proposes one block, verified as a "
                         f"chain; drop --tree.")
     if kind == "dflash":

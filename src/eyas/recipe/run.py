@@ -41,6 +41,7 @@ from typing import Any
 import yaml
 
 from eyas.cli import SUBCOMMANDS, build_parser, run as run_stage
+from eyas.draft.kinds import drafts_trees
 from eyas.errors import EyasError
 from eyas.export.layouts import check_format
 from eyas.options import check_mapping, from_args
@@ -172,7 +173,7 @@ def plan(recipe: dict[str, Any], work: Path, where: str) -> list[Stage]:
                                                 str(ev / "heldout.json")]
                             + (["--device", str(device)] if device else []), ev / "heldout.json"))
     if "eval" in recipe:
-        stages += _eval_stages(model, drafter, ev, opts["eval"], where, tree=kind == "eagle3")
+        stages += _eval_stages(model, drafter, ev, opts["eval"], where, tree=drafts_trees(kind))
     export = opts["export"]
     formats = export.pop("to", ["vllm"])
     for fmt in [formats] if isinstance(formats, str) else formats:
