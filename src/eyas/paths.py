@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
 import os
+import re
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from eyas.errors import EyasError
 
@@ -31,16 +33,59 @@ def _umask() -> int:
     return old
 
 
+TEMP_SUFFIX = ".tmp"
+# A temp file eyas's writers leave when a kill lands between creating it and renaming it into
+# place: `.NAME.XXXXXXXX.tmp`, NAME the file it was to become (or `shard`), XXXXXXXX mkstemp's.
+LEFTOVER = re.compile(r"\.(?P<name>.+)\.[a-z0-9_]{8}\.tmp")
+
+
 def temp_file(folder: Path, prefix: str) -> tuple[int, str]:
     """A new temp file in `folder` -> (fd, path), with the mode an ordinary file gets under the
-    umask: mkstemp's 0600 would follow it through the rename and lock other users out of it."""
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=".tmp")
+    umask (mkstemp's 0600 would follow it through the rename and lock other users out of it),
+    and an exclusive flock held while the fd is open: `remove_leftovers` takes only temp files
+    no live writer holds, so a second process of the same job never loses one mid-write."""
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=prefix, suffix=TEMP_SUFFIX)
     os.fchmod(fd, 0o666 & ~_umask())
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     return fd, tmp
 
 
+def remove_leftovers(folder: str | Path, names: Iterable[str]) -> list[str]:
+    """Delete the temp files that eyas's own writers left in `folder` on the way to one of
+    `names` (a killed run's: its atomic write never reached the rename), and return their
+    names. Anything else is left alone, so a stage still refuses files it did not write; a
+    temp file that a live writer holds (`temp_file`'s flock) is kept."""
+    wanted, removed = set(names), []
+    for entry in sorted(Path(folder).iterdir()) if Path(folder).is_dir() else []:
+        match = LEFTOVER.fullmatch(entry.name)
+        if not match or match["name"] not in wanted or entry.is_symlink() or not entry.is_file():
+            continue
+        try:
+            fd = os.open(entry, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live writer's
+        else:
+            entry.unlink(missing_ok=True)
+            removed.append(entry.name)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def is_leftover(name: str, names: Iterable[str]) -> bool:
+    """`name` is a temp file eyas's writers make on the way to one of `names` (`remove_leftovers`)."""
+    match = LEFTOVER.fullmatch(name)
+    return bool(match) and match["name"] in set(names)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temp file in the same folder, fsync, rename: a reader never sees half a file."""
+    """Write to a temp file in the same folder, fsync, rename: a reader never sees half a file.
+    The rename happens while the temp file is still open (and locked), so `remove_leftovers`
+    can never take it from under this writer."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = temp_file(path.parent, f".{path.name}.")
@@ -49,7 +94,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -83,6 +128,9 @@ def check_confined(out: str | Path, inputs: dict[str, str | Path | None], option
                             f"inputs are; choose another {option}.")
 
 
+PROBE = "eyas-probe"  # check_writable's probe file: `.eyas-probe.XXXXXXXX.tmp` while it exists
+
+
 def check_writable(path: str | Path, option: str, folder: bool = False) -> None:
     """Before any work: `path` (a file, or a `folder`) can be written where it is, checked by
     creating and removing a file in its nearest existing folder (permissions, a read-only
@@ -98,7 +146,7 @@ def check_writable(path: str | Path, option: str, folder: bool = False) -> None:
     if not where.is_dir():
         raise EyasError(f"{option} {path}: {where} is a file, so nothing can be written under it.")
     try:
-        fd, probe = tempfile.mkstemp(dir=where, prefix=".eyas-probe-")
+        fd, probe = tempfile.mkstemp(dir=where, prefix=f".{PROBE}.", suffix=TEMP_SUFFIX)
         os.close(fd)
         os.unlink(probe)
     except OSError as e:

@@ -22,7 +22,7 @@ from eyas.errors import EyasError
 from eyas.evaluate.prompts import load_prompts
 from eyas.lock import LOCK_FILE, output_lock
 from eyas.models import load_tokenizer, model_identity, resolve_model
-from eyas.paths import check_confined
+from eyas.paths import check_confined, remove_leftovers
 from eyas.options import rules
 from eyas.validate import check_options
 
@@ -42,6 +42,7 @@ def prepare(model: str, source: str | list[str], out: str | Path, max_len: int =
     check_confined(out, {**inputs, "--model": model, "--chat-template": template_file})
     check_options({"max_len": max_len, "limit": limit, "workers": workers, "window": window}, OPTIONS)
     with output_lock(out, "prepare"):
+        remove_leftovers(out, PREPARED_FILES)  # a killed run's half-written files
         foreign = sorted(p.name for p in Path(out).iterdir() if p.name not in PREPARED_FILES + (LOCK_FILE,))
         if foreign:
             raise EyasError(f"--out {out} already holds other files ({', '.join(foreign[:3])}); prepare writes "

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eyas.errors import EyasError
-from eyas.options import check_rules, device_option, option
-from eyas.paths import check_confined, check_writable
+from eyas.options import check_rules, device_option, option, seed_option
+from eyas.paths import check_confined, check_writable, remove_leftovers
 from eyas.validate import COUNT, Number
 
 BASELINES = ("prompt-lookup",)
@@ -39,7 +39,7 @@ class EvalConfig:
                                         metavar="BASELINE")
     dtype: str = option("float32, bfloat16 or float16", "float32")
     device: str = device_option()  # eyas.device.resolve_device
-    seed: int = option("sampling seed for T > 0", 0, rule=Number(integer=True, required=True))
+    seed: int = seed_option("sampling seed for T > 0")
     output: str = option("results file", "results.json")
     plot: str | None = option("PNG of per-position acceptance (default: the output path with .png)", None)
     workers: int = option("processes sharing the prompts, dealt round-robin over categories; the same answers as "
@@ -63,3 +63,4 @@ class EvalConfig:
         for option_, path in (("--output", self.output), ("--plot", plot)):
             check_writable(path, option_)
             check_confined(path, {"--prompts": self.prompts, "--model": self.model, "--draft": self.draft}, option_)
+            remove_leftovers(Path(path).expanduser().parent, [Path(path).name])  # a killed run's half-written file

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
 from eyas.evaluate.report import Summary
+from eyas.paths import atomic_write_bytes
 
 COLORS = [(31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40), (148, 103, 189), (140, 86, 75)]
 
@@ -41,5 +43,6 @@ def plot_acceptance(summaries: dict[str, Summary], path: str | Path, title: str)
         y = top + 10 + i * 22
         draw.rectangle([W - right + 15, y, W - right + 30, y + 12], fill=COLORS[i % len(COLORS)])
         draw.text((W - right + 36, y), f"{s.method} (tau {s.tau:.2f})", fill="black", font=font)
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    img.save(path)
+    png = io.BytesIO()
+    img.save(png, format="PNG")
+    atomic_write_bytes(Path(path), png.getvalue())

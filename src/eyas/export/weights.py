@@ -21,7 +21,7 @@ from eyas.draft.config import DraftConfig
 from eyas import __version__
 from eyas.errors import EyasError
 from eyas.lock import LOCK_FILE, output_lock
-from eyas.paths import atomic_write_bytes, atomic_write_json, plain_name
+from eyas.paths import atomic_write_bytes, atomic_write_json, plain_name, remove_leftovers
 
 WEIGHT_FILES = (f"{WEIGHTS}.index.json", WEIGHTS, "pytorch_model.bin.index.json", "pytorch_model.bin")
 
@@ -91,6 +91,7 @@ def owned_out(out: Path, force: bool, source: Path, command: str) -> Iterator[No
     a file eyas did not write that the new drafter would overwrite, or another weight file an
     engine would load beside it, is refused."""
     with output_lock(out, command):
+        remove_leftovers(out, (*DRAFTER_FILES, RECORD))  # a killed export's half-written files
         present = {p.name for p in out.iterdir()} - {LOCK_FILE}
         if present and not force:
             raise EyasError(f"{out} is not empty; pass --force to replace the drafter in it.")

@@ -28,14 +28,14 @@ import torch
 from tqdm import tqdm
 
 from eyas.data.prepare import prepare_into
-from eyas.data.prepared import PreparedData
+from eyas.data.prepared import PREPARED_FILES, PreparedData
 from eyas.device import parse_device, resolve_device
 from eyas.errors import EyasError
-from eyas.lock import output_lock
+from eyas.lock import LOCK_FILE, output_lock
 from eyas.models import load_tokenizer
 from eyas.models.load import default_model_dtype
 from eyas.options import from_mapping, keyword_signature
-from eyas.paths import check_confined
+from eyas.paths import atomic_write_bytes, check_confined, remove_leftovers
 from eyas.regenerate.config import RegenerateConfig
 from eyas.regenerate.generate import HFGenerator, VLLMGenerator
 from eyas.vllm.target import read_target
@@ -92,6 +92,7 @@ def run_regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict[str, An
     if source.chat_template is not None:
         source.chat_template.apply(tokenizer)  # render as `prepare` did
     with output_lock(out, "regenerate"):  # one run per folder: two would interleave the progress file
+        check_own_folder(out)
         done = read_progress(out / PROGRESS, fingerprint)
         todo = [i for i in range(len(conversations)) if i not in done]
         generator = None
@@ -122,9 +123,8 @@ def run_regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict[str, An
                 bar.close()
                 decoding = getattr(getattr(generator, "greedy", None), "stats", None)
                 generator.close()
-        with open(out / CONVERSATIONS, "w", encoding="utf-8") as f:
-            for i in sorted(done):
-                f.write(json.dumps({"messages": done[i]}, ensure_ascii=False) + "\n")
+        atomic_write_bytes(out / CONVERSATIONS, "".join(json.dumps({"messages": done[i]}, ensure_ascii=False) + "\n"
+                                                        for i in sorted(done)).encode("utf-8"))
         t0 = time.monotonic()
         summary = prepare_into(model, str(out / CONVERSATIONS), out, max_len=max_len,
                                chat_template=source.chat_template, progress=progress)
@@ -134,6 +134,19 @@ def run_regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict[str, An
             summary["static_decoding"] = {**{k: round(v, 1) if isinstance(v, float) else v for k, v in decoding.items()},
                                           "kept_share": round(decoding["kept_tokens"] / max(decoding["row_steps"], 1), 3)}
         return summary
+
+
+OWN_FILES = (PROGRESS, CONVERSATIONS, *PREPARED_FILES)
+
+
+def check_own_folder(out: Path) -> None:
+    """--out holds nothing but what regenerate writes: a killed run's half-written files are
+    removed, anything else is refused before a file is touched."""
+    remove_leftovers(out, OWN_FILES)
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in (*OWN_FILES, LOCK_FILE))
+    if foreign:
+        raise EyasError(f"--out {out} already holds other files ({', '.join(foreign[:3])}); regenerate writes into an "
+                        f"empty folder or one it wrote before: choose another --out.")
 
 
 def regenerate_group(generator, tokenizer, conversations: list[list[dict[str, str]]], max_len: int,

@@ -32,13 +32,14 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.lock import LOCK_FILE, open_lock_file
-from eyas.paths import atomic_write_json, fsync_dir, sha256_file, temp_file
+from eyas.paths import atomic_write_json, fsync_dir, remove_leftovers, sha256_file, temp_file
 from eyas.store.format import (MANIFEST, SHARD_PATTERN, check_files, first_nonfinite, new_manifest, next_shard_name,
                                quantize_fp8, read_manifest, shard_entry, shard_metadata, store_dtype, with_shard,
                                write_safetensors)
 from eyas.store.reader import Store
 
 LOCK = ".lock"
+SHARD_TEMP = "shard"  # a shard is written as `.shard.XXXXXXXX.tmp`, then renamed to its name
 Buffers = tuple[torch.Tensor, torch.Tensor | None]  # a shard's hidden [rows, L, H], fp8 scales [rows, L] or None
 
 
@@ -116,6 +117,7 @@ class StoreWriter:
             thread.start()
 
     def _open(self, header: dict[str, Any]) -> dict[str, Any]:
+        remove_leftovers(self.path, (MANIFEST, SHARD_TEMP))  # a killed writer's; a live one's are kept
         if (self.path / MANIFEST).is_file():
             manifest = settle_pending(self.path, read_manifest(self.path))
             check_files(self.path, manifest)
@@ -234,7 +236,7 @@ class StoreWriter:
         return tensors
 
     def _write_shard(self, tensors: dict[str, Any]) -> None:
-        tmp, sha256, size = self._write_temp(tensors)
+        f, tmp, sha256, size = self._write_temp(tensors)
         try:
             with store_lock(self.path):
                 manifest = read_manifest(self.path)  # other ranks may have appended
@@ -243,29 +245,32 @@ class StoreWriter:
                 indices = tensors["sample_index"].tolist()
                 entry = shard_entry(name, sha256, size, len(indices), int(tensors["input_ids"].numel()))
                 atomic_write_json(self.path / MANIFEST, {**manifest, "pending": [entry]})
-                os.replace(tmp, self.path / name)
+                os.replace(tmp, self.path / name)  # still open: its flock keeps another rank's clean-up off it
                 fsync_dir(self.path)
                 self.manifest = with_shard(manifest, entry)
                 atomic_write_json(self.path / MANIFEST, self.manifest)
         finally:
+            f.close()
             Path(tmp).unlink(missing_ok=True)
         self.done.update(indices)
 
-    def _write_temp(self, tensors: dict[str, Any]) -> tuple[str, str, int]:
-        """The shard in a durable temp file -> (its path, sha256, size in bytes)."""
-        fd, tmp = temp_file(self.path, ".shard.")
+    def _write_temp(self, tensors: dict[str, Any]) -> tuple[Any, str, str, int]:
+        """The shard in a durable temp file -> (the file, still open and locked, its path, sha256,
+        size in bytes)."""
+        fd, tmp = temp_file(self.path, f".{SHARD_TEMP}.")
+        f = os.fdopen(fd, "wb")
         try:
-            with os.fdopen(fd, "wb") as f:
-                sha256 = write_safetensors(f, tensors, shard_metadata(self.layer_ids))
-                f.flush()
-                os.fsync(f.fileno())
-                size = f.tell()
+            sha256 = write_safetensors(f, tensors, shard_metadata(self.layer_ids))
+            f.flush()
+            os.fsync(f.fileno())
+            size = f.tell()
         except BaseException as e:
+            f.close()
             Path(tmp).unlink(missing_ok=True)
             if isinstance(e, OSError) and e.errno == errno.ENOSPC:
                 raise _disk_full(self.path) from e
             raise
-        return tmp, sha256, size
+        return f, tmp, sha256, size
 
     def _raise_pending(self) -> None:
         if self._error is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from eyas.draft.checkpoint import DRAFTER_FILES, load_config, save_drafter
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
 from eyas.lock import LOCK_FILE
-from eyas.paths import atomic_write_bytes, fsync_dir, plain_name
+from eyas.paths import atomic_write_bytes, fsync_dir, plain_name, remove_leftovers
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -78,14 +79,26 @@ def _to_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
-OUR_FILES = {*DRAFTER_FILES, "metrics.jsonl", "tensorboard", CHECKPOINTS, LOCK_FILE}
+METRICS = "metrics.jsonl"
+OUR_FILES = {*DRAFTER_FILES, METRICS, "tensorboard", CHECKPOINTS, LOCK_FILE}
 
 
 def check_out_folder(out: Path) -> None:
-    """Refuse to write into a folder that holds something other than a training run."""
+    """Refuse to write into a folder that holds something other than a training run. What a
+    run of ours killed mid-write left (atomic writers' temp files, a checkpoint folder never
+    renamed into place) is removed first: it is ours, and no complete checkpoint refers to it."""
     if out.exists() and not out.is_dir():
         raise EyasError(f"--out {out} is a file, not a folder.")
-    foreign = sorted(p.name for p in out.iterdir() if p.name not in OUR_FILES) if out.is_dir() else []
+    if not out.is_dir():
+        return
+    remove_leftovers(out, OUR_FILES)
+    root = out / CHECKPOINTS
+    if root.is_dir() and not root.is_symlink():
+        remove_leftovers(root, [LATEST])
+        for unfinished in root.glob(".step-*.tmp"):
+            if unfinished.is_dir() and not unfinished.is_symlink():
+                shutil.rmtree(unfinished)
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in OUR_FILES)
     if foreign:
         raise EyasError(f"--out {out} already holds other files ({', '.join(foreign[:3])}); choose an empty or new folder.")
 
@@ -116,11 +129,32 @@ def unfinished_note(folder: str | Path) -> str | None:
 
 
 def read_checkpoint(folder: Path) -> tuple[DraftConfig, dict[str, Any]]:
-    return load_config(folder), json.loads((folder / TRAINER).read_text())
+    try:
+        trainer = json.loads((folder / TRAINER).read_bytes())
+    except (OSError, ValueError) as e:
+        raise _damaged(folder, TRAINER, e) from None
+    if not isinstance(trainer, dict) or not isinstance(trainer.get("step"), int) or \
+            not isinstance(trainer.get("config"), dict) or not isinstance(trainer.get("total_steps"), int):
+        raise _damaged(folder, TRAINER, ValueError("its step, total_steps or config is missing"))
+    return load_config(folder), trainer
 
 
 def read_optimizer(folder: Path) -> dict:
-    return torch.load(folder / OPTIMIZER, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(folder / OPTIMIZER, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+        raise _damaged(folder, OPTIMIZER, e) from None
+
+
+def _damaged(folder: Path, name: str, e: BaseException) -> EyasError:
+    """One line for a checkpoint file that cannot be read back (eyas writes them whole, so it
+    was changed or damaged since): what, and how to resume from the checkpoint before it."""
+    why = (str(e).strip().splitlines() or [type(e).__name__])[0][:120]
+    earlier = sorted(p.name for p in folder.parent.glob("step-*") if p.is_dir() and p.name < folder.name)
+    fix = (f"to resume from {earlier[-1]} instead, write `{earlier[-1]}` into {folder.parent / LATEST}"
+           if earlier else "no earlier checkpoint is kept; train into a new --out")
+    return EyasError(f"{folder / name} cannot be read ({why}): the checkpoint is damaged, and nothing was changed; "
+                     f"{fix}.")
 
 
 def check_store_matches(cfg: DraftConfig, identity, layer_ids: tuple[int, ...], hidden_size: int, what: str) -> None:
