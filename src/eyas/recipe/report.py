@@ -11,6 +11,9 @@ from eyas.export.exporter import planned_serve_command
 from eyas.paths import atomic_write_bytes, atomic_write_json
 
 
+REPORTS = ("report.md", "report.json")
+
+
 def _read(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {}
 
@@ -35,7 +38,7 @@ def write_report(recipe: dict[str, Any], work: Path, stages) -> Path:
                for s in stages if s.command == "export"}
     result = {"model": recipe["model"], "heldout": heldout, "summary": summary, "tau_by": by, "exports": exports,
               "plots": [str(p) for p in (ev / "chain.png", ev / "tree.png") if p.is_file()]}
-    atomic_write_json(work / "report.json", result)
+    atomic_write_json(work / REPORTS[1], result)
     lines = [f"# eyas recipe report: {recipe['model']}", ""]
     if heldout:
         lines += ["## Held-out accuracy per TTT step (teacher-forced)", "",
@@ -63,6 +66,6 @@ def write_report(recipe: dict[str, Any], work: Path, stages) -> Path:
         lines += ["## Serving", ""]
         for fmt, e in exports.items():
             lines += [f"{fmt}: `{e['folder']}`", "", "```", e["serve"], "```", ""]
-    path = work / "report.md"
+    path = work / REPORTS[0]
     atomic_write_bytes(path, "\n".join(lines).encode("utf-8"))
     return path

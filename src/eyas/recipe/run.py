@@ -45,9 +45,11 @@ from eyas.draft.kinds import drafts_trees
 from eyas.errors import EyasError
 from eyas.export.layouts import check_format
 from eyas.options import check_mapping, from_args
-from eyas.paths import atomic_write_json
+from eyas.lock import LOCK_FILE, output_lock
+from eyas.paths import atomic_write_json, is_leftover, remove_leftovers
 from eyas.recipe.estimate import describe
-from eyas.recipe.report import write_report
+from eyas.recipe.report import REPORTS, write_report
+from eyas.validate import COUNT
 
 STATE = "recipe-state.json"
 STAGE_KEYS = ("prepare", "regenerate", "capture", "train", "eval", "export")
@@ -72,25 +74,61 @@ class Stage:
         return launch + " " + " ".join(shlex.quote(a) for a in [self.command, *self.argv])
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: PyYAML would keep the
+    last silently (`{steps: 2, steps: 500}` trains 500 steps)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if isinstance(key, (str, int, float, bool)):  # hashable scalars; YAML also allows others
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(None, None, f"the key {key!r} is given twice",
+                                                            key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def load_recipe(path: str | Path) -> dict[str, Any]:
     try:
-        recipe = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        text = Path(path).read_bytes().decode("utf-8")
     except OSError as e:
         raise EyasError(f"Cannot read the recipe {path}: {e.strerror}.") from None
+    except UnicodeDecodeError as e:
+        raise EyasError(f"{path} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset {e.start}); save it as "
+                        f"UTF-8.") from None
+    try:
+        recipe = yaml.load(text, Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
-        raise EyasError(f"{path} is not valid YAML ({str(e).splitlines()[0]}).") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f", line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        why = getattr(e, "problem", None) or (str(e).splitlines() or ["?"])[0]
+        raise EyasError(f"{path} is not valid YAML{where}: {why}.") from None
     if not isinstance(recipe, dict) or not isinstance(recipe.get("model"), str):
         raise EyasError(f"{path}: a recipe is a mapping with at least `model: TARGET` and `prepare: {{data: ...}}`.")
     unknown = set(recipe) - {"model", "work", *STAGE_KEYS}
     if unknown:
-        raise EyasError(f"{path}: unknown key(s) {sorted(unknown)}; a recipe has model, work and the stages "
+        raise EyasError(f"{path}: unknown key(s) {sorted(map(str, unknown))}; a recipe has model, work and the stages "
                         f"{', '.join(STAGE_KEYS)}.")
+    if "work" in recipe and (not isinstance(recipe["work"], str) or not recipe["work"].strip()):
+        raise EyasError(f"{path}: `work` names a folder (a text), not {recipe['work']!r}.")
     for key in STAGE_KEYS:
         if not isinstance(recipe.get(key) or {}, dict):
             raise EyasError(f"{path}: `{key}` holds that stage's options as a mapping (option: value).")
     if not (recipe.get("prepare") or {}).get("data"):
         raise EyasError(f"{path}: `prepare: data:` names the conversations (a file, a folder or packaged:...).")
     return recipe
+
+
+def work_folder(path: str | Path, recipe: dict[str, Any], work: str | Path | None) -> Path:
+    """--work, else the recipe's `work`, else the recipe's path without its suffix; never the
+    recipe file itself (a recipe named without a suffix)."""
+    folder = Path(work or recipe.get("work") or Path(path).with_suffix(""))
+    if folder.exists() and folder.resolve() == Path(path).resolve():
+        raise EyasError(f"the work folder would be the recipe file {path} itself (its name has no suffix to drop); "
+                        f"give one with `work:` in the recipe or --work.")
+    return folder
 
 
 def _stage_parser(command: str) -> argparse.ArgumentParser:
@@ -159,7 +197,8 @@ def plan(recipe: dict[str, Any], work: Path, where: str) -> list[Stage]:
         stages.append(Stage("capture", "capture", ["--model", model, "--data", str(data), "--out", str(store)]
                             + _options("capture", opts["capture"], where), store))
         source = ["--store", str(store), "--model", model]
-    processes = int(train.pop("nproc_per_node", 1))
+    processes = train.pop("nproc_per_node", 1)
+    COUNT.check(f"{where}: `train: nproc_per_node`", processes)
     stages.append(Stage("train", "train", source + ["--out", str(drafter)] + _options("train", train, where), drafter,
                         processes))
     ev = work / "eval"
@@ -221,7 +260,18 @@ class State:
 
     def __init__(self, work: Path):
         self.path = work / STATE
-        self.done: dict[str, str] = json.loads(self.path.read_text())["done"] if self.path.is_file() else {}
+        self.done: dict[str, str] = self._read() if self.path.is_file() else {}
+
+    def _read(self) -> dict[str, str]:
+        try:
+            done = json.loads(self.path.read_bytes())["done"]
+            if isinstance(done, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in done.items()):
+                return done
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        raise EyasError(f"{self.path} is damaged (eyas writes it whole, so it was changed since): it records which "
+                        f"stages finished. Restore it, or delete it to run every stage again (each continues from "
+                        f"what its output folder holds).")
 
     def check(self, stage: Stage) -> bool:
         """True if `stage` finished with this very command; an error if with another."""
@@ -236,6 +286,61 @@ class State:
     def finish(self, stage: Stage) -> None:
         self.done[stage.name] = stage.line
         atomic_write_json(self.path, {"done": self.done})
+
+    def forget(self, stages: list[Stage]) -> None:
+        for stage in stages:
+            self.done.pop(stage.name, None)
+        atomic_write_json(self.path, {"done": self.done})
+
+
+def built_from(stages: list[Stage], k: int) -> list[Stage]:
+    """The stages after `stages[k]` that read its output, directly or through another one
+    (a stage's command names the outputs it reads)."""
+    read, found = {str(stages[k].output)}, []
+    for stage in stages[k + 1:]:
+        if read & set(stage.argv):
+            found.append(stage)
+            read.add(str(stage.output))
+    return found
+
+
+def redo_lost(stages: list[Stage], state: State) -> None:
+    """A stage recorded as done whose output is gone runs again, with the stages built from
+    it, when none of their outputs is left; if one is, one line says what to delete first
+    (they were made from the lost output, so keeping them would mix two runs)."""
+    for k, stage in enumerate(stages):
+        if stage.name not in state.done or stage.output.exists():
+            continue
+        after = built_from(stages, k)
+        if kept := [s for s in after if s.output.exists()]:
+            raise EyasError(f"the {stage.name} stage is recorded as done, but its output {stage.output} is gone, and "
+                            f"{', '.join(s.name for s in kept)} {'was' if len(kept) == 1 else 'were'} made from it. "
+                            f"To redo them: rm -rf {' '.join(shlex.quote(str(s.output)) for s in kept)} and run the "
+                            f"recipe again.")
+        again = [s for s in after if s.name in state.done]
+        print(f"note: the {stage.name} stage was done, but its output {stage.output} is gone: it runs again"
+              + (f", with {', '.join(s.name for s in again)}" if again else "") + ".", flush=True)
+        state.forget([stage, *again])
+
+
+def check_work_folder(work: Path, stages: list[Stage], state: State, clean: bool) -> None:
+    """WORK holds nothing but what the recipe writes (its stages' outputs, its state, and once
+    that exists its report), as every stage's own output folder does: a file it did not write
+    is refused before anything runs, never overwritten. With `clean`, a killed run's
+    half-written files are removed."""
+    if work.exists() and not work.is_dir():
+        raise EyasError(f"the work folder {work} is a file; give a folder with `work:` or --work.")
+    if not work.is_dir():
+        return
+    own = {STATE, LOCK_FILE, *(s.output.relative_to(work).parts[0] for s in stages)}
+    if clean:
+        remove_leftovers(work, [STATE, *REPORTS])
+    if state.path.is_file():
+        own.update(REPORTS)
+    foreign = sorted(p.name for p in work.iterdir() if p.name not in own and not is_leftover(p.name, [STATE, *REPORTS]))
+    if foreign:
+        raise EyasError(f"the work folder {work} holds files the recipe did not write ({', '.join(foreign[:3])}); "
+                        f"it writes only into a new folder or one it wrote before: choose another `work:` or --work.")
 
 
 def _run_stage(stage: Stage) -> None:
@@ -256,7 +361,7 @@ def run_recipe(path: str | Path, work: str | Path | None = None, dry_run: bool =
     """Run (or with `dry_run`, describe) the recipe's stages that are not done, up to `stop_after`
     if given; returns the report once every stage is done."""
     recipe = load_recipe(path)
-    work = Path(work or recipe.get("work") or Path(path).with_suffix(""))
+    work = work_folder(path, recipe, work)
     stages = plan(recipe, work, str(path))
     for stage in stages:
         _check(stage, str(path))  # every stage's options are checked before the first one runs
@@ -264,23 +369,27 @@ def run_recipe(path: str | Path, work: str | Path | None = None, dry_run: bool =
     if stop_after is not None and stop_after not in names:
         raise EyasError(f"--stop-after {stop_after!r}: this recipe's stages are {', '.join(names)}.")
     state = State(work)
+    check_work_folder(work, stages, state, clean=False)
     if dry_run:
         print(describe(recipe, stages, state))
         return None
-    work.mkdir(parents=True, exist_ok=True)
-    for k, stage in enumerate(stages, 1):
-        if state.check(stage):
-            print(f"[{k}/{len(stages)}] {stage.name}: done ({stage.output})", flush=True)
-            continue
-        again = " (continuing: its output exists)" if stage.output.exists() else ""
-        print(f"[{k}/{len(stages)}] {stage.name}{again}\n  {stage.line}", flush=True)
-        started = time.monotonic()
-        _run_stage(stage)
-        state.finish(stage)
-        print(f"[{k}/{len(stages)}] {stage.name}: done in {time.monotonic() - started:.0f} s", flush=True)
-        if stage.name == stop_after and k < len(stages):
-            print(f"stopped after {stop_after} (--stop-after); run without it to go on.", flush=True)
-            return None
-    report = write_report(recipe, work, stages)
+    with output_lock(work, "recipe"):  # one run per work folder; its stages lock their own folders
+        state = State(work)  # as it is now that no other run can change it
+        check_work_folder(work, stages, state, clean=True)
+        redo_lost(stages, state)
+        for k, stage in enumerate(stages, 1):
+            if state.check(stage):
+                print(f"[{k}/{len(stages)}] {stage.name}: done ({stage.output})", flush=True)
+                continue
+            again = " (continuing: its output exists)" if stage.output.exists() else ""
+            print(f"[{k}/{len(stages)}] {stage.name}{again}\n  {stage.line}", flush=True)
+            started = time.monotonic()
+            _run_stage(stage)
+            state.finish(stage)
+            print(f"[{k}/{len(stages)}] {stage.name}: done in {time.monotonic() - started:.0f} s", flush=True)
+            if stage.name == stop_after and k < len(stages):
+                print(f"stopped after {stop_after} (--stop-after); run without it to go on.", flush=True)
+                return None
+        report = write_report(recipe, work, stages)
     print(f"recipe finished: report in {report}", flush=True)
     return report
