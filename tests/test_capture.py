@@ -11,7 +11,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,6 +25,7 @@ from eyas.errors import EyasError
 from eyas.models import decoder_parts
 from eyas.store import Store, StoreWriter
 from eyas.store.format import quantize_fp8, write_safetensors
+from faults import child_argv, env as faults_env, killed
 from tiny import FAMILIES, build_model
 
 SMOLLM2 = "packaged:smollm2-135m"
@@ -136,25 +136,20 @@ def _capture_cmd(prepared, out, *extra):
             "--dtype", "fp32", "--batch-tokens", "512", "--shard-mb", "0.5", *extra]
 
 
+def _torchrun(nproc: int, port: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port)]
+
+
 def _torchrun_capture_cmd(prepared, out, nproc: int, port: int):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port),
-            "-m", "eyas", *_capture_cmd(prepared, out)[3:]]
+    return [*_torchrun(nproc, port), "-m", "eyas", *_capture_cmd(prepared, out)[3:]]
 
 
 def test_sigkill_mid_capture_resumes_to_the_same_store(tmp_path, smollm2_prepared, smollm2_store):
+    """Killed inside the second shard's write (at its rename, tests/faults.py), then the same
+    command: the store equals an uninterrupted capture, nothing stored twice."""
     out = tmp_path / "store"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen(_capture_cmd(smollm2_prepared, out), env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        manifest = out / "manifest.json"
-        if manifest.is_file() and json.loads(manifest.read_text())["shards"]:
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, "capture finished before it could be killed"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    killed(_capture_cmd(smollm2_prepared, out)[3:], match=r"shard-\d+\.safetensors$", nth=2)
     partial = json.loads((out / "manifest.json").read_text())
     assert not partial["complete"] and 0 < partial["num_samples"] < 16
 
@@ -296,16 +291,11 @@ def test_two_rank_capture_equals_one_process_and_resumes_after_a_kill(tmp_path, 
     out = tmp_path / "dp"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     cmd = _torchrun_capture_cmd(smollm2_prepared, out, 2, 29731)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        manifest = out / "manifest.json"
-        if manifest.is_file() and len(json.loads(manifest.read_text())["shards"]) >= 2:
-            break
-        time.sleep(0.2)
-    assert proc.poll() is None, "capture finished before it could be killed"
-    os.killpg(proc.pid, signal.SIGKILL)  # torchrun and both ranks
-    proc.wait()
+    # torchrun and both ranks killed when the first rank to get there renames its second shard
+    shard = child_argv(_capture_cmd(smollm2_prepared, out)[3:], match=r"shard-\d+\.safetensors$", nth=2, job=True)
+    proc = subprocess.run([*_torchrun(2, 29731), *shard], env=faults_env(), capture_output=True, text=True,
+                          start_new_session=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert 0 < json.loads((out / "manifest.json").read_text())["num_samples"] < 16
 
     done = subprocess.run(cmd, env=env, capture_output=True, text=True)

@@ -12,10 +12,8 @@ tokenized again by `prepare`, which may split a word differently than the sample
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -24,6 +22,7 @@ import torch
 from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
 from eyas.regenerate.run import PROGRESS, regenerate
+from faults import killed
 from vllm_util import require_vllm
 
 SMOLLM2 = "packaged:smollm2-135m"
@@ -135,17 +134,10 @@ def test_killed_regenerate_resumes_to_the_same_result(tmp_path, source):
     out = tmp_path / "killed"
     argv = [sys.executable, "-m", "eyas", "regenerate", "--model", SMOLLM2, "--data", str(source), "--out", str(out),
             "--max-new-tokens", str(NEW), "--group-size", "1"]
-    killed = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    killed(argv[3:], at="eyas.regenerate.run:_append", arg=-1, nth=3)  # after the header and one conversation
     progress = out / PROGRESS
-    deadline = time.monotonic() + 300
-    while killed.poll() is None and time.monotonic() < deadline:
-        if progress.exists() and progress.read_text().count("\n") >= 2:  # header + one conversation
-            break
-        time.sleep(0.01)
-    killed.send_signal(signal.SIGKILL)
-    killed.wait()
     lines = progress.read_text().splitlines()
-    assert 2 <= len(lines) <= 3 and not (out / "prepared.json").exists()  # stopped part-way
+    assert len(lines) == 2 and not (out / "prepared.json").exists()  # stopped part-way
     with open(progress, "a") as f:
         f.write('{"index": 2, "messages": [{"role": "us')  # a line torn by the kill
     resumed = subprocess.run(argv, capture_output=True, text=True, timeout=600)

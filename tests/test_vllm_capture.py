@@ -23,6 +23,7 @@ import torch
 
 from eyas.capture.run import capture
 from eyas.store.reader import Store
+from faults import killed
 from vllm_util import require_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -92,23 +93,15 @@ def test_killed_vllm_capture_resumes_to_the_same_store(tmp_path, smollm2_prepare
     argv = [sys.executable, "-m", "eyas", "capture", "--backend", "vllm", "--model", SMOLLM2, "--data",
             str(smollm2_prepared), "--out", str(out), "--dtype", "fp32", "--model-dtype", "float32",
             "--batch-tokens", "300", "--shard-mb", "0.5"] + [f"--engine-arg={k}={json.dumps(v)}" for k, v in ENGINE.items()]
-    log = open(tmp_path / "killed.log", "w")
-    killed = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    manifest = out / "manifest.json"
-    deadline = time.monotonic() + 300
-    while killed.poll() is None and time.monotonic() < deadline:
-        if manifest.exists() and json.loads(manifest.read_text())["shards"]:
-            break
-        time.sleep(0.05)
-    killed.send_signal(signal.SIGKILL)  # the capture process only, as the OOM killer would
-    killed.wait()
-    first = json.loads(manifest.read_text())
-    assert 0 < first["num_samples"] < len(Store(vllm_store)) and not first["complete"], (tmp_path / "killed.log").read_text()[-3000:]
+    # killed inside its second shard's write (tests/faults.py): the capture process only, as the OOM killer would
+    pid = killed(argv[3:], match=r"shard-\d+\.safetensors$", nth=2, new_session=True)
+    first = json.loads((out / "manifest.json").read_text())
+    assert 0 < first["num_samples"] < len(Store(vllm_store)) and not first["complete"]
     deadline = time.monotonic() + 60  # vLLM's engine processes notice their parent is gone
-    while (left := _engine_processes(killed.pid)) and time.monotonic() < deadline:
+    while (left := _engine_processes(pid)) and time.monotonic() < deadline:
         time.sleep(0.5)
     if left:
-        os.killpg(killed.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
     assert not left, f"vLLM processes {left} outlived the killed capture by 60 s"
 
     resumed = subprocess.run(argv, capture_output=True, text=True, timeout=600)
