@@ -114,7 +114,9 @@ CASES = {
     "deepseek_head_24": ("auto", r"vLLM's CPU_MLA attention on cpu takes MLA head sizes \[576\] only, and .* is 24 "
                                  r"\(kv_lora_rank \+ qk_rope_head_dim\); use --backend hf\.$"),
     "qwen2_5_vl": ("auto", r"vLLM \S+ cannot import its Qwen2_5_VLForConditionalGeneration here \(ModuleNotFoundError: "
-                           r"No module named 'torchvision'\), .*; use --backend hf"),
+                           r"No module named 'torchvision'\), .*; use --backend hf, or install the torchvision built "
+                           r"for torch \S+ \(pip install --index-url https://download.pytorch.org/whl/\w+ "
+                           r"torchvision==0\.\d+\.\*\)\.$"),
     # vLLM sets up a wrapper's image processing before its engine runs, even for text.
     "kimi_k25_no_processor": ("auto", r"vLLM \S+'s KimiK25ForConditionalGeneration cannot set up .* here \(OSError: "
                                       r"Can't load image processor .*\), so its engine would fail the same way after "

@@ -78,7 +78,23 @@ def model_class(config: Any, model: str, version: str, instead: str) -> tuple[st
         return arch, ModelRegistry.models[arch].load_model_cls()
     except Exception as e:  # what the engine's workers would hit too, minutes later
         raise EyasError(f"vLLM {version} cannot import its {arch} here ({type(e).__name__}: {e}), so its engine "
-                        f"would fail the same way; {instead}, or install what vLLM's {arch} needs.") from None
+                        f"would fail the same way; {instead}, or {install_hint(e, arch)}.") from None
+
+
+def install_hint(e: Exception, arch: str) -> str:
+    """How to add what an import of vLLM's model class missed. torchvision gets the exact
+    build: the README's vLLM install removes the one pip pulls in (it can break `import vllm`),
+    and only the build made for the installed torch imports beside it."""
+    missing = getattr(e, "name", None) if isinstance(e, ModuleNotFoundError) else None
+    if missing != "torchvision":
+        return f"install what vLLM's {arch} needs" + (f" (the package {missing})" if missing else "")
+    import torch
+
+    version = torch.__version__.split("+")[0]
+    build = (torch.__version__.split("+") + [""])[1] or "cpu"
+    major, minor = (int(x) for x in version.split(".")[:2])
+    return (f"install the torchvision built for torch {torch.__version__} (pip install --index-url "
+            f"https://download.pytorch.org/whl/{build} torchvision=={major - 2}.{minor + 15}.*)")
 
 
 def check_layer_id_0(cls: type, name: str, instead: str) -> None:
