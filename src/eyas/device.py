@@ -66,6 +66,20 @@ def memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def free_bytes(device: torch.device) -> int:
+    """The memory `device` has free now: a GPU's free memory plus what torch's cache holds
+    unused; the host's available memory (free plus reclaimable caches, MemAvailable), or all
+    of it where the system does not say."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return memory_bytes(device)
+
+
 def check_fits(nbytes: int, device: torch.device, what: str, fix: str) -> None:
     """Refuse, before allocating, what cannot fit in `device`'s memory even if it had all of it."""
     have = memory_bytes(device)

@@ -389,6 +389,10 @@ LAYERS_HELP = f"aux layer ids, e.g. 2,15,27; {AUTO_LAYERS} = {AUTO_LAYERS_MEANS}
 BATCH_TOKENS = 8192
 # A micro-batch holds at least one sample of two tokens (one next-token pair).
 BATCH_TOKENS_RULE = Number(lo=2, integer=True, required=True)
+# Every stage's --seed. Seeds are derived from it (seed * 1_000_003 + epoch or prompt, seed +
+# conversation) and handed to torch's and engines' generators, which take 64-bit (some 32-bit)
+# seeds: a non-negative 31-bit seed keeps every derived one in range.
+SEED_RULE = Number(lo=0, hi=2**31 - 1, integer=True, required=True)
 
 
 def layers_option(note: str = "", group: str | None = None) -> Any:
@@ -399,6 +403,11 @@ def layers_option(note: str = "", group: str | None = None) -> Any:
 def batch_tokens_option(help: str, group: str | None = None) -> Any:
     """`--batch-tokens`: padded tokens per forward, in capture and in training."""
     return option(help, BATCH_TOKENS, rule=BATCH_TOKENS_RULE, group=group)
+
+
+def seed_option(help: str, group: str | None = None) -> Any:
+    """Every stage's `--seed`: default 0, within SEED_RULE."""
+    return option(help, 0, rule=SEED_RULE, group=group)
 
 
 def device_option(note: str = "", group: str | None = None) -> Any:

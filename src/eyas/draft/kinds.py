@@ -13,6 +13,9 @@ from typing import Any
 from eyas.errors import EyasError
 
 DRAFTERS = ("eagle3", "dflash", "peagle")
+# The most layers `--draft-layers` takes before the target is known (then: at most the
+# target's): no served target is deeper (Llama 3.1 405B has 126).
+MAX_DFLASH_LAYERS = 256
 
 
 def drafts_trees(kind: str) -> bool:

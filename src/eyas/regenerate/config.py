@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eyas.vllm.options import VLLM_GROUP, EngineOptions
-from eyas.options import check_rules, device_option, nested, option
+from eyas.options import check_rules, device_option, nested, option, seed_option
 from eyas.validate import COUNT, POSITIVE, Number
 
 
@@ -24,7 +24,7 @@ class RegenerateConfig:
     minutes: float | None = option(
         "stop after the group that ends past this many minutes; the output holds what is done, and the same "
         "command continues", None, rule=POSITIVE)
-    seed: int = option("sampling seed (with --temperature > 0)", 0)
+    seed: int = seed_option("sampling seed (with --temperature > 0)")
     device: str = device_option("hf backend only (vLLM places the model itself)")
     model_dtype: str | None = option(
         "dtype the target runs in (hf: float32 on cpu, bf16 on cuda; vllm: the checkpoint's)", None)

@@ -10,8 +10,8 @@ from typing import Any
 from eyas.errors import EyasError
 from eyas.device_flag import TORCHRUN_NOTE
 from eyas.draft.config import DraftConfig
-from eyas.draft.kinds import DRAFTERS, default_num_layers
-from eyas.options import batch_tokens_option, check_rules, device_option, layers_option, option
+from eyas.draft.kinds import DRAFTERS, MAX_DFLASH_LAYERS, default_num_layers
+from eyas.options import batch_tokens_option, check_rules, device_option, layers_option, option, seed_option
 from eyas.validate import COUNT, POSITIVE, SHARE, Number
 
 DFLASH_ANCHORS = 512  # SpecForge's and speculators' default: bounds a sample's block tokens at 512 x block size
@@ -44,16 +44,19 @@ class TrainConfig:
                           "EAGLE-3 drafting its K in one pass (vLLM's parallel_drafting)", "eagle3",
                           choices=DRAFTERS, group=DRAFTER)  # the kinds of draft/kinds.py
     block_size: int | None = option(
-        f"dflash: the last token plus the K drafted ones (default --ttt-steps + 1 = {DraftConfig.ttt_steps + 1})",
-        None, group=DRAFTER)  # sets ttt_steps = block_size - 1
-    draft_layers: int | None = option("dflash: decoder layers (default: a tenth of the target's, >= 1)", None,
+        f"dflash: the last token plus the K drafted ones (default --ttt-steps + 1 = {DraftConfig.ttt_steps + 1}); at "
+        "most a sample's length (--max-len)", None, rule=Number(lo=2, integer=True),
+        group=DRAFTER)  # sets ttt_steps = block_size - 1
+    draft_layers: int | None = option("dflash: decoder layers (default: a tenth of the target's, >= 1; at most the "
+                                      "target's)", None, rule=Number(lo=1, hi=MAX_DFLASH_LAYERS, integer=True),
                                       group=DRAFTER)
     mask_token_id: int | None = option(
         "dflash, peagle: the token whose (frozen) embedding marks the slots to fill (default: the last id)", None,
         group=DRAFTER)
     anchors: int | None = option(
         "dflash: rows per sample and step that anchor a block, drawn afresh each step among those with a trained "
-        f"label (default {DFLASH_ANCHORS}); bounds the block tokens at anchors x block size a sample", None,
+        f"label (default {DFLASH_ANCHORS}); bounds the block tokens at anchors x block size a sample; at most a "
+        "sample's length (--max-len)", None,
         rule=COUNT, group=DRAFTER)
     draft_vocab: int | None = option("draft vocabulary size (default min(32000, target vocab))", None, rule=COUNT,
                                      group=DRAFTER)
@@ -93,8 +96,7 @@ class TrainConfig:
                          group=SCHEDULE)
     batch_tokens: int = batch_tokens_option("padded tokens per micro-batch per process", group=SCHEDULE)
     grad_accum: int = option("micro-batches per process per step", 1, rule=COUNT, group=SCHEDULE)
-    seed: int = option("seed for initialisation, split and order", 0, rule=Number(integer=True, required=True),
-                       group=SCHEDULE)
+    seed: int = seed_option("seed for initialisation, split and order", group=SCHEDULE)
 
     # How a run is watched and stopped; these may change on --resume.
     resume: bool = option("continue the run in --out from its last checkpoint", False, group=RUN)
@@ -147,13 +149,26 @@ class TrainConfig:
             raise EyasError("--draft-attention mla is for --drafter eagle3 or peagle; a DFlash drafter has its own "
                             "Qwen3-style layers.")
         if self.block_size is not None:
-            if self.block_size < 2:
-                raise EyasError("--block-size must be at least 2 (the last token and one to draft).")
             self.ttt_steps = self.block_size - 1
-        if self.draft_layers is not None and self.draft_layers < 1:
-            raise EyasError("--draft-layers must be at least 1.")
+        # A sample holds at most `crop` tokens: a block's slot s predicts s tokens past its anchor
+        # row, and the anchors are rows of one sample, so neither can be longer and still train.
+        if self.ttt_steps + 1 > self.crop:
+            given = f"--block-size {self.block_size}" if self.block_size is not None else \
+                f"--ttt-steps {self.ttt_steps} (a block of {self.ttt_steps + 1})"
+            raise EyasError(f"{given} is longer than any sample: samples are cropped to {self.crop} tokens "
+                            f"(--max-len, --batch-tokens); use a block of at most {self.crop}.")
+        if self.anchors is not None and self.anchors > self.crop:
+            raise EyasError(f"--anchors {self.anchors} is more than a sample's rows: samples are cropped to "
+                            f"{self.crop} tokens (--max-len, --batch-tokens); use at most {self.crop}.")
         if self.anchors is None:
             self.anchors = DFLASH_ANCHORS
+
+    def check_target(self, num_layers: int) -> None:
+        """Once the target is known, before any drafter is built: a DFlash drafter is a few
+        layers beside its target, never deeper than it."""
+        if self.draft_layers is not None and self.draft_layers > num_layers:
+            raise EyasError(f"--draft-layers {self.draft_layers} is more than the target's {num_layers} layers; a "
+                            f"DFlash drafter takes a few (default {default_num_layers(num_layers)}).")
 
     def kind_options(self, identity) -> dict[str, Any]:
         """The DraftConfig fields of the kind, given the target's identity."""

@@ -25,7 +25,7 @@ from eyas.draft.config import DraftConfig
 from eyas.draft.model import Eagle3Drafter
 from eyas.draft.vocab import TokenCounter, build_draft_vocab, coverage, default_draft_vocab_size
 from eyas.errors import EyasError
-from eyas.device import check_fits
+from eyas.device import GIB, check_fits, free_bytes
 from eyas.lock import output_lock, reading_lock
 from eyas.models import load_tokenizer, model_identity, resolve_model
 from eyas.models.identity import text_config
@@ -114,12 +114,15 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device) -> Run:
                         f"or choose another --out.")
     source, folder = _open_source(cfg, device)
     _check_layer_ids(source)
+    cfg.check_target(source.identity.num_layers)
     if source.cropped:
         _log(d, f"{source.cropped} sample(s) longer than {cfg.crop} tokens are cropped (--max-len, --batch-tokens)")
-    head = load_target_head(folder).to(device)
     train_pos, eval_pos = split(source.sample_index, cfg.eval_fraction, cfg.seed)
     if not train_pos:
         raise EyasError("No training sample left after the held-out split; lower --eval-fraction or add data.")
+    stream = BatchStream(train_pos, source.lengths, source.sample_index, cfg.batch_tokens, cfg.seed)
+    _check_group(cfg, len(stream), d)
+    head = load_target_head(folder).to(device)
     if previous is not None:
         draft, trainer = ckpt.read_checkpoint(previous)
         where = f"The store {cfg.store}" if cfg.store else f"The target {cfg.model}"
@@ -130,12 +133,13 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device) -> Run:
     else:
         draft, draft_ids = _new_draft_config(cfg, source, folder, train_pos, d)
         _check_fits(draft, d, device)
+        _check_block_step(cfg, draft, [(len(b), max(source.lengths[p] for p in b)) for b in stream.batches], d,
+                          device)
         torch.manual_seed(cfg.seed)
         drafter = new_drafter(draft, head.embed_weight)
         drafter.set_vocab(draft_ids)
     model = distributed.wrap(TTTObjective(drafter).to(device), d, device)
     optimizers = build_optimizers(model, cfg.optimizer, cfg.lr, cfg.weight_decay)
-    stream = BatchStream(train_pos, source.lengths, source.sample_index, cfg.batch_tokens, cfg.seed)
     per_epoch = len(stream) / (d.world * cfg.grad_accum)
     cap = cfg.steps or (math.ceil(cfg.epochs * per_epoch) if cfg.epochs else None)
     # Under --minutes this is provisional, long enough to reach the steady state, whose rate then
@@ -241,6 +245,59 @@ def _check_fits(draft: DraftConfig, d: distributed.Dist, device: torch.device) -
     params = sum(p.numel() for name, p in shape.named_parameters() if not name.startswith("embed_tokens."))
     check_fits(16 * params // (d.world if d.fsdp else 1), device, f"A drafter of {params:,} parameters (weights, "
                f"gradients and optimizer state)", "lower --intermediate-size or --draft-vocab")
+
+
+def _check_group(cfg: TrainConfig, batches: int, d: distributed.Dist) -> None:
+    """A step trains G = processes x --grad-accum micro-batches. With more than an epoch's
+    batches it repeats samples: it costs more than an epoch and gives about an epoch's gradient.
+    Refused where --epochs or --minutes set the length (one such step already passes over the
+    data more often than asked, under a step count that hides it); said in a note where --steps
+    asks for such steps."""
+    group = d.world * cfg.grad_accum
+    if group <= batches:
+        return
+    what = (f"a step of {group} micro-batches ({d.world} process(es) x --grad-accum {cfg.grad_accum}) is more than "
+            f"the {batches} batch(es) of <= {cfg.batch_tokens} tokens an epoch holds")
+    if cfg.steps is None:
+        most = batches // d.world
+        fix = f"Lower --grad-accum to at most {most}" if most else f"Run at most {batches} process(es)"
+        raise EyasError(f"--grad-accum {cfg.grad_accum}: {what}, so its samples would repeat within the step. {fix} "
+                        f"(or lower --batch-tokens, for more batches an epoch), or give --steps to train such steps "
+                        f"anyway.")
+    _log(d, f"note: {what}: its samples repeat within each step")
+
+
+def _check_block_step(cfg: TrainConfig, draft: DraftConfig, batches: list[tuple[int, int]], d: distributed.Dist,
+                      device: torch.device) -> None:
+    """Refuse a DFlash step whose largest tensors (`_block_step_bytes`) on the largest of the
+    `batches` (rows, longest sample) exceed the memory `device` has free, before allocating any."""
+    if draft.drafter != "dflash":
+        return
+    need = max(_block_step_bytes(draft, rows, length, cfg.anchors, device) for rows, length in batches)
+    have = free_bytes(device)
+    if distributed.max_over_processes(float(need > have), d, device):
+        raise EyasError(f"A DFlash step of --block-size {draft.ttt_steps + 1} at up to --anchors {cfg.anchors} rows a "
+                        f"sample needs about {need / GIB:,.1f} GiB, more than the {have / GIB:,.1f} GiB free on "
+                        f"{device}; lower --anchors, --block-size or --batch-tokens (or --draft-layers).")
+
+
+def _block_step_bytes(draft: DraftConfig, rows: int, length: int, anchors: int, device: torch.device) -> int:
+    """The bytes the largest tensors of a DFlash forward and backward take at once, on a
+    micro-batch of `rows` samples of up to `length` tokens, each anchoring N = min(anchors,
+    length) blocks of S slots (draft/dflash.py), counting only these: every layer keeps, for
+    the backward, about 6 hidden-wide and 4 MLP-wide values per block token (rows x S x N; bf16
+    on CUDA, else float32); every drafted slot its draft-vocab logits and their log-softmax in
+    float32; off CUDA, the dense block mask [rows, S*N, length + S*N] of one byte an entry,
+    which each layer's attention keeps again in float32 (a CPU step measured 1 + 4 bytes an
+    entry with one layer, 1 + 4 x 3 with three, within 20%; flex attention on CUDA builds no
+    such mask)."""
+    slots, layers, blocks = draft.ttt_steps + 1, draft.num_hidden_layers, min(anchors, length)
+    tokens = rows * slots * blocks  # block tokens
+    width = 2 if device.type == "cuda" else 4
+    activations = layers * tokens * (6 * draft.hidden_size + 4 * draft.intermediate_size) * width
+    logits = 2 * draft.ttt_steps * rows * blocks * draft.draft_vocab_size * 4
+    mask = 0 if device.type == "cuda" else tokens * (length + slots * blocks) * (1 + 4 * layers)
+    return activations + logits + mask
 
 
 # ---------------------------------------------------------------- steps
