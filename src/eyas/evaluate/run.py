@@ -1,18 +1,26 @@
 """`eyas eval` end to end: load target and drafter (refusing a drafter made for another
 model), run every method on the same prompts, write results.json, the table and the plot.
 
-With `workers` > 1, that many processes each load the target and drafter and answer a share
-of the prompts, dealt round-robin over categories; every prompt's answers are the same as in
-one process (temperature > 0 seeds each prompt by its index), only the timings differ.
+With `workers` > 1 (at most one a prompt), that many processes each load the target and
+drafter and answer a share of the prompts, dealt round-robin over categories; every prompt's
+answers are the same as in one process (temperature > 0 seeds each prompt by its index), only
+the timings differ. A worker that dies ends the run with one line naming the prompts it held,
+without a retry: what kills a worker (the out-of-memory killer, a crash, a user's kill) most
+likely strikes again, and a rerun gives the same answers. The workers are killed when the run
+ends, however it ends, and on Linux they die with it even when it is killed outright.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import os
+import signal
 import sys
-from concurrent.futures import ProcessPoolExecutor
+import threading
+import traceback
 from dataclasses import asdict
+from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 import torch
@@ -151,24 +159,91 @@ def _answer(cfg: EvalConfig, indices: list[int], progress: bool = True) -> tuple
     return records, identity.to_dict()
 
 
-def _worker(cfg: EvalConfig, indices: list[int], threads: int) -> tuple[list[dict], dict]:
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _die_with_parent(parent: int) -> None:
+    """Have Linux SIGKILL this worker when the eval that started it dies, however it dies: a
+    killed eval's workers would go on holding the GPU's memory. (The signal follows the parent
+    thread that started the worker: `evaluate`'s, which waits for the workers.) Elsewhere
+    nothing is set up, and the parent's clean-up is all there is."""
+    if not sys.platform.startswith("linux"):
+        return
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the request took hold
+        os._exit(1)
+
+
+def _worker(cfg: EvalConfig, indices: list[int], threads: int, parent: int, results: Connection) -> None:
+    """A worker process: answer the prompts at `indices` and send back (records, the target's
+    identity), or the exception that stopped it, its traceback in a note (for --debug)."""
+    _die_with_parent(parent)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent ends the workers
+    # tqdm's default lock is a multiprocessing semaphore, which a killed worker would leave to
+    # the resource tracker (a warning at exit); the worker's bars need no more than a thread lock.
+    tqdm.set_lock(threading.RLock())
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
-    return _answer(cfg, indices, progress=False)
+    try:
+        answer = _answer(cfg, indices, progress=False)
+    except Exception as e:  # noqa: BLE001  (raised again by the parent)
+        e.add_note(f"in eval worker process {os.getpid()}:\n{traceback.format_exc()}")
+        answer = e
+    results.send(answer)
 
 
-def _answer_in_workers(cfg: EvalConfig, prompts: list[EvalPrompt]) -> tuple[list[dict], dict]:
-    """`cfg.workers` processes over the stratified shares; records put back in prompt order."""
+def _lost(process: multiprocessing.process.BaseProcess, w: int, workers: int, ids: list[str]) -> EyasError:
+    """The one line for a worker that died before sending its answers."""
+    process.join()
+    code = process.exitcode or 0
+    try:
+        how = f"was killed by {signal.Signals(-code).name}" if code < 0 else f"exited with code {code}"
+    except ValueError:
+        how = f"was killed by signal {-code}"
+    shown = ", ".join(ids[:10]) + (f" and {len(ids) - 10} more" if len(ids) > 10 else "")
+    return EyasError(f"Worker {w + 1} of {workers} (pid {process.pid}) {how} while answering prompts {shown}; "
+                     f"nothing was written. Run the same command again (a prompt's answers do not depend on its "
+                     f"worker), with fewer --workers if the machine ran out of memory.")
+
+
+def _answer_in_workers(cfg: EvalConfig, prompts: list[EvalPrompt], workers: int) -> tuple[list[dict], dict]:
+    """`workers` processes (at most one a prompt) over the stratified shares; records put back
+    in prompt order. Each sends its answers through its own pipe, so a worker that dies ends
+    that pipe: the run stops at once, naming its prompts, and ends the other workers."""
     order = stratified(prompts)
-    shares = [order[w::cfg.workers] for w in range(cfg.workers) if order[w::cfg.workers]]
-    threads = max(1, (os.cpu_count() or 1) // len(shares))
+    shares = [order[w::workers] for w in range(workers)]
+    threads = max(1, (os.cpu_count() or 1) // workers)
     # spawn: a forked copy of a process that already ran torch can deadlock in its thread pools
-    with ProcessPoolExecutor(len(shares), mp_context=multiprocessing.get_context("spawn")) as pool:
-        results = list(pool.map(_worker, [cfg] * len(shares), shares, [threads] * len(shares)))
+    context = multiprocessing.get_context("spawn")
+    started: list[tuple[multiprocessing.process.BaseProcess, Connection]] = []
+    results: dict[int, tuple[list[dict], dict]] = {}
+    try:
+        for share in shares:
+            receive, send = context.Pipe(duplex=False)
+            process = context.Process(target=_worker, args=(cfg, share, threads, os.getpid(), send),
+                                      name="eyas-eval-worker")
+            process.start()
+            send.close()  # the worker holds the only writer: its death ends the pipe
+            started.append((process, receive))
+        pending = {receive: w for w, (_, receive) in enumerate(started)}
+        while pending:
+            for receive in wait(list(pending)):
+                w = pending.pop(receive)
+                try:
+                    answer = receive.recv()
+                except EOFError:
+                    raise _lost(started[w][0], w, workers, [prompts[i].id for i in shares[w]]) from None
+                if isinstance(answer, BaseException):
+                    raise answer
+                results[w] = answer
+    finally:
+        for process, _ in started:
+            process.kill()
+            process.join()
     methods = len({r["method"] for r in results[0][0]})
     by_prompt: dict[int, list[dict]] = {}
-    for share, (records, _) in zip(shares, results):
-        at = 0
+    for w, share in enumerate(shares):
+        at, records = 0, results[w][0]
         for i in share:  # a worker's records: prompt by prompt, each method's turns in turn
             n = methods * len(prompts[i].turns)
             by_prompt[i], at = records[at:at + n], at + n
@@ -182,8 +257,12 @@ def evaluate(cfg: EvalConfig) -> dict:
         print(f"eyas eval: {note}", file=sys.stderr, flush=True)
     torch.manual_seed(cfg.seed)
     prompts = load_prompts(cfg.prompts, cfg.limit)
-    if cfg.workers > 1:
-        records, identity = _answer_in_workers(cfg, prompts)
+    workers = min(cfg.workers, len(prompts))
+    if workers < cfg.workers:
+        print(f"eyas eval: --workers {cfg.workers} capped at {workers}, the number of prompts", file=sys.stderr,
+              flush=True)
+    if workers > 1:
+        records, identity = _answer_in_workers(cfg, prompts, workers)
     else:
         records, identity = _answer(cfg, list(range(len(prompts))))
     summaries = summarize(records, {m: cfg.steps for m in {r["method"] for r in records} - {"plain"}},
@@ -200,8 +279,8 @@ def evaluate(cfg: EvalConfig) -> dict:
     plot_acceptance(summaries, plot, f"{cfg.model} on {cfg.prompts} ({len(prompts)} prompts, T={cfg.temperature})")
     print(format_table(summaries))
     print(format_breakdown(breakdown))
-    if cfg.workers > 1:
-        print(f"({cfg.workers} worker processes shared the machine: the speed-ups are measured under contention)")
+    if workers > 1:
+        print(f"({workers} worker processes shared the machine: the speed-ups are measured under contention)")
     for line in differing(summaries):
         print(f"eyas eval: warning: {line} (greedy decoding: a lossless method gives the same answers)",
               file=sys.stderr, flush=True)
