@@ -335,5 +335,5 @@ def test_progress_keeps_answers_holding_unicode_line_separators(tmp_path):
         for i, text in answers.items():
             _append(log, {"index": i, "messages": [{"role": "user", "content": "q"},
                                                    {"role": "assistant", "content": text}]})
-    done = read_progress(path, "fp")
+    done = read_progress(path, "fp", {})  # a header without settings: a run from before eyas recorded them
     assert {i: m[1]["content"] for i, m in done.items()} == answers

@@ -95,6 +95,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
             os.replace(tmp, path)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        if e.filename is None:  # a write's error names no file: a full disk must say which
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -114,16 +119,18 @@ def plain_name(name: Any, what: str) -> str:
 
 
 def check_confined(out: str | Path, inputs: dict[str, str | Path | None], option: str = "--out") -> None:
-    """Refuse an output that is, or holds, one of the stage's inputs (`{option: path}`; hub ids,
-    `packaged:` names and options not given are skipped): a stage writes only inside its
-    output, so nothing it reads can be overwritten or deleted. Links are resolved first."""
+    """Refuse an output that is one of the stage's inputs, holds one, or lies inside an input
+    folder (`{option: path}`; hub ids, `packaged:` names and options not given are skipped): a
+    stage writes only where none of its inputs are, so nothing it reads can be overwritten
+    or deleted (eval's `--output DRAFTER/config.json` replaced the drafter's config). Links
+    are resolved first."""
     target = Path(out).expanduser().resolve()
     for name, given in inputs.items():
         if not given or str(given).startswith("packaged:") or not Path(given).expanduser().exists():
             continue
         source = Path(given).expanduser().resolve()
-        if source == target or target in source.parents:
-            how = "is" if source == target else "holds"
+        if source == target or target in source.parents or source in target.parents:
+            how = "is" if source == target else "holds" if target in source.parents else "lies inside"
             raise EyasError(f"{option} {out} {how} the input {name} {given}: a stage writes only where none of its "
                             f"inputs are; choose another {option}.")
 

@@ -19,7 +19,7 @@ from eyas.device import parse_device
 from eyas.distributed import all_reduce, barrier, init, shutdown
 from eyas.errors import EyasError
 from eyas.lock import output_lock
-from eyas.models.load import default_model_dtype
+from eyas.models.load import DTYPES, default_model_dtype
 from eyas.options import from_mapping, keyword_signature
 from eyas.paths import check_confined
 from eyas.store import StoreWriter
@@ -59,13 +59,18 @@ def run_capture(cfg: CaptureConfig, progress: bool = True, on_batch: BatchHook |
         return _capture(cfg, progress, on_batch)
 
 
+def _run_dtype(cfg: CaptureConfig, dev: torch.device) -> str:
+    """The dtype the target runs in: `--model-dtype`, else the device's default (transformers)
+    or the checkpoint's own (vLLM's `auto`); one name per dtype (bf16 is bfloat16)."""
+    name = cfg.model_dtype or ("auto" if cfg.backend == "vllm" else default_model_dtype(dev.type))
+    return str(DTYPES[name]).removeprefix("torch.") if name in DTYPES else name
+
+
 def _open_backend(cfg: CaptureConfig, dev: torch.device):
-    """The capturer of `cfg.backend`; the target runs in `--model-dtype`, else the device's default
-    (transformers) or the checkpoint's own dtype (vLLM's `auto`)."""
+    """The capturer of `cfg.backend`, the target running in `_run_dtype`."""
     if cfg.backend == "vllm":
-        return make_vllm_backend(cfg.model, cfg.layers, cfg.model_dtype or "auto", cfg.vllm)
-    return HFCapturer(cfg.model, layers=cfg.layers, dtype=cfg.model_dtype or default_model_dtype(dev.type),
-                      device=str(dev))
+        return make_vllm_backend(cfg.model, cfg.layers, _run_dtype(cfg, dev), cfg.vllm)
+    return HFCapturer(cfg.model, layers=cfg.layers, dtype=_run_dtype(cfg, dev), device=str(dev))
 
 
 def _capture(cfg: CaptureConfig, progress: bool, on_batch: BatchHook | None) -> dict[str, Any]:
@@ -81,7 +86,7 @@ def _capture(cfg: CaptureConfig, progress: bool, on_batch: BatchHook | None) -> 
     engine = _open_backend(cfg, dev)
     engine.identity.check_same(prepared.identity, f"The prepared data in {data}")
     header = manifest_header(engine.identity, engine.layer_ids, cfg.dtype, engine.hidden_size, prepared.fingerprint,
-                             prepared.chat_template)
+                             prepared.chat_template, backend=backend, model_dtype=_run_dtype(cfg, dev))
     writer = StoreWriter(out, header, shard_bytes=int(cfg.shard_mb * (1 << 20)), expected_samples=len(prepared))
     lengths = [prepared.length(i) for i in range(len(prepared))]
     todo = [i for i in range(ranks.rank, len(prepared), ranks.world) if i not in writer.done]

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing
 import os
-from collections import Counter
+from collections import Counter, deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -190,9 +193,16 @@ def _encode(item: tuple[int, bool, Any]) -> tuple[int, bool, Any, Any]:
         return index, first, name, str(e)
 
 
+def _encode_chunk(chunk: list[tuple[int, bool, Any]]) -> list[tuple[int, bool, Any, Any]]:
+    return [_encode(item) for item in chunk]
+
+
 def _encoded(tokenizer, items: Iterable[Any], max_len: int, workers: int | None) -> Iterator[tuple[int, bool, Any, Any]]:
     """`_encode` over the records, in order; in forked worker processes where the platform has
-    fork, so the loaded tokenizer is shared rather than loaded again in each."""
+    fork, so the loaded tokenizer is shared rather than loaded again in each. At most a few
+    chunks per worker are in flight (the records are read as they are encoded), and a worker
+    that dies (the out-of-memory killer) ends the run in one line naming its records: a
+    multiprocessing.Pool would wait for its lost chunk forever."""
     global _WORKER
     workers = min(8, os.cpu_count() or 1) if workers is None else workers
     _WORKER = (tokenizer, max_len)
@@ -200,10 +210,30 @@ def _encoded(tokenizer, items: Iterable[Any], max_len: int, workers: int | None)
         if workers <= 1 or "fork" not in multiprocessing.get_all_start_methods():
             yield from map(_encode, items)
             return
-        with multiprocessing.get_context("fork").Pool(workers) as pool:
-            yield from pool.imap(_encode, items, chunksize=16)
+        records = iter(items)
+        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
+            pending: deque = deque()  # (first record, last record, future), in order
+            while True:
+                chunk = list(itertools.islice(records, CHUNK))
+                if chunk:
+                    pending.append((chunk[0][0], chunk[-1][0], pool.submit(_encode_chunk, chunk)))
+                while pending and (not chunk or len(pending) >= IN_FLIGHT * workers):
+                    first, _, future = pending[0]
+                    try:
+                        results = future.result()
+                    except BrokenProcessPool:  # the pool is gone: which of the records in flight killed it is unknown
+                        raise EyasError(f"a prepare worker process died (killed, or out of memory) while records "
+                                        f"{first}..{pending[-1][1]} were being encoded; run again with --workers 1 "
+                                        f"to find the record, or with more memory.") from None
+                    pending.popleft()
+                    yield from results
+                if not chunk:
+                    return
     finally:
         _WORKER = None
+
+
+CHUNK, IN_FLIGHT = 16, 4  # records per task; tasks queued per worker
 
 
 def format_summary(summary: dict[str, Any], out: str | Path) -> str:

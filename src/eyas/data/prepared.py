@@ -112,8 +112,27 @@ class PreparedData:
             yield self[i]
 
     def conversations(self) -> list[list[dict[str, str]]]:
-        with open(self.path / CONVERSATIONS) as f:
-            return [json.loads(line) for line in f]
+        """The conversation of each sample, as `prepare` wrote them; a file cut or edited since
+        is refused (regeneration would answer fewer, or other, conversations without a word)."""
+        path = self.path / CONVERSATIONS
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise EyasError(f"{self.path} has no {CONVERSATIONS}; run `eyas prepare` again.") from None
+        changed = f"{path} was changed since `eyas prepare` wrote it"
+        recorded = self.meta.get("conversations_sha256")  # absent in data from before eyas recorded it
+        if recorded is not None and recorded != hashlib.sha256(data).hexdigest():
+            raise EyasError(f"{changed} (its sha256 differs from {self.path / META}'s); run `eyas prepare` again.")
+        try:
+            # "\n" only: a conversation may hold U+2028 or U+0085, which splitlines() would also cut at
+            rows = [json.loads(line) for line in data.decode("utf-8").split("\n") if line]
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise EyasError(f"{changed}: it is not one JSON conversation a line ({type(e).__name__}); run "
+                            f"`eyas prepare` again.") from None
+        if len(rows) != len(self):
+            raise EyasError(f"{changed}: it holds {len(rows)} conversations for {len(self)} samples; run "
+                            f"`eyas prepare` again.")
+        return rows
 
 
 def samples_fingerprint(samples: list[PreparedSample]) -> str:
@@ -139,7 +158,9 @@ def write_prepared(path: str | Path, samples: list[PreparedSample], conversation
         "offsets": torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)]),
         "source_index": torch.tensor([s.source_index for s in samples], dtype=torch.int64),
     }
+    lines = "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in conversations).encode()
+    meta["conversations_sha256"] = hashlib.sha256(lines).hexdigest()
     (path / META).unlink(missing_ok=True)  # an interrupted rewrite must not look complete
     atomic_write_bytes(path / SAMPLES, save(tensors))
-    atomic_write_bytes(path / CONVERSATIONS, "".join(json.dumps(c, ensure_ascii=False) + "\n" for c in conversations).encode())
+    atomic_write_bytes(path / CONVERSATIONS, lines)
     atomic_write_json(path / META, meta)

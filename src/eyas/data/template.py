@@ -144,9 +144,37 @@ def assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, lis
     return full, spans
 
 
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token can stand for (its vocabulary entry's length bounds its
+    text: byte-level entries hold one character per byte)."""
+    longest = getattr(tokenizer, "_eyas_longest_token", None)
+    if longest is None:
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        tokenizer._eyas_longest_token = longest
+    return longest
+
+
+def within_reach(tokenizer, messages: list[dict[str, str]], max_len: int) -> tuple[list[dict[str, str]], bool]:
+    """What of a conversation can reach its first `max_len` tokens -> (messages, cut): every
+    message's text is cut where `max_len` tokens could not get (a 60 MB message sent a worker out
+    of memory), and a conversation whose rendering already passes `max_len` tokens ends there
+    (found by doubling the messages rendered): each assistant turn renders what precedes it,
+    so 100,000 turns took their square in renderings, for tokens cut off anyway."""
+    limit = max_len * longest_token_chars(tokenizer)
+    cut = any(len(m["content"]) > limit for m in messages)
+    messages = [{**m, "content": m["content"][:limit]} if len(m["content"]) > limit else m for m in messages]
+    n = 4
+    while n < len(messages):
+        if len(tokenizer(_render(tokenizer, messages[:n]), add_special_tokens=False)["input_ids"]) > max_len:
+            return messages[:n], True
+        n *= 2
+    return messages, cut
+
+
 def encode_conversation(tokenizer, messages: list[dict[str, str]], max_len: int):
     """-> (input_ids [T] int64, loss_mask [T] bool, truncated) as numpy arrays, so that
     `prepare`'s worker processes never touch torch. Raises BadRecord."""
+    messages, cut = within_reach(tokenizer, messages, max_len)
     text, spans = assistant_spans(tokenizer, messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     starts = np.array([a for a, _ in enc["offset_mapping"]], dtype=np.int64)
@@ -154,7 +182,7 @@ def encode_conversation(tokenizer, messages: list[dict[str, str]], max_len: int)
     for a, b in spans:
         mask |= (starts >= a) & (starts < b)
     ids = np.array(enc["input_ids"], dtype=np.int64)
-    truncated = len(ids) > max_len
+    truncated = cut or len(ids) > max_len
     ids, mask = ids[:max_len], mask[:max_len]
     if not mask.any():
         raise BadRecord("no assistant token within --max-len" if truncated else "no assistant token after templating")

@@ -79,11 +79,21 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
                         f"{(str(e).splitlines() or [''])[0][:200]}).") from None
 
 
+def check_finite(state: dict[str, torch.Tensor], what: str) -> None:
+    """Refuse weights holding NaN or inf (a diverged run, a damaged file): a drafter with them
+    drafts garbage that eval would score and an engine would serve without a word."""
+    for name, t in state.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise EyasError(f"{what}: the tensor {name} holds NaN or inf values, so the drafter is damaged or its "
+                            f"training diverged; train it again, or use an earlier checkpoint.")
+
+
 def load_drafter(folder: str | Path, embed_weight: torch.Tensor | None = None) -> Eagle3Drafter:
     """Rebuild a drafter; pass the target's input embeddings [V, H] to make it usable."""
     cfg = load_config(folder)
     model = new_drafter(cfg, embed_weight)
     state = read_safetensors(Path(folder) / WEIGHTS)
+    check_finite(state, f"{folder}/{WEIGHTS}")
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith(NOT_SAVED)]
     if missing or unexpected:

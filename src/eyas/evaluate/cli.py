@@ -41,6 +41,7 @@ def run(cfg: EvalConfig) -> int:
 
         if not cfg.draft:
             raise EyasError("--teacher-forced scores a drafter: give --draft.")
+        cfg.check_paths()
         result = teacher_forced(cfg.model, cfg.draft, cfg.teacher_forced, held_out=cfg.held_out, limit=cfg.limit,
                                 device=cfg.device)
         write(result, cfg.output)

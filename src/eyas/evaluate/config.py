@@ -60,7 +60,9 @@ class EvalConfig:
     def check_paths(self) -> None:
         """Before any work: the outputs can be written, and neither is one of the inputs."""
         plot = self.plot or str(Path(self.output).with_suffix(".png"))
-        for option_, path in (("--output", self.output), ("--plot", plot)):
+        inputs = {"--prompts": self.prompts, "--model": self.model, "--draft": self.draft,
+                  "--teacher-forced": self.teacher_forced}
+        for option_, path in [("--output", self.output)] + ([] if self.teacher_forced else [("--plot", plot)]):
             check_writable(path, option_)
-            check_confined(path, {"--prompts": self.prompts, "--model": self.model, "--draft": self.draft}, option_)
+            check_confined(path, inputs, option_)
             remove_leftovers(Path(path).expanduser().parent, [Path(path).name])  # a killed run's half-written file

@@ -34,7 +34,8 @@ def load_prompts(source: str, limit: int | None = None) -> list[EvalPrompt]:
     else:
         path, label = Path(source), source
         if not path.is_file():
-            raise EyasError(f"Prompt file {source} does not exist (use --prompts mt-bench or a .jsonl file).")
+            what = "is a folder, not a file" if path.is_dir() else "is not a file" if path.exists() else "does not exist"
+            raise EyasError(f"Prompt file {source} {what} (use --prompts mt-bench or a .jsonl file).")
     prompts = []
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save
 
 from eyas.draft.build import new_drafter
-from eyas.draft.checkpoint import CONFIG, DRAFTER_FILES, WEIGHTS, read_safetensors, saved_names
+from eyas.draft.checkpoint import CONFIG, DRAFTER_FILES, WEIGHTS, check_finite, read_safetensors, saved_names
 from eyas.draft.config import DraftConfig
 from eyas import __version__
 from eyas.errors import EyasError
@@ -76,6 +76,7 @@ def build_drafter(cfg: DraftConfig, state: dict[str, torch.Tensor], what: str) -
                 f"wrong shapes: {'; '.join(wrong)}" if wrong else ""]
     if any(problems):
         raise EyasError(f"The weights of {what} do not match its config: {', '.join(p for p in problems if p)}.")
+    check_finite(state, f"The weights of {what}")
     model.load_state_dict(state, strict=False, assign=True)
     return model
 

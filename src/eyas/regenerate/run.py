@@ -93,7 +93,8 @@ def run_regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict[str, An
         source.chat_template.apply(tokenizer)  # render as `prepare` did
     with output_lock(out, "regenerate"):  # one run per folder: two would interleave the progress file
         check_own_folder(out)
-        done = read_progress(out / PROGRESS, fingerprint)
+        settings = answer_settings(cfg)
+        done = read_progress(out / PROGRESS, fingerprint, settings)
         todo = [i for i in range(len(conversations)) if i not in done]
         generator = None
         if todo:
@@ -104,7 +105,8 @@ def run_regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict[str, An
             try:
                 with open(out / PROGRESS, "a", encoding="utf-8") as log:
                     if log.tell() == 0:
-                        _append(log, {"data": str(source.path.resolve()), "fingerprint": fingerprint})
+                        _append(log, {"data": str(source.path.resolve()), "fingerprint": fingerprint,
+                                      "settings": settings})
                     size = cfg.group_size or default_group_size(cfg)
                     for start in range(0, len(todo), size):
                         group = todo[start:start + size]
@@ -197,11 +199,22 @@ def _next_assistant(messages: list[dict[str, str]], start: int) -> int | None:
     return next((j for j in range(start, len(messages)) if messages[j]["role"] == "assistant"), None)
 
 
-def read_progress(path: Path, fingerprint: str) -> dict[int, list[dict[str, str]]]:
-    """Conversations finished by an earlier run. A torn last line (a run killed mid-write)
-    is cut off, so the next append starts on a fresh line. Records are split at b"\n" only:
-    str.splitlines would also split inside an answer holding U+2028, U+0085 and the like,
-    which json.dumps(ensure_ascii=False) writes as they are (seen in a SmolLM2 answer)."""
+def answer_settings(cfg: RegenerateConfig) -> dict[str, Any]:
+    """The options that decide the answers, recorded with the first and checked on resume: a
+    run continued with others would hold answers of two settings (half capped at 4 tokens)."""
+    settings = {"backend": cfg.backend, "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
+                "model_dtype": cfg.model_dtype}
+    if cfg.temperature > 0:  # a group's draws follow the seed and where the group starts
+        settings.update(seed=cfg.seed, group_size=cfg.group_size)
+    return settings
+
+
+def read_progress(path: Path, fingerprint: str, settings: dict[str, Any]) -> dict[int, list[dict[str, str]]]:
+    """Conversations finished by an earlier run with the same `settings`. A torn last line (a
+    run killed mid-write) is cut off, so the next append starts on a fresh line. Records are
+    split at b"\n" only: str.splitlines would also split inside an answer holding U+2028,
+    U+0085 and the like, which json.dumps(ensure_ascii=False) writes as they are (seen in a
+    SmolLM2 answer)."""
     if not path.exists():
         return {}
     done: dict[int, list[dict[str, str]]] = {}
@@ -215,6 +228,8 @@ def read_progress(path: Path, fingerprint: str) -> dict[int, list[dict[str, str]
         if "fingerprint" in record and record["fingerprint"] != fingerprint:
             raise EyasError(f"{path.parent} holds a regeneration of other prepared data ({record['data']}); "
                             f"choose another --out.")
+        if "fingerprint" in record and "settings" in record:  # runs before eyas recorded them have none
+            check_same_settings(record["settings"], settings, path.parent)
         if "index" in record:
             done[record["index"]] = record["messages"]
     if len(complete) < len(data):
@@ -223,7 +238,21 @@ def read_progress(path: Path, fingerprint: str) -> dict[int, list[dict[str, str]
     return done
 
 
+def check_same_settings(recorded: dict[str, Any], settings: dict[str, Any], out: Path) -> None:
+    differ = [f"--{k.replace('_', '-')} {settings.get(k)!r} (it has {recorded.get(k)!r})"
+              for k in sorted(set(recorded) | set(settings)) if recorded.get(k) != settings.get(k)]
+    if differ:
+        raise EyasError(f"{out} holds answers regenerated with other settings, and this run changes "
+                        f"{'; '.join(differ)}: one folder would mix both. Repeat the first run's options, or choose "
+                        f"another --out.")
+
+
 def _append(log, record: dict[str, Any]) -> None:
-    log.write(json.dumps(record, ensure_ascii=False) + "\n")
-    log.flush()
-    os.fsync(log.fileno())
+    try:
+        log.write(json.dumps(record, ensure_ascii=False) + "\n")
+        log.flush()
+        os.fsync(log.fileno())
+    except OSError as e:
+        if e.filename is None:  # a write's error names no file: a full disk must say which
+            raise OSError(e.errno, e.strerror, log.name) from e
+        raise

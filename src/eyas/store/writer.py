@@ -33,7 +33,7 @@ import torch
 from eyas.errors import EyasError
 from eyas.lock import LOCK_FILE, open_lock_file
 from eyas.paths import atomic_write_json, fsync_dir, remove_leftovers, sha256_file, temp_file
-from eyas.store.format import (MANIFEST, SHARD_PATTERN, check_files, first_nonfinite, new_manifest, next_shard_name,
+from eyas.store.format import (ADDED_HEADER_KEYS, MANIFEST, SHARD_PATTERN, check_files, first_nonfinite, new_manifest, next_shard_name,
                                quantize_fp8, read_manifest, shard_entry, shard_metadata, store_dtype, with_shard,
                                write_safetensors)
 from eyas.store.reader import Store
@@ -122,7 +122,7 @@ class StoreWriter:
             manifest = settle_pending(self.path, read_manifest(self.path))
             check_files(self.path, manifest)
             for key, value in header.items():
-                if manifest.get(key) != value:
+                if manifest.get(key) != value and (key in manifest or key not in ADDED_HEADER_KEYS):
                     raise EyasError(
                         f"{self.path} already holds a store with a different {key} "
                         f"({manifest.get(key)!r} vs {value!r}); use another --out or delete it."
