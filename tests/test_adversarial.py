@@ -290,7 +290,9 @@ def test_a_deeply_nested_record_is_one_bad_record(tmp_path, capsys, tiny_llama_d
 
 def test_misleading_messages_are_fixed(tmp_path, capsys, tiny_llama_dir, tiny_prepared):  # noqa: F811
     argv = ["prepare", "--model", tiny_llama_dir, "--out", tmp_path / "p", "--workers", "1"]
-    fails(capsys, tmp_path, None, *argv, "--data", tmp_path, match=r"--data .* is a folder; give a .json or .jsonl")
+    folder = tmp_path / "conversations"
+    folder.mkdir()
+    fails(capsys, tmp_path, None, *argv, "--data", folder, match=r"--data .* is a folder; give a .json or .jsonl")
     fails(capsys, tmp_path, None, *argv, "--data", tiny_prepared, match=r"a prepared folder is the input of capture")
     # A crash left the first 4 KiB as NUL bytes: that line is one bad record, the rest is read.
     data = tmp_path / "nul.jsonl"

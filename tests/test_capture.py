@@ -247,8 +247,9 @@ def test_mismatches_are_clear_errors(tmp_path, smollm2_prepared, smollm2_store, 
         capture(str(tiny_llama_dir), smollm2_prepared, tmp_path / "b", progress=False)
     with pytest.raises(EyasError, match="different layer_ids"):
         capture(SMOLLM2, smollm2_prepared, smollm2_store, layers="3,10,20", progress=False)
+    (tmp_path / "plain").mkdir()
     with pytest.raises(EyasError, match="not prepared data"):
-        capture(SMOLLM2, tmp_path, tmp_path / "c", progress=False)
+        capture(SMOLLM2, tmp_path / "plain", tmp_path / "c", progress=False)
     with pytest.raises(EyasError, match="not an eyas store"):
         Store(tmp_path)
 

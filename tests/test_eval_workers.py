@@ -34,6 +34,11 @@ def _hook() -> None:
     def run_prompt(target, tokenizer, proposer, prompt, *args, **kwargs):
         (marks / f"answering-{os.getpid()}").touch()
         if prompt.id == os.environ.get("EYAS_TEST_DIE_ON"):
+            # Not before the other worker has started: on a loaded machine it may still be
+            # importing, and the test must know every worker's pid to see that none lives on.
+            deadline = time.monotonic() + 240
+            while len(list(marks.glob("worker-*"))) < 2 and time.monotonic() < deadline:
+                time.sleep(0.1)
             os.kill(os.getpid(), signal.SIGKILL)
         while os.environ.get("EYAS_TEST_HANG"):
             time.sleep(1)
