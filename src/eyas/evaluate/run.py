@@ -43,7 +43,7 @@ from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
 from eyas.evaluate.report import (RATE_DEFINITION, TAU_DEFINITION, differing, format_breakdown, format_table, summarize,
                                   tau_by)
 from eyas.evaluate.target import TargetSession
-from eyas.models import ModelIdentity, load_target, model_identity
+from eyas.models import ModelIdentity, load_target, model_identity, resolve_model
 from eyas.models.eos import eos_ids
 from eyas.paths import atomic_write_json, check_confined, check_writable
 from eyas.timing import StepTimer
@@ -139,7 +139,7 @@ def _answer(cfg: EvalConfig, indices: list[int], progress: bool = True) -> tuple
     prompts = load_prompts(cfg.prompts, cfg.limit)
     device = str(resolve_device(cfg.device))
     model, tokenizer = load_target(cfg.model, dtype=cfg.dtype, device=device)
-    identity = model_identity(cfg.model, model.config, tokenizer)
+    identity = model_identity(cfg.model, model.config, tokenizer, resolve_model(cfg.model))
     proposers: list[Proposer] = [Proposer()]
     if "prompt-lookup" in cfg.baselines:
         proposers.append(PromptLookup(cfg.steps))

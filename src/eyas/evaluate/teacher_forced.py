@@ -78,7 +78,8 @@ def teacher_forced(model: str, draft: str | Path, data: str | Path, held_out: bo
 
 
 def _check_target(model: str, identity, what: str) -> None:
-    target = model_identity(model, AutoConfig.from_pretrained(resolve_model(model)), load_tokenizer(model))
+    folder = resolve_model(model)
+    target = model_identity(model, AutoConfig.from_pretrained(folder), load_tokenizer(model), folder)
     target.check_same(identity, what)
 
 

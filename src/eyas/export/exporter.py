@@ -125,7 +125,8 @@ def serving_info(cfg: DraftConfig, target: str | None, num_speculative_tokens: i
 
 
 def check_target(cfg: DraftConfig, target: str) -> None:
-    given = model_identity(target, AutoConfig.from_pretrained(resolve_model(target)), load_tokenizer(target))
+    folder = resolve_model(target)
+    given = model_identity(target, AutoConfig.from_pretrained(folder), load_tokenizer(target), folder)
     given.check_same(cfg.identity, "The drafter")
 
 

@@ -217,10 +217,11 @@ def target_identity(target: str | None, own: DraftConfig | None, foreign: Foreig
                         "trained with).")
 
     try:
-        config = AutoConfig.from_pretrained(resolve_model(spec))
+        folder = resolve_model(spec)
+        config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError) as e:
         raise EyasError(f"Cannot load the target {spec!r}: {e}. Pass --target with a local model folder.") from e
-    identity = model_identity(spec, config, load_tokenizer(spec))
+    identity = model_identity(spec, config, load_tokenizer(spec), folder)
     if own is not None:
         identity.check_same(own.identity, f"The drafter in {src}")
     return identity

@@ -191,7 +191,7 @@ def _check_complete(store, allowed: bool) -> None:
 
 
 def _check_identity(spec: str, folder: str, source: StoreSource) -> None:
-    identity = model_identity(spec, AutoConfig.from_pretrained(folder), load_tokenizer(spec))
+    identity = model_identity(spec, AutoConfig.from_pretrained(folder), load_tokenizer(spec), folder)
     identity.check_same(source.identity, f"The store {source.store.path}")
 
 

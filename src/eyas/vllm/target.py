@@ -31,7 +31,7 @@ def read_target(model: str) -> tuple[str, object, ModelIdentity]:
         config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError) as e:
         raise EyasError(f"Could not read the config of model {model!r}: {e}") from e
-    return folder, config, model_identity(model, config, load_tokenizer(model))
+    return folder, config, model_identity(model, config, load_tokenizer(model), folder)
 
 
 def describe_target(model: str, layers: str = AUTO_LAYERS) -> Target:
