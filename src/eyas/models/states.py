@@ -13,25 +13,45 @@ from typing import Callable
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from eyas.errors import EyasError
 from eyas.models.identity import model_identity
 from eyas.models.layers import decoder_parts, resolve_layer_ids
 from eyas.models.load import load_target
+from eyas.models.resolve import resolve_model
 from eyas.options import AUTO_LAYERS
 
 
 def hook_layer_inputs(model, layer_ids: tuple[int, ...],
                       sink: Callable[[int, torch.Tensor], None]) -> list[RemovableHandle]:
     """Call `sink(slot, hidden [B, T, H])` with the state at `layer_ids[slot]` whenever a forward
-    reaches it: id k < N is the input of decoder layer k, id N the final norm's input."""
+    reaches it: id k < N is the input of decoder layer k, id N the final norm's input once the
+    last decoder layer has run (a family may call the same norm module earlier too: NanoChat
+    normalises its embeddings with it before the first layer)."""
     parts = decoder_parts(model)
+    last_ran = [False]  # since the final norm last took id N
 
-    def hook_for(slot: int):
+    def after_last_layer(module, args, output):
+        last_ran[0] = True
+
+    def hook_for(slot: int, k: int):
         def hook(module, args, kwargs):
-            sink(slot, args[0] if args else kwargs["hidden_states"])
+            if k == parts.num_layers:
+                if not last_ran[0]:
+                    return
+                last_ran[0] = False
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if hidden.dim() != 3:
+                raise EyasError(f"{type(model).__name__} passes states of shape {tuple(hidden.shape)} between its "
+                                f"layers, not [batch, tokens, hidden] (several residual streams): eyas cannot capture "
+                                f"them; it does not support this model family.")
+            sink(slot, hidden)
         return hook
 
-    return [(parts.norm if k == parts.num_layers else parts.layers[k]).register_forward_pre_hook(
-        hook_for(slot), with_kwargs=True) for slot, k in enumerate(layer_ids)]
+    handles = [(parts.norm if k == parts.num_layers else parts.layers[k]).register_forward_pre_hook(
+        hook_for(slot, k), with_kwargs=True) for slot, k in enumerate(layer_ids)]
+    if parts.num_layers in layer_ids:
+        handles.append(parts.layers[-1].register_forward_hook(after_last_layer))
+    return handles
 
 
 class _StopForward(Exception):
@@ -44,7 +64,7 @@ class TargetStates:
     def __init__(self, model: str, layers: str = AUTO_LAYERS, dtype: str = "float32", device: str = "cpu"):
         self.model, self.tokenizer = load_target(model, dtype=dtype, device=device)
         self.device = torch.device(device)
-        self.identity = model_identity(model, self.model.config, self.tokenizer)
+        self.identity = model_identity(model, self.model.config, self.tokenizer, resolve_model(model))
         self.num_layers = decoder_parts(self.model).num_layers
         self.layer_ids = resolve_layer_ids(layers, self.num_layers)
         self.hidden_size = self.identity.hidden_size

@@ -24,6 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from eyas.device import synchronize
+from eyas.errors import EyasError
 from eyas.models.eos import cut_at_stop
 
 ATTENTION = "eyas_grouped_sdpa"
@@ -65,10 +66,14 @@ def _register() -> None:
 
 
 def supports_static(model) -> bool:
-    """Full-attention decoders only: a sliding-window layer needs a mask this loop does not build."""
+    """Full-attention decoders only: a sliding-window layer needs a mask this loop does not build.
+    Nor a model that soft-caps its attention scores (Gemma-2's `attn_logit_softcapping`): this
+    loop's sdpa would drop the cap, so such a model decodes with `model.generate` and its own
+    (eager, see eyas.models.load) attention."""
     config = model.config.get_text_config(decoder=True)
     types = getattr(config, "layer_types", None) or []
-    return not getattr(config, "sliding_window", None) and all(t == "full_attention" for t in types)
+    return (not getattr(config, "sliding_window", None) and all(t == "full_attention" for t in types)
+            and getattr(config, "attn_logit_softcapping", None) is None)
 
 
 class StaticGreedy:
@@ -80,6 +85,9 @@ class StaticGreedy:
 
     def __init__(self, model, pad_id: int, stops: list[int], cache_tokens: int, max_rows: int = 4096,
                  kv_align: int | None = None):
+        if not supports_static(model):
+            raise EyasError(f"{type(model).__name__} has sliding-window layers or soft-capped attention scores, which "
+                            f"this greedy loop would not compute; decode it with model.generate (HFGenerator does).")
         _register()
         model.set_attn_implementation(ATTENTION)
         self.model, self.pad, self.stops = model, pad_id, stops

@@ -64,13 +64,13 @@ def make_labels(head: TargetHead, last_hidden: torch.Tensor, loss_mask: torch.Te
     # column gather out of a float32 copy of the full [rows, T, V] logits: for a small target
     # those copies and gathers move more bytes than its matrix products. The full logits serve
     # only the argmax, in the dtype they are computed in (a float32 copy changes no value).
-    draft_weight = head.lm_head_weight[draft_ids]  # [Vd, H]
+    # Both go through the family's own transform (head.logits: Granite's scale, Gemma-2's cap).
     rows = max(1, LABEL_CHUNK // (T * head.lm_head_weight.shape[0]))  # bounds the [rows, T, V] logits
     probs, target_draft = [], []
     for b in range(0, B, rows):
-        normed = head.norm(last_hidden[b : b + rows])  # [rows, T, H]
-        target_draft.append(target_to_draft[(normed @ head.lm_head_weight.T).argmax(-1)])  # [rows, T]
-        probs.append(torch.softmax(normed @ draft_weight.T, -1, dtype=torch.float32))  # [rows, T, Vd]
+        hidden = last_hidden[b : b + rows]  # [rows, T, H]
+        target_draft.append(target_to_draft[head.logits(hidden).argmax(-1)])  # [rows, T]
+        probs.append(torch.softmax(head.logits(hidden, draft_ids), -1, dtype=torch.float32))  # [rows, T, Vd]
     return Labels(torch.cat(probs), torch.cat(target_draft), trained_positions(loss_mask))
 
 
