@@ -39,7 +39,7 @@ def parse_device(name: str | None, option: str = "--device") -> torch.device:
     first GPU when one is visible, else the CPU. torch parses the name; a device it knows but
     this machine lacks (a GPU index past the last, `cuda` without a GPU, `mps` off a Mac) is
     refused in one line, as is a name torch does not know (`tpu`, `gpu0`)."""
-    if name is None or name == "auto":
+    if name is None or name == AUTO:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)

@@ -4,6 +4,6 @@
 from __future__ import annotations
 
 AUTO = "auto"
-DEVICE_HELP = "auto (default): CUDA when a GPU is visible, else the CPU; or cpu, cuda, cuda:I"
+DEVICE_HELP = f"{AUTO} (default): CUDA when a GPU is visible, else the CPU; or cpu, cuda, cuda:I"
 TORCHRUN_NOTE = "under torchrun each process takes its LOCAL_RANK's GPU"
 

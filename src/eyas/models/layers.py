@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from eyas.errors import EyasError
 from eyas.models.identity import text_config
+from eyas.options import AUTO_LAYERS
 
 _NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm", "norm_f")
 
@@ -61,13 +62,13 @@ def default_aux_ids(num_layers: int) -> tuple[int, ...]:
 
 def resolve_layer_ids(spec: str | list[int] | tuple[int, ...], num_layers: int) -> tuple[int, ...]:
     """Aux ids from `--layers` ("auto" or "2,15,27"), followed by id N, the label source."""
-    if spec == "auto":
+    if spec == AUTO_LAYERS:
         aux = default_aux_ids(num_layers)
     else:
         try:
             aux = tuple(int(x) for x in spec.split(",")) if isinstance(spec, str) else tuple(int(x) for x in spec)
         except ValueError:
-            raise EyasError(f"--layers must be 'auto' or comma-separated integers, not {spec!r}.") from None
+            raise EyasError(f"--layers must be '{AUTO_LAYERS}' or comma-separated integers, not {spec!r}.") from None
     if not aux:
         raise EyasError("--layers names no layer.")
     bad = [k for k in aux if not 0 <= k < num_layers]

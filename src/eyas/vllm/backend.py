@@ -21,7 +21,7 @@ import torch
 from eyas.data.prepared import PreparedSample
 from eyas.errors import EyasError
 from eyas.options import AUTO_LAYERS
-from eyas.vllm.engine import check_vllm_version, engine_kwargs, start_llm, stop_llm, text_only
+from eyas.vllm.engine import ENGINE_DTYPE, check_vllm_version, engine_kwargs, start_llm, stop_llm, text_only
 from eyas.vllm.spool import PARAM_ERROR, PARAM_KEY, read_hidden, spool_file, wait_for
 from eyas.vllm.preflight import preflight
 from eyas.vllm.target import describe_target
@@ -30,7 +30,7 @@ from eyas.vllm.target import describe_target
 class VLLMCapturer:
     """Returns the states at `layer_ids` of each sample, computed by vLLM."""
 
-    def __init__(self, model: str, layers: str = AUTO_LAYERS, dtype: str = "auto", tensor_parallel_size: int = 1,
+    def __init__(self, model: str, layers: str = AUTO_LAYERS, dtype: str = ENGINE_DTYPE, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, engine_args: dict | None = None, spool: str | None = None,
                  file_timeout: float = 600.0):
         self.vllm_version = check_vllm_version()

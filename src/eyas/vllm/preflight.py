@@ -25,6 +25,10 @@ from typing import Any
 from eyas.errors import EyasError
 from eyas.vllm import engine
 
+# The --engine-arg model_impl values that run vLLM's own model class, the one these checks ask
+# (vLLM's default first).
+VLLM_MODEL_IMPLS = ("auto", "vllm")
+
 
 def preflight(config: Any, model: str, layer_ids: tuple[int, ...] | None, dtype: str, instead: str,
               engine_args: dict[str, Any] | None = None, folder: str | None = None, here: bool = True) -> None:
@@ -32,7 +36,7 @@ def preflight(config: Any, model: str, layer_ids: tuple[int, ...] | None, dtype:
     `model` (transformers `config`, read from `folder`, by default `model` itself) with
     EAGLE-3 aux states at `layer_ids` (aux ids then N). `here`: the engine runs on this
     machine's platform (not a command printed to run on another)."""
-    if (engine_args or {}).get("model_impl", "auto") not in ("auto", "vllm"):
+    if (engine_args or {}).get("model_impl", VLLM_MODEL_IMPLS[0]) not in VLLM_MODEL_IMPLS:
         return  # the user chose vLLM's transformers backend (or another): let vLLM judge
     engine.vllm_environment()  # before vLLM is first imported
     version = engine.installed_vllm_version()
@@ -148,7 +152,7 @@ def check_head_size(config: Any, model: str, dtype: str, instead: str, here: boo
     text = get_hf_text_config(config)
     convertor = MODEL_ARCH_CONFIG_CONVERTORS.get(config.model_type, ModelArchConfigConvertorBase)(config, text)
     mla, head_size = convertor.is_deepseek_mla() and not envs.VLLM_MLA_DISABLE, convertor.get_head_size()
-    run_dtype = {"auto": torch.bfloat16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+    run_dtype = {engine.ENGINE_DTYPE: torch.bfloat16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
                  "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}.get(dtype, torch.bfloat16)
     selector = AttentionSelectorConfig(head_size=head_size, dtype=run_dtype, kv_cache_dtype=None, block_size=None,
                                        use_mla=mla)

@@ -12,11 +12,11 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from eyas.vllm.engine import engine_kwargs
+from eyas.vllm.engine import ENGINE_DTYPE, engine_kwargs
 from eyas.vllm.target import Target
 
 
-def serve_argv(target: Target, spool: str, dtype: str = "auto", tensor_parallel_size: int = 1,
+def serve_argv(target: Target, spool: str, dtype: str = ENGINE_DTYPE, tensor_parallel_size: int = 1,
                pipeline_parallel_size: int = 1, data_parallel_size: int = 1,
                engine_args: dict[str, Any] | None = None) -> list[str]:
     kwargs = engine_kwargs(target.folder, target.layer_ids, spool, dtype, tensor_parallel_size,
