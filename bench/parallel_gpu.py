@@ -148,7 +148,8 @@ def proposers_for(trained: dict[str, Path], model, identity):
 def decode(args, report: dict, trained: dict[str, Path], seconds: float) -> None:
     """Every method on whole MT-bench questions (stratified by category), interleaved per
     question, until `seconds` are spent; then the timing pass."""
-    from eyas.evaluate.prompts import load_prompts, stratified
+    from eyas.evaluate.prompts import stratified
+    from eyas.prompts import load_prompts
     from eyas.evaluate.report import TAU_DEFINITION, summarize
     from eyas.evaluate.run import run_methods
     from eyas.models.eos import eos_ids

@@ -201,7 +201,7 @@ def eval_stage(args) -> None:
     work, out = Path(args.work), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.mt_bench is None:
-        from eyas.data.sources import mt_bench_file
+        from eyas.prompts import mt_bench_file
 
         args.mt_bench = str(mt_bench_file())
     categories = {str(q["question_id"]): q.get("category", "?") for q in map(json.loads, open(args.mt_bench))}
@@ -291,9 +291,9 @@ def recipe_runs(args, work: Path, seconds: float) -> list[dict]:
 def eval_worker(args) -> None:
     """One process: every method on each of its questions (interleaved), until its time is up."""
     from eyas.evaluate.drafter import DrafterSession
-    from eyas.evaluate.prompts import load_prompts
     from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
     from eyas.evaluate.run import load_checked_drafter, run_methods
+    from eyas.prompts import load_prompts
     from eyas.models.eos import eos_ids
     from eyas.evaluate.target import TargetSession
     from eyas.models import load_target, model_identity

@@ -233,8 +233,7 @@ def versions() -> dict[str, str]:
 def mtbench_prompts(per_category: int) -> list[tuple[Any, str]]:
     """(first-turn EvalPrompt, category), round-robin over the sorted categories, so any prefix
     covers every category."""
-    from eyas.data.sources import mt_bench_file
-    from eyas.evaluate.prompts import EvalPrompt, load_prompts
+    from eyas.prompts import EvalPrompt, load_prompts, mt_bench_file
 
     category = {str(q["question_id"]): q["category"] for q in map(json.loads, open(mt_bench_file()))}
     by_cat: dict[str, list] = {}

@@ -12,9 +12,9 @@ from PIL import Image
 
 from eyas.cli import main
 from eyas.draft import DraftConfig, Eagle3Drafter, save_drafter
-from eyas.evaluate.prompts import load_prompts
 from eyas.evaluate.report import acceptance_rates
 from eyas.models import load_target, model_identity, resolve_layer_ids
+from eyas.prompts import load_prompts
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -8,9 +8,10 @@ import json
 
 import pytest
 
-from eyas.evaluate.prompts import EvalPrompt, stratified
+from eyas.evaluate.prompts import stratified
 from eyas.evaluate.run import EvalConfig, evaluate
 from eyas.evaluate.teacher_forced import teacher_forced
+from eyas.prompts import EvalPrompt
 from eyas.train import TrainConfig, train
 
 PROMPTS = [

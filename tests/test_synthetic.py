@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 import eyas.data.synthetic as sp
-from eyas.data.sources import mt_bench_turns, packaged_synthetic
+from eyas.data.sources import packaged_synthetic
+from eyas.prompts import mt_bench_turns
 
 PASSAGES = [
     "The harbour town of Eldmoor was founded in 1642 by fishing families from the north. By 1800 it had "

