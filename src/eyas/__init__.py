@@ -1,3 +1,3 @@
-"""eyas: train EAGLE-3 speculative-decoding drafters for any causal LM."""
+"""eyas: train speculative-decoding drafters (EAGLE-3, DFlash and P-EAGLE) for any causal LM."""
 
 __version__ = "0.1.0"

@@ -39,7 +39,8 @@ OUT_OF_MEMORY = "use smaller sizes or batches"  # a stage's ON_OUT_OF_MEMORY nam
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="eyas",
-        description="Train EAGLE-3 speculative-decoding drafters: prepare -> capture -> train -> eval -> export.",
+        description="Train speculative-decoding drafters (EAGLE-3, DFlash and P-EAGLE): "
+                    "prepare -> capture -> train -> eval -> export.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"eyas {__version__}")

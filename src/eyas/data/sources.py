@@ -93,7 +93,8 @@ def _pyarrow():
         import pyarrow.ipc
         import pyarrow.parquet
     except ImportError:
-        raise EyasError("Reading parquet and Arrow data needs pyarrow: pip install 'eyas[data]'.") from None
+        raise EyasError("Reading parquet and Arrow data needs pyarrow, eyas's data extra: pip install '.[data]' "
+                        "in the eyas clone (or pip install pyarrow).") from None
     return pyarrow
 
 

@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter: its config, the module, and checkpoints."""
+"""The drafters eyas trains (EAGLE-3, DFlash and P-EAGLE): their config, modules and checkpoints."""
 
 from eyas.lazy import lazy_exports
 
