@@ -389,6 +389,13 @@ LAYERS_HELP = f"aux layer ids, e.g. 2,15,27; {AUTO_LAYERS} = {AUTO_LAYERS_MEANS}
 BATCH_TOKENS = 8192
 # A micro-batch holds at least one sample of two tokens (one next-token pair).
 BATCH_TOKENS_RULE = Number(lo=2, integer=True, required=True)
+
+
+def crop_length(max_len: int | None, batch_tokens: int) -> int:
+    """The tokens a sample keeps in training (and in scoring as training did): --max-len, at
+    most --batch-tokens, since one micro-batch must hold a whole sample."""
+    return min(max_len or batch_tokens, batch_tokens)
+
 # Every stage's --seed. Seeds are derived from it (seed * 1_000_003 + epoch or prompt, seed +
 # conversation) and handed to torch's and engines' generators, which take 64-bit (some 32-bit)
 # seeds: a non-negative 31-bit seed keeps every derived one in range.

@@ -19,7 +19,7 @@ from eyas.device import parse_device
 from eyas.distributed import all_reduce, barrier, init, shutdown
 from eyas.errors import EyasError
 from eyas.lock import output_lock
-from eyas.models.load import DTYPES, default_model_dtype
+from eyas.models.load import DTYPES, model_dtype
 from eyas.options import from_mapping, keyword_signature
 from eyas.paths import check_confined
 from eyas.store import StoreWriter
@@ -60,9 +60,8 @@ def run_capture(cfg: CaptureConfig, progress: bool = True, on_batch: BatchHook |
 
 
 def _run_dtype(cfg: CaptureConfig, dev: torch.device) -> str:
-    """The dtype the target runs in: `--model-dtype`, else the device's default (transformers)
-    or the checkpoint's own (vLLM's `auto`); one name per dtype (bf16 is bfloat16)."""
-    name = cfg.model_dtype or ("auto" if cfg.backend == "vllm" else default_model_dtype(dev.type))
+    """The dtype the target runs in (models.load.model_dtype), one name per dtype (bf16 is bfloat16)."""
+    name = model_dtype(cfg.model_dtype, None if cfg.backend == "vllm" else dev.type)
     return str(DTYPES[name]).removeprefix("torch.") if name in DTYPES else name
 
 

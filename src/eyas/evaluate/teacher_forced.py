@@ -24,7 +24,7 @@ from eyas.draft import DraftConfig, load_config, load_drafter
 from eyas.errors import EyasError
 from eyas.models import load_tokenizer, model_identity, resolve_model
 from eyas.models.target_head import load_target_head
-from eyas.options import BATCH_TOKENS
+from eyas.options import BATCH_TOKENS, crop_length
 from eyas.paths import atomic_write_json
 from eyas.store.format import MANIFEST
 from eyas.train.checkpoint import check_store_matches, latest_checkpoint, read_checkpoint
@@ -55,7 +55,7 @@ def teacher_forced(model: str, draft: str | Path, data: str | Path, held_out: bo
         batch_tokens, max_len, seed = trained["batch_tokens"], trained["max_len"], trained["seed"]
     dev = resolve_device(device)
     config = load_config(draft)
-    crop = min(max_len or batch_tokens, batch_tokens)
+    crop = crop_length(max_len, batch_tokens)
     if (Path(data) / MANIFEST).is_file():
         source = StoreSource(data, crop)
         check_store_matches(config, source.identity, source.layer_ids, source.hidden_size, f"The store {data}")

@@ -8,6 +8,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from eyas.errors import EyasError
 from eyas.models.identity import text_config
 from eyas.models.resolve import resolve_model
+from eyas.vllm.engine import ENGINE_DTYPE  # light: vLLM itself is imported only when used
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
@@ -23,8 +24,13 @@ def parse_dtype(name: str) -> torch.dtype:
         raise EyasError(f"Unknown dtype {name!r}; choose one of {', '.join(DTYPES)}.") from None
 
 
-def default_model_dtype(device_type: str) -> str:
-    """The dtype a target runs in when none is given: float32 on the CPU, bf16 on a GPU."""
+def model_dtype(asked: str | None, device_type: str | None) -> str:
+    """The dtype a target runs in (every stage's --model-dtype): as asked, else the checkpoint's
+    own where vLLM places the model (`device_type` None), else float32 on the CPU and bf16 on a GPU."""
+    if asked:
+        return asked
+    if device_type is None:
+        return ENGINE_DTYPE
     return "float32" if device_type == "cpu" else "bf16"
 
 

@@ -33,7 +33,7 @@ from eyas.device import parse_device, resolve_device
 from eyas.errors import EyasError
 from eyas.lock import LOCK_FILE, output_lock
 from eyas.models import load_tokenizer
-from eyas.models.load import default_model_dtype
+from eyas.models.load import model_dtype
 from eyas.options import from_mapping, keyword_signature
 from eyas.paths import atomic_write_bytes, check_confined, remove_leftovers
 from eyas.regenerate.config import RegenerateConfig
@@ -46,11 +46,11 @@ CONVERSATIONS = "regenerated-conversations.jsonl"  # the input handed to `prepar
 
 def make_generator(cfg: RegenerateConfig, max_len: int):
     if cfg.backend == "vllm":
-        return VLLMGenerator(cfg.model, dtype=cfg.model_dtype or "auto", max_len=max_len,
+        return VLLMGenerator(cfg.model, dtype=model_dtype(cfg.model_dtype, None), max_len=max_len,
                              tensor_parallel_size=cfg.vllm.tensor_parallel_size,
                              pipeline_parallel_size=cfg.vllm.pipeline_parallel_size, engine_args=cfg.vllm.engine_args)
     dev = resolve_device(cfg.device)
-    return HFGenerator(cfg.model, dtype=cfg.model_dtype or default_model_dtype(dev.type), device=str(dev))
+    return HFGenerator(cfg.model, dtype=model_dtype(cfg.model_dtype, dev.type), device=str(dev))
 
 
 def default_group_size(cfg: RegenerateConfig) -> int:

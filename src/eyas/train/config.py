@@ -11,7 +11,8 @@ from eyas.errors import EyasError
 from eyas.device_flag import TORCHRUN_NOTE
 from eyas.draft.config import DraftConfig
 from eyas.draft.kinds import DRAFTERS, MAX_DFLASH_LAYERS, default_num_layers
-from eyas.options import batch_tokens_option, check_rules, device_option, layers_option, option, seed_option
+from eyas.options import (batch_tokens_option, check_rules, crop_length, device_option, layers_option, option,
+                          seed_option)
 from eyas.validate import COUNT, POSITIVE, SHARE, Number
 
 DFLASH_ANCHORS = 512  # SpecForge's and speculators' default: bounds a sample's block tokens at 512 x block size
@@ -182,7 +183,7 @@ class TrainConfig:
 
     @property
     def crop(self) -> int:
-        return min(self.max_len or self.batch_tokens, self.batch_tokens)
+        return crop_length(self.max_len, self.batch_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

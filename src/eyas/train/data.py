@@ -22,7 +22,7 @@ from eyas.data.batching import token_budget_batches
 from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
 from eyas.models.identity import ModelIdentity
-from eyas.models.load import default_model_dtype
+from eyas.models.load import model_dtype
 from eyas.models.states import TargetStates
 from eyas.store.format import dequantize
 from eyas.store.reader import Store
@@ -209,7 +209,7 @@ class OnlineSource:
 
     def __init__(self, model: str, data: str | Path, layers: str, crop: int, device: torch.device):
         self.prepared = PreparedData(data)
-        self.target = TargetStates(model, layers=layers, dtype=default_model_dtype(device.type), device=str(device))
+        self.target = TargetStates(model, layers=layers, dtype=model_dtype(None, device.type), device=str(device))
         self.target.identity.check_same(self.prepared.identity, f"The prepared data in {data}")
         self.crop = crop
         self.identity: ModelIdentity = self.target.identity

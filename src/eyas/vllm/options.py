@@ -69,8 +69,10 @@ class CaptureVLLMOptions(EngineOptions):
         "sizes, --engine-arg) and exit", False)
 
 
-def print_serve_command(model: str, layers: str, model_dtype: str | None, options: CaptureVLLMOptions) -> None:
-    """`--print-serve-command`: the `vllm serve` line a server for `--endpoint` needs, checked here first."""
+def print_serve_command(model: str, layers: str, asked: str | None, options: CaptureVLLMOptions) -> None:
+    """`--print-serve-command`: the `vllm serve` line a server for `--endpoint` needs, the target
+    running in `asked` (--model-dtype) or its checkpoint's dtype, checked here first."""
+    from eyas.models.load import model_dtype
     from eyas.vllm.serve import serve_command
     from eyas.vllm.target import describe_target
 
@@ -80,9 +82,10 @@ def print_serve_command(model: str, layers: str, model_dtype: str | None, option
           f"{options.spool}, which must be the same folder for the capture client.", file=sys.stderr)
     target = describe_target(model, layers)
     engine_args = text_only(target.config, options.engine_args)
-    preflight_where_installed(target.config, model, target.layer_ids, model_dtype or "auto",
+    dtype = model_dtype(asked, None)
+    preflight_where_installed(target.config, model, target.layer_ids, dtype,
                               "use --backend hf", engine_args, target.folder)
-    print(serve_command(target, options.spool, model_dtype or "auto", options.tensor_parallel_size,
+    print(serve_command(target, options.spool, dtype, options.tensor_parallel_size,
                         options.pipeline_parallel_size, options.data_parallel_size, engine_args))
 
 
