@@ -40,7 +40,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import speed_gpu  # noqa: E402
-from speed_gpu import InMemorySource, Peak, _free, _git, _in_memory_run, _sync  # noqa: E402
+from common import Peak, free_memory, git, say, sync  # noqa: E402
+from speed_gpu import InMemorySource, _in_memory_run  # noqa: E402
 
 SHAPES = {  # the target's text config (Kimi-K2.5's DeepseekV3Config fields)
     "seed": dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=64,
@@ -54,10 +55,6 @@ ROPE = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 64.0, "original_ma
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}  # Kimi-K2.5's
 DRAFT_VOCAB = {"seed": 32000, "smoke": 1000}
 TTT_STEPS = 7
-
-
-def say(message: str) -> None:
-    print(message, flush=True)
 
 
 def left(budget_s: float) -> float:
@@ -114,13 +111,13 @@ def measure_speed(draft, args, device: torch.device) -> dict[str, Any]:
         start = time.monotonic()
         for _ in range(args.warm_steps):
             train_step(run)
-        _sync(device)
+        sync(device)
         warm = time.monotonic() - start
-        timed = speed_gpu._timed_steps(run, args.seconds, 200)
+        timed = speed_gpu.timed_steps(run, args.seconds, 200)
     timed = {k: timed[k] for k in ("tok_s", "steps", "tokens", "wall_s")}
     trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
     del run
-    _free()
+    free_memory()
     return {**timed, **peak.report(), "warm_s_incl_compile": warm, "trainable_params": trainable}
 
 
@@ -158,13 +155,13 @@ def fits(draft, length: int, device: torch.device) -> dict[str, Any]:
         with Peak(device) as peak:
             run = make_run(draft, [length], length, device)
             train_step(run)
-            _sync(device)
+            sync(device)
         return {"fits": True, **peak.report()}
     except torch.OutOfMemoryError as e:
         return {"fits": False, "error": str(e).splitlines()[0][:200]}
     finally:
         run = None
-        _free()
+        free_memory()
 
 
 def longest(draft, args, device: torch.device, budget_s: float) -> dict[str, Any]:
@@ -213,8 +210,8 @@ def main() -> None:
     budget = args.minutes * 60
     machine = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     record: dict[str, Any] = {
-        "command": "python3 " + " ".join(sys.argv), "commit": _git("rev-parse", "HEAD") or args.commit,
-        "dirty": bool(_git("status", "--porcelain")), "machine": machine, "torch": torch.__version__,
+        "command": "python3 " + " ".join(sys.argv), "commit": git("rev-parse", "HEAD") or args.commit,
+        "dirty": bool(git("status", "--porcelain")), "machine": machine, "torch": torch.__version__,
         "shape": {**target_shape(shape, args.heads), "rope": ROPE, "draft_vocab_size": DRAFT_VOCAB[shape],
                   "ttt_steps": TTT_STEPS, "batch_tokens": args.batch_tokens},
     }

@@ -105,7 +105,7 @@ def run(args, work: Path) -> None:
     from eyas.regenerate.run import regenerate
     from eyas.store.reader import Store
     from eyas.train import TrainConfig, train
-    from speed_gpu import _git
+    from common import git
 
     started = time.monotonic()
     work.mkdir(parents=True, exist_ok=True)
@@ -117,7 +117,7 @@ def run(args, work: Path) -> None:
     capture(model, work / "regenerated", work / "store", dtype="fp32", progress=False)
     layer_ids = Store(work / "store").layer_ids
     configs, gqa_width = drafts(model, layer_ids, args.mlp)
-    record = {"command": "python3 " + " ".join(sys.argv), "commit": _git("rev-parse", "HEAD"),
+    record = {"command": "python3 " + " ".join(sys.argv), "commit": git("rev-parse", "HEAD"),
               "target": "tests/tiny.py deepseek_v3 (random weights, seed 0), sharpened", "layer_ids": list(layer_ids),
               "embed_scale": args.embed_scale, "lm_head_scale": args.lm_head_scale,
               "conversations": args.conversations, "steps": args.steps, "batch_tokens": args.batch_tokens,

@@ -20,8 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from quality_gpu import _device_name, _dump  # noqa: E402
-from speed_gpu import _git  # noqa: E402
+from common import device_name, dump, git  # noqa: E402
 
 OPTIMIZERS = ("adamw", "muon")
 
@@ -70,7 +69,7 @@ def main() -> None:
         if earlier.get("settings") != settings:
             raise SystemExit(f"{out} holds runs with other settings: {earlier.get('settings')}")
         result = earlier
-    result.update(device=_device_name(args.device or "cpu"), commit=_git("rev-parse", "--short", "HEAD"))
+    result.update(device=device_name(args.device or "cpu"), commit=git("rev-parse", "--short", "HEAD"))
     result["commands"].append("bench/optimizer_quality.py " + " ".join(sys.argv[1:]))
     for lr in map(float, args.lrs.split(",")):
         for optimizer in args.optimizers.split(","):
@@ -78,7 +77,7 @@ def main() -> None:
             if key not in result["runs"]:
                 result["runs"][key] = run(args, optimizer, lr, work)
                 print(key, json.dumps(result["runs"][key]), flush=True)
-                _dump(out, result)
+                dump(out, result)
     best = {name: max((r for r in result["runs"].values() if r["optimizer"] == name), key=lambda r: r["tau_sim"],
                       default=None) for name in OPTIMIZERS}
     result["best"] = {name: r and {"lr": r["lr"], "acc_per_step": r["acc_per_step"], "tau_sim": r["tau_sim"]}
@@ -86,7 +85,7 @@ def main() -> None:
     if best["adamw"] and best["muon"]:
         result["muon_minus_adamw_acc_per_step_at_best_lr"] = [
             round(m - a, 4) for m, a in zip(best["muon"]["acc_per_step"], best["adamw"]["acc_per_step"])]
-    _dump(out, result)
+    dump(out, result)
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
     print(json.dumps({k: result[k] for k in result if k.startswith(("best", "muon_"))}))

@@ -29,7 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from quality_gpu import MIX, RECIPE, _device_name, _dump, train_for  # noqa: E402
+from common import device_name, dump  # noqa: E402
+from quality_gpu import MIX, RECIPE, train_for  # noqa: E402
 
 CHAIN = 7  # the EAGLE-3 chain's depth and DFlash's block of drafted tokens (block size 8)
 
@@ -41,7 +42,7 @@ def main() -> None:
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
-    report: dict = {"command": " ".join(sys.argv), "commit": _commit(), "device": _device_name(args.device),
+    report: dict = {"command": " ".join(sys.argv), "commit": _commit(), "device": device_name(args.device),
                     "settings": {k: v for k, v in vars(args).items()}, "train": {}, "errors": {}}
     # Each phase that fails is recorded and the run goes on without it: the JSON holds what was measured.
     if args.data or args.store:  # an earlier run's regenerated set or store: the arms train on it as it is
@@ -60,7 +61,7 @@ def main() -> None:
         phase(report, out, "decode",
               lambda: decode(args, report, trained, min(60 * args.eval_minutes, deadline - time.monotonic() - 30)))
     report["seconds"] = round(time.monotonic() - t0, 1)
-    _dump(out / "parallel_gpu.json", report)
+    dump(out / "parallel_gpu.json", report)
     print_summary(report)
 
 
@@ -87,7 +88,7 @@ def phase(report: dict, out: Path, name: str, run) -> bool:
         report["errors"][name] = f"{type(e).__name__}: {e}"[:2000]
         return False
     finally:
-        _dump(out / "parallel_gpu.json", report)
+        dump(out / "parallel_gpu.json", report)
 
 
 def train_arm(args, work: Path, report: dict, kind: str, options: dict) -> None:
@@ -212,7 +213,7 @@ def decode(args, report: dict, trained: dict[str, Path], seconds: float) -> None
                        "summary": {k: s.to_dict() for k, s in second_summary.items()}},
         "heldout_acc_per_position": {k: (v.get("heldout") or {}).get("acc_per_step") for k, v in report["train"].items()},
     })
-    _dump(Path(args.out) / "parallel_gpu.json", report)
+    dump(Path(args.out) / "parallel_gpu.json", report)
     if args.timing_questions:
         report["draft_vs_verify"] = timing_pass(target, tok, proposers, order[: args.timing_questions],
                                                 args.max_new_tokens, eos)

@@ -56,8 +56,9 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from speed_gpu import (FLOP_FORMULA, PEAK_TFLOPS, SEED_SHAPES, InMemorySource, Peak, _free, _git,  # noqa: E402
-                       _in_memory_run, _sync, say, train_flops)
+from common import Peak, free_memory, git, say, sync  # noqa: E402
+from random_target import SEED_SHAPES  # noqa: E402
+from speed_gpu import FLOP_FORMULA, PEAK_TFLOPS, InMemorySource, _in_memory_run, train_flops  # noqa: E402
 
 MATCHED_TTT = 7
 PEER_DEFAULT_TTT = 3
@@ -106,7 +107,7 @@ class Record:
         out["seconds"] = round(time.monotonic() - start, 2)
         self.data["parts"][name] = out
         say(f"[{name}] {json.dumps({k: v for k, v in out.items() if k != 'traceback'}, default=str)[:1500]}")
-        _free()
+        free_memory()
         self.save()
         return out
 
@@ -282,10 +283,10 @@ class Steps:
     def __call__(self) -> None:
         self.done += 1
         if self.done == self.warm:
-            _sync(self.device)
+            sync(self.device)
             self.start = time.perf_counter()
         elif self.done > self.warm:
-            _sync(self.device)
+            sync(self.device)
             self.end = time.perf_counter()
 
 
@@ -330,7 +331,7 @@ def eyas_rate(draft, V: int, lengths: list[int], device: torch.device, *, warm: 
     from eyas.train.config import TrainConfig
     from eyas.train.loop import train_step
     from eyas.models.target_head import TargetHead
-    from speed_gpu import _timed_steps
+    from speed_gpu import timed_steps
 
     H = draft.hidden_size
     cfg = TrainConfig(out=tempfile.mkdtemp(prefix="eyas-speed-"), store="(in memory)", draft_vocab=draft.draft_vocab_size,
@@ -349,8 +350,8 @@ def eyas_rate(draft, V: int, lengths: list[int], device: torch.device, *, warm: 
         del lm_head
         for _ in range(warm):
             train_step(run)
-        _sync(device)
-        timed = _timed_steps(run, seconds, max_steps)
+        sync(device)
+        timed = timed_steps(run, seconds, max_steps)
     shutil.rmtree(cfg.out, ignore_errors=True)
     return {**timed, **peak.report(), "tokens_per_step": timed["tokens"] / timed["steps"], "ttt_steps": draft.ttt_steps,
             "optimizer": "AdamW"}
@@ -368,7 +369,7 @@ def speed_shape(args, shape: str) -> dict[str, Any]:
     attn = "sdpa" if device.type == "cpu" else "simple_flex_attention"
     eyas = eyas_rate(draft, V, lengths, device, warm=args.warm_steps, seconds=args.train_seconds, max_steps=60,
                      batch_tokens=args.step_tokens)
-    _free()
+    free_memory()
     timed = max(3, min(40, round(eyas["steps"] * 0.8)))
     peer = peer_rate(draft, V, lengths, device, ttt=MATCHED_TTT, defaults=False, attn=attn, warm=args.warm_steps,
                      timed=timed, optimizer="adamw", step_tokens=args.step_tokens)
@@ -431,7 +432,7 @@ def longest(args, side: str) -> dict[str, Any]:
             tried[T] = "out of memory"
             break
         finally:
-            _free()
+            free_memory()
         T *= 2
     return {"longest_fitting": best, "tried": tried, "limit_gib": LIMIT_GIB,
             "note": "one sample of T tokens per step, 7 TTT steps, doubling from 16384 until it does not fit or time "
@@ -502,7 +503,7 @@ def main() -> None:
     out = Path(args.out)
     from importlib.metadata import version
 
-    meta = {"commit": _git("rev-parse", "HEAD"), "command": " ".join(sys.argv), "device": _device_name(args.device),
+    meta = {"commit": git("rev-parse", "HEAD"), "command": " ".join(sys.argv), "device": _device_name(args.device),
             "torch": torch.__version__, "peer": f"speculators {version('speculators')}", "flop_formula": FLOP_FORMULA,
             "smoke": args.smoke}
     for part in ([args.part] if args.part else ["speed", "quality"]):

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from common import device_name, dump
+
 # The SmolLM2 recipe's mix (recipes/smollm2-1gpu.yaml): half synthetic instruction prompts.
 MIX = ["packaged:synthetic:30000:0@4", "packaged:sharegpt@3", "packaged:chitchat@1"]
 METHODS = {"prompt-lookup": 7, "eagle3-chain": 7, "eagle3-tree": 7}
@@ -52,10 +54,10 @@ def train_stage(args) -> None:
     report: dict = _load(work / "quality_train.json") or {}
     report.setdefault("commands", []).append(" ".join(sys.argv))
     if "regen" in parts:
-        report["device"], report["tokenizer_parts"] = _device_name(args.device), _tokenizer_parts(args.model)
+        report["device"], report["tokenizer_parts"] = device_name(args.device), _tokenizer_parts(args.model)
         regen_stage(args, work, report)
-        _dump(out / "quality_train.json", report)
-        _dump(work / "quality_train.json", report)  # for the next stage, whose --out may differ
+        dump(out / "quality_train.json", report)
+        dump(work / "quality_train.json", report)  # for the next stage, whose --out may differ
     if "train" in parts:
         arms = args.arms.split(",")
         unknown = [a for a in arms if a not in ARMS]
@@ -68,8 +70,8 @@ def train_stage(args) -> None:
             result = train_for(args, work / "regen", folder, left, ARMS[arm], profile=i == 0 and args.profile)
             report["arms"][arm] = result
             report["train"] = report["arms"][_best_arm(report["arms"])]
-            _dump(out / "quality_train.json", report)
-            _dump(work / "quality_train.json", report)
+            dump(out / "quality_train.json", report)
+            dump(work / "quality_train.json", report)
             shutil.copy(folder / "metrics.jsonl", out / ("metrics.jsonl" if arm == "main" else f"metrics.{arm}.jsonl"))
             print(f"arm {arm}:", json.dumps(result["final"], default=str), flush=True)
         best = _best_arm(report["arms"])
@@ -244,13 +246,13 @@ def eval_stage(args) -> None:
     by_turn = {str(t): {m: round(s.tau, 3) for m, s in summarize([r for r in records if r["turn"] == t], METHODS).items()}
                for t in sorted({r["turn"] for r in records})}
     identical = {m: s.identical for m, s in summaries.items() if s.identical is not None}
-    results = {"command": " ".join(sys.argv), "tau_definition": TAU_DEFINITION, "device": _device_name(args.device),
+    results = {"command": " ".join(sys.argv), "tau_definition": TAU_DEFINITION, "device": device_name(args.device),
                "drafter": drafter, "workers": args.workers, "worker_exit_codes": codes, "questions": len(used), "question_ids": used,
                "answers_per_method": summaries["plain"].answers if "plain" in summaries else 0,
                "max_new_tokens": args.max_new_tokens, "dtype": "float32",
                "identical_to_plain": identical, "heldout_check": check, "summary": {k: s.to_dict() for k, s in summaries.items()},
                "tau_by_category": by_category, "tau_by_turn": by_turn, "train": train_report}
-    _dump(out / "quality_gpu.json", results)
+    dump(out / "quality_gpu.json", results)
     plot_acceptance(summaries, out / "quality_gpu.png", f"SmolLM2-135M drafter, MT-bench ({len(used)} questions, T=0)")
     print(format_table(summaries))
     print(f"questions: {len(used)} (both turns) over {args.workers} worker processes; identical to plain: {identical}")
@@ -259,11 +261,11 @@ def eval_stage(args) -> None:
               "speed-ups without that contention (the fifth run: chain 0.80x with six workers, 2.03x with one)")
     for name, taus in [*by_category.items(), *((f"turn {t}", v) for t, v in by_turn.items())]:
         print(f"  {name:<12}" + "  ".join(f"{m} {t:.2f}" for m, t in taus.items()))
-    _dump(work / "records.json", records)
+    dump(work / "records.json", records)
     left = 60 * args.minutes - (time.monotonic() - t_start)
     if args.recipe_runs and left > 120:
         results["recipe"] = recipe_runs(args, work, left - 30)
-        _dump(out / "quality_gpu.json", results)
+        dump(out / "quality_gpu.json", results)
         for r in results["recipe"]:
             ev = r["final"].get("eval", {})
             print(f"recipe {r['options']}: steps {r['steps']}, held-out acc {ev.get('acc_per_step')}, "
@@ -315,7 +317,7 @@ def eval_worker(args) -> None:
         records += run_methods(target, tok, proposers, [prompts[pid]], args.max_new_tokens, eos, progress=False,
                                warmup=i == 0)
         per_question = max(per_question or 0, time.monotonic() - q0)
-        _dump(Path(args.out), records)
+        dump(Path(args.out), records)
         print(f"[{Path(args.out).stem}] question {pid}: {time.monotonic() - q0:.0f} s", flush=True)
 
 
@@ -343,7 +345,7 @@ def curve(args) -> None:
     points = [{"step": r["step"], "tokens": int(r["step"] * args.tokens_per_step), "acc_per_step": r["acc_per_step"],
                "tau_sim": r["tau_sim"]} for r in rows if r.get("split") == "eval"]
     out = Path(args.out)
-    _dump(out.with_suffix(".json"), {"tokens_per_step": args.tokens_per_step, "points": points})
+    dump(out.with_suffix(".json"), {"tokens_per_step": args.tokens_per_step, "points": points})
     W, H, left, top, pw, ph = 900, 520, 70, 50, 620, 400
     img = Image.new("RGB", (W, H), "white")
     draw, font = ImageDraw.Draw(img), ImageFont.load_default()
@@ -372,16 +374,6 @@ def curve(args) -> None:
 
 
 # ---------------------------------------------------------------- helpers
-
-
-def _device_name(device: str) -> str:
-    return torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else "cpu"
-
-
-def _dump(path: Path, obj) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, default=str))
-    tmp.replace(path)
 
 
 def _load(path: Path):

@@ -39,8 +39,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
-import re
 import shutil
 import signal
 import statistics
@@ -52,80 +50,15 @@ from typing import Any, Callable
 
 import torch
 
-SHAPES = {  # Llama-family shapes: hidden, layers, intermediate, heads, kv heads, vocab
-    "8b": (4096, 32, 14336, 32, 8, 128256),
-    "1b": (2048, 16, 8192, 32, 8, 128256),
-    "tiny": (128, 8, 256, 4, 2, 4096),
-}
+from common import capture_rate, disk_write_rate, forward_rate, git
+from random_target import SEED_SHAPES, SHAPES, build_prepared, build_target, random_samples, word_tokenizer
+
 PHASES = ("capture", "train", "seed", "seqlen", "online")
-# The seed's drafter: speed_gpu.SEED_SHAPES' sizes ("8b" there: Kimi-K2's), and how to run it.
+# The seed's drafter: random_target.SEED_SHAPES' sizes ("8b" there: Kimi-K2's), and how to run it.
 SEED_RUNS = {
     "kimi-k2": dict(shape="8b", tokens=400_000, lengths=(256, 2048), seq_start=32768, seq_max=262144),
     "tiny": dict(shape="tiny", tokens=6000, lengths=(64, 512), seq_start=512, seq_max=1024),
 }
-
-
-def word_tokenizer(vocab: int):
-    """A word-level tokenizer (token i is "t{i}") whose chat template joins the turns."""
-    from tokenizers import Tokenizer, models
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t1", pad_token="t0")
-    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    return tokenizer
-
-
-def random_target_config(shape: str):
-    """The LlamaConfig of `shape` and a word-level tokenizer with a chat template."""
-    from transformers import LlamaConfig
-
-    H, L, I, nh, nkv, V = SHAPES[shape]
-    config = LlamaConfig(hidden_size=H, num_hidden_layers=L, intermediate_size=I, num_attention_heads=nh,
-                         num_key_value_heads=nkv, vocab_size=V, max_position_embeddings=8192, tie_word_embeddings=False)
-    return config, word_tokenizer(V)
-
-
-def build_target(folder: Path, shape: str, device: str):
-    """A random bf16 Llama of `shape` and a word-level tokenizer with a chat template."""
-    from transformers import AutoModelForCausalLM
-
-    config, tokenizer = random_target_config(shape)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return config, tokenizer
-
-
-def random_samples(tokens: int, low: int, high: int, lengths: tuple[int, int] = (256, 2048), seed: int = 0) -> list:
-    """PreparedSamples of ids drawn from [low, high) until `tokens` are reached, the first fifth
-    of each a prompt (not trained). A seed gives the same samples in the same order whatever
-    `tokens` is: a smaller set is a prefix of a larger one."""
-    from eyas.data.prepared import PreparedSample
-
-    rng = random.Random(seed)
-    g = torch.Generator().manual_seed(seed)
-    samples, total = [], 0
-    while total < tokens:
-        n = rng.randint(*lengths)
-        mask = torch.ones(n, dtype=torch.bool)
-        mask[: n // 5] = False
-        samples.append(PreparedSample(torch.randint(low, high, (n,), generator=g), mask, len(samples)))
-        total += n
-    return samples
-
-
-def build_prepared(folder: Path, model_dir: Path, config, tokenizer, tokens: int, seed: int = 0) -> list[int]:
-    from eyas.data.prepared import write_prepared
-    from eyas.models import model_identity
-
-    samples = random_samples(tokens, 2, config.vocab_size, seed=seed)
-    total = sum(len(s.input_ids) for s in samples)
-    identity = model_identity(str(model_dir), config, tokenizer)
-    write_prepared(folder, samples, [[] for _ in samples], identity, None, "random", 2048,
-                   {"kept": len(samples), "tokens": total})
-    return [len(s.input_ids) for s in samples]
 
 
 def pure_forward(model_dir: Path, prepared: Path, device: str, batch_tokens: int) -> float:
@@ -138,75 +71,6 @@ def pure_forward(model_dir: Path, prepared: Path, device: str, batch_tokens: int
     if device == "cuda":
         torch.cuda.empty_cache()
     return rate
-
-
-def forward_rate(model, prepared: Path, device: str, batch_tokens: int, max_tokens: int | None = None) -> float:
-    """tok/s of `model`'s decoder (up to its final norm) over the capture's own batches of
-    `prepared` (the first batches holding `max_tokens`, if given), after two warm-up batches."""
-    from eyas.data.batching import token_budget_batches
-    from eyas.data.prepared import PreparedData
-
-    data = PreparedData(prepared)
-    lengths = [data.length(i) for i in range(len(data))]
-    batches = token_budget_batches(list(range(len(data))), lengths, batch_tokens)
-    if max_tokens is not None:
-        kept, total = [], 0
-        for batch in batches:
-            if total >= max_tokens:
-                break
-            kept.append(batch)
-            total += sum(lengths[i] for i in batch)
-        batches = kept
-
-    def run(batch):
-        T = max(lengths[i] for i in batch)
-        ids = torch.zeros(len(batch), T, dtype=torch.long)
-        mask = torch.zeros(len(batch), T, dtype=torch.long)
-        for b, i in enumerate(batch):
-            ids[b, : lengths[i]], mask[b, : lengths[i]] = data[i].input_ids, 1
-        with torch.inference_mode():
-            model.model(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
-
-    for batch in batches[:2]:
-        run(batch)  # warm-up
-    _sync(device)
-    start = time.perf_counter()
-    for batch in batches:
-        run(batch)
-    _sync(device)
-    return sum(lengths[i] for batch in batches for i in batch) / (time.perf_counter() - start)
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def disk_write_rate(folder: Path, writers: int, gib: float = 2.0) -> float:
-    """GB/s that `writers` threads reach writing and fsyncing `gib` GiB each into `folder`:
-    the ceiling for capture's store writes on this machine."""
-    import threading
-
-    block = os.urandom(64 << 20)
-    paths = [folder / f"disk-probe-{w}.bin" for w in range(writers)]
-
-    def write(path: Path) -> None:
-        with open(path, "wb") as f:
-            for _ in range(int(gib * 16)):
-                f.write(block)
-            f.flush()
-            os.fsync(f.fileno())
-
-    threads = [threading.Thread(target=write, args=(p,)) for p in paths]
-    start = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    seconds = time.perf_counter() - start
-    for path in paths:
-        path.unlink()
-    return writers * gib * (1 << 30) / seconds / 1e9
 
 
 # ---------------------------------------------------------------- processes
@@ -277,12 +141,6 @@ def read_peaks(folder: Path) -> dict[str, Any]:
             "reserved_gib": round(max(r["reserved_gib"] for r in rows), 2), "ranks": len(rows), "kind": rows[0]["kind"]}
 
 
-def capture_rate(stdout: str) -> tuple[float, float]:
-    """(tok/s, seconds the capture waited on its store writers) from capture's last line."""
-    m = re.search(r"captured ([\d,]+) tokens in ([\d.]+) s.*; ([\d.]+) s of it waiting", stdout)
-    return int(m.group(1).replace(",", "")) / float(m.group(2)), float(m.group(3))
-
-
 def train_rows(out: Path) -> list[dict[str, Any]]:
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["split"] == "train"]
 
@@ -325,12 +183,10 @@ def _same_bytes(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 def seed_config(name: str):
-    """The seed's target as its drafter sees it: a DeepseekV3 config of speed_gpu.SEED_SHAPES'
+    """The seed's target as its drafter sees it: a DeepseekV3 config of random_target.SEED_SHAPES'
     sizes whose layers are all dense. The drafter takes only the target's widths, heads and
     vocabulary, and no layer is ever built (training reads three tensors from the folder)."""
     from transformers import DeepseekV3Config
-
-    from speed_gpu import SEED_SHAPES
 
     shape = SEED_SHAPES[SEED_RUNS[name]["shape"]]
     return DeepseekV3Config(**shape, first_k_dense_replace=shape["num_hidden_layers"],
@@ -401,14 +257,12 @@ class Bench:
         self.seed = SEED_RUNS[args.seed_shape]
         self._memo: dict[Any, Any] = {}
         machine = torch.cuda.get_device_name(0) if args.device == "cuda" else f"cpu x{os.cpu_count()}"
-        from speed_gpu import _git
-
         self.result: dict[str, Any] = {
             f"capture_efficiency_{self.top}": None, f"train_efficiency_{self.top}": None,
             f"train_peak_gib_{self.top}": None, f"max_seq_len_fsdp2_{self.top}": None,
             f"online_over_predicted_{self.top}": None,
             "command": "python3 " + " ".join([sys.argv[0], *sys.argv[1:]]),
-            "commit": _git("rev-parse", "HEAD") or args.commit, "dirty": bool(_git("status", "--porcelain")),
+            "commit": git("rev-parse", "HEAD") or args.commit, "dirty": bool(git("status", "--porcelain")),
             "machine": machine, "torch": torch.__version__, "gpus": self.gpus, "store_root": str(self.stores),
             "efficiency": "throughput_G / (G x throughput_1)", "phases": {},
         }
@@ -581,8 +435,6 @@ class Bench:
         out["efficiency"] = self.efficiency(rates, rates[self.base])
 
     def phase_seed(self) -> None:
-        from speed_gpu import SEED_SHAPES
-
         out = self.phase("seed")
         out.update(shape=SEED_SHAPES[self.seed["shape"]], draft_vocab=self.seed_vocab(),
                    layers_in_folder="all dense (the drafter reads widths, heads and vocabulary only)")

@@ -43,7 +43,6 @@ STARTED = time.monotonic()  # the budget counts the imports too
 
 import argparse
 import contextlib
-import gc
 import io
 import json
 import logging
@@ -51,7 +50,6 @@ import os
 import random
 import re
 import shutil
-import subprocess
 import sys
 import traceback
 from dataclasses import dataclass
@@ -61,17 +59,11 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from scale_gpu import SHAPES, build_prepared, capture_rate, disk_write_rate, forward_rate, random_target_config  # noqa: E402
+from common import Peak, capture_rate, disk_write_rate, forward_rate, free_memory, git, say, sync  # noqa: E402
+from random_target import SEED_SHAPES, SHAPES, build_prepared, random_target_config  # noqa: E402
 
 LEFT: Callable[[], float] = lambda: float("inf")  # seconds left of --minutes (set in main)
 PEAK_TFLOPS = 790.0  # H200 dense bf16 matrix-unit ceiling, the issue's denominator
-# The seed's target, Kimi-K2 (a DeepseekV3 text model): the sizes its drafter is built from.
-SEED_SHAPES = {
-    "8b": dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=64,
-               vocab_size=163840, num_hidden_layers=61),
-    "tiny": dict(hidden_size=192, intermediate_size=384, num_attention_heads=4, num_key_value_heads=4,
-                 vocab_size=8192, num_hidden_layers=8),
-}
 TRAIN_BATCH_TOKENS = 8192
 TTT_STEPS = 7
 
@@ -101,19 +93,6 @@ def train_flops(draft, target_vocab: int, lengths: list[int], steps: int = TTT_S
 
 
 # ---------------------------------------------------------------- the run's record
-
-
-def say(message: str) -> None:
-    print(message, flush=True)
-
-
-def _git(*args: str) -> str | None:
-    try:
-        done = subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                              cwd=Path(__file__).resolve().parent)
-        return done.stdout.strip() if done.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
 
 
 class Record:
@@ -157,7 +136,7 @@ class Record:
                                         "error": f"{type(e).__name__}: {e}"[:2000], "traceback": traceback.format_exc()}
             say(f"[{self.elapsed():6.1f} s] {name}: FAILED: {type(e).__name__}: {str(e)[:300]}")
         finally:
-            _free()
+            free_memory()
         self.save()
         return out
 
@@ -198,46 +177,6 @@ def headline(parts: dict[str, Any]) -> dict[str, Any]:
         "online_over_predicted": get("online", "over_predicted"),
         "capture_bf16_over_disk": ratio(get("capture_bf16", "store_gb_s"), (get("disk", "gb_s") or {}).get("3")),
     }
-
-
-# ---------------------------------------------------------------- device helpers
-
-
-def _sync(device: torch.device | str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def _gib(n: float) -> float:
-    return n / (1 << 30)
-
-
-class Peak:
-    """Peak CUDA memory allocated inside the block, above what was allocated when it began."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.base = self.peak = 0
-
-    def __enter__(self):
-        if self.cuda:
-            _free()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        return self
-
-    def __exit__(self, *exc):
-        if self.cuda:
-            self.peak = torch.cuda.max_memory_allocated() - self.base
-
-    def report(self) -> dict[str, float]:
-        return {"peak_gib": round(_gib(self.peak), 2), "resident_before_gib": round(_gib(self.base), 2)} if self.cuda else {}
 
 
 class _Tee(io.TextIOBase):
@@ -403,7 +342,7 @@ def _step_lengths(run) -> list[int]:
     return [run.source.lengths[p] for b in run.train_stream.for_step(run.step, run.group, 0, 1) for p in b]
 
 
-def _timed_steps(run, seconds: float, max_steps: int, step_fn=None) -> dict[str, Any]:
+def timed_steps(run, seconds: float, max_steps: int, step_fn=None) -> dict[str, Any]:
     """Train steps for about `seconds` (at least 2, at most `max_steps`): real tok/s, TFLOP/s."""
     from eyas.train.loop import train_step
 
@@ -411,7 +350,7 @@ def _timed_steps(run, seconds: float, max_steps: int, step_fn=None) -> dict[str,
     V = run.head.lm_head_weight.shape[0]
     seconds = min(seconds, max(LEFT() - 10, 0))  # leave the rest of the budget its chance
     tokens = flops = steps = 0
-    _sync(run.device)
+    sync(run.device)
     start = time.perf_counter()
     while steps < max_steps and (steps < 2 or time.perf_counter() - start < seconds):
         lengths = _step_lengths(run)
@@ -419,7 +358,7 @@ def _timed_steps(run, seconds: float, max_steps: int, step_fn=None) -> dict[str,
         flops += train_flops(run.draft, V, lengths)["total"]
         step_fn(run)
         steps += 1
-    _sync(run.device)
+    sync(run.device)
     wall = time.perf_counter() - start
     return {"tok_s": tokens / wall, "tflops": flops / wall / 1e12, "steps": steps, "tokens": tokens, "wall_s": wall,
             "tflop_per_token": flops / tokens / 1e12, "fraction_of_790": flops / wall / 1e12 / PEAK_TFLOPS}
@@ -473,10 +412,10 @@ def part_train(ctx: Context) -> dict[str, Any]:
         start = time.monotonic()
         for _ in range(ctx.args.warm_steps):
             train_step(run)
-        _sync(device)
+        sync(device)
         warm_s = time.monotonic() - start
         masks_before = _mask_cache()
-        timed = _timed_steps(run, ctx.args.train_seconds, 200)
+        timed = timed_steps(run, ctx.args.train_seconds, 200)
         masks_after = _mask_cache()
     ctx.run = run
     return {**timed, **peak.report(), "setup_s": setup_s, "warm_steps": ctx.args.warm_steps, "warm_s_incl_compile": warm_s,
@@ -523,10 +462,10 @@ def _time_block_masks(device: torch.device) -> dict[str, Any]:
         return {"skipped": "flex attention is used on CUDA only"}
     from eyas.draft.model import causal_block_mask
 
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     causal_block_mask.__wrapped__(2048, device)
-    _sync(device)
+    sync(device)
     return {"causal_s": time.perf_counter() - start}
 
 
@@ -570,7 +509,7 @@ def part_train_preloaded(ctx: Context) -> dict[str, Any]:
     run = ctx.run
     steps = ctx.args.preload_steps
     with _preloaded(run, steps):
-        timed = _timed_steps(run, 1e9, steps)
+        timed = timed_steps(run, 1e9, steps)
     return {**timed, "note": "loop.train_step over the same kind of batches, loaded onto the device beforehand"}
 
 
@@ -584,12 +523,12 @@ def part_profile(ctx: Context) -> dict[str, Any]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     lengths = []
     with profile(activities=activities) as prof:
-        _sync(run.device)
+        sync(run.device)
         start = time.perf_counter()
         for _ in range(ctx.args.profile_steps):
             lengths += _step_lengths(run)
             train_step(run)
-        _sync(run.device)
+        sync(run.device)
         wall = time.perf_counter() - start
     start = time.perf_counter()
     events = prof.key_averages()
@@ -717,7 +656,7 @@ def part_fixed(ctx: Context) -> dict[str, Any]:
         from eyas.train.loop import train_step
 
         train_step(run)  # a new T: its block masks
-        timed = _timed_steps(run, ctx.args.train_seconds / 2, 100)
+        timed = timed_steps(run, ctx.args.train_seconds / 2, 100)
     finally:
         run.source, run.train_stream = saved
     return {**timed, "batch": f"4 x {T}", "compare": "docs/train.md: 23.4k tok/s (flex attention, 4 x 2048, H200)"}
@@ -805,12 +744,12 @@ def part_plain(ctx: Context) -> dict[str, Any]:
         mask[:, : T // 5] = False
         args = (drafter, head, optimizer, draft_ids, ids, aux, last, mask, TTT_STEPS)
         plain_step(*args)  # warm-up
-        _sync(device)
+        sync(device)
         start, steps = time.perf_counter(), 0
         while steps < 2 or (time.perf_counter() - start < ctx.args.train_seconds / 2 and steps < 50):
             plain_step(*args)
             steps += 1
-        _sync(device)
+        sync(device)
         wall = time.perf_counter() - start
     flops = train_flops(draft, draft.vocab_size, [T] * steps)["total"]
     return {"tok_s": T * steps / wall, "tflops": flops / wall / 1e12, "steps": steps, "tokens_per_step": T,
@@ -830,14 +769,14 @@ def part_online(ctx: Context) -> dict[str, Any]:
         # The target's forward alone, as the loop runs it (OnlineSource.load), over the next steps' batches.
         n = ctx.args.online_steps
         batches = [b for s in range(run.step, run.step + n) for b in run.train_stream.for_step(s, run.group, 0, 1)]
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         for positions in batches:
             run.source.load(positions, device)
-        _sync(device)
+        sync(device)
         forward_s = time.perf_counter() - start
         tokens = sum(run.source.lengths[p] for b in batches for p in b)
-        timed = _timed_steps(run, 1e9, n)
+        timed = timed_steps(run, 1e9, n)
     forward = tokens / forward_s
     parts = ctx_parts(ctx)
     head_part = "train_preloaded" if parts.get("train_preloaded", {}).get("ok") else "train"
@@ -886,9 +825,9 @@ def part_seed(ctx: Context) -> dict[str, Any]:
         start = time.monotonic()
         for _ in range(ctx.args.warm_steps):
             train_step(run)
-        _sync(device)
+        sync(device)
         warm = time.monotonic() - start
-        timed = _timed_steps(run, ctx.args.train_seconds, 100)
+        timed = timed_steps(run, ctx.args.train_seconds, 100)
     trainable = sum(p.numel() for p in run.model.parameters() if p.requires_grad)
     return {**timed, **peak.report(), "warm_s_incl_compile": warm, "trainable_params": trainable,
             "draft": {k: getattr(draft, k) for k in ("hidden_size", "intermediate_size", "num_attention_heads",
@@ -958,7 +897,7 @@ def main() -> None:
     global LEFT
     record = Record(Path(args.out) / "speed_gpu.json", args.minutes, {
         "command": "python3 " + " ".join([sys.argv[0], *sys.argv[1:]]),
-        "commit": _git("rev-parse", "HEAD") or args.commit, "dirty": bool(_git("status", "--porcelain")),
+        "commit": git("rev-parse", "HEAD") or args.commit, "dirty": bool(git("status", "--porcelain")),
         "machine": machine, "torch": torch.__version__, "shape": args.shape, "tokens": args.tokens,
         "tokens_note": "fewer than the issue's 1M tokens, to fit one call; rates, not totals, are compared",
         "peak_tflops": PEAK_TFLOPS, "flop_formula": FLOP_FORMULA,
@@ -977,7 +916,7 @@ def main() -> None:
             continue
         if name == "seed":
             ctx.model = None  # the target is not needed any more: give its memory to the seed's head
-            _free()
+            free_memory()
         dependency = NEEDS.get(name)
         if dependency and not record.data["parts"].get(dependency, {}).get("ok"):
             record.data["parts"][name] = {"ok": False, "skipped": f"needs {dependency}, which did not succeed"}
