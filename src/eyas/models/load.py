@@ -8,8 +8,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageText
 from eyas.errors import EyasError
 from eyas.models.identity import text_config
 from eyas.models.resolve import resolve_model
-from eyas.vllm.engine import ENGINE_DTYPE  # light: vLLM itself is imported only when used
 
+# What vLLM runs a target in when --model-dtype is not given: the checkpoint's own dtype.
+ENGINE_DTYPE = "auto"
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,

@@ -19,8 +19,6 @@ TESTED = ((0, 32), (0, 33))  # [lowest, first untested)
 TESTED_TEXT = ">=0.32,<0.33"
 CONNECTOR_MODULE = "eyas.vllm.connector"
 CONNECTOR = "EyasHiddenStatesConnector"
-# vLLM's --dtype when eyas is given none: vLLM picks the checkpoint's own dtype.
-ENGINE_DTYPE = "auto"
 
 
 def installed_vllm_version() -> str:

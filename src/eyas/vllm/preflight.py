@@ -149,10 +149,12 @@ def check_head_size(config: Any, model: str, dtype: str, instead: str, here: boo
     from vllm.utils.import_utils import resolve_obj_by_qualname
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
+    from eyas.models.load import ENGINE_DTYPE
+
     text = get_hf_text_config(config)
     convertor = MODEL_ARCH_CONFIG_CONVERTORS.get(config.model_type, ModelArchConfigConvertorBase)(config, text)
     mla, head_size = convertor.is_deepseek_mla() and not envs.VLLM_MLA_DISABLE, convertor.get_head_size()
-    run_dtype = {engine.ENGINE_DTYPE: torch.bfloat16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+    run_dtype = {ENGINE_DTYPE: torch.bfloat16, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
                  "float16": torch.float16, "fp32": torch.float32, "float32": torch.float32}.get(dtype, torch.bfloat16)
     selector = AttentionSelectorConfig(head_size=head_size, dtype=run_dtype, kv_cache_dtype=None, block_size=None,
                                        use_mla=mla)

@@ -12,7 +12,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from eyas.vllm.engine import ENGINE_DTYPE, engine_kwargs
+from eyas.models.load import ENGINE_DTYPE
+from eyas.vllm.engine import engine_kwargs
 from eyas.vllm.target import Target
 
 
