@@ -42,9 +42,11 @@ def tiny_llama_dir(tmp_path_factory, tiny_tokenizer_dir) -> Path:
 def smollm2_prepared(tmp_path_factory, smollm2_dir) -> Path:
     """16 real ShareGPT conversations for SmolLM2, at most 256 tokens each."""
     from eyas.data.prepare import prepare
+    from eyas.data.config import PrepareConfig
 
     out = tmp_path_factory.mktemp("smollm2-prepared")
-    prepare(SMOLLM2, "packaged:sharegpt", out, max_len=256, limit=16, progress=False)
+    prepare(PrepareConfig(model=SMOLLM2, data=["packaged:sharegpt"], out=str(out), max_len=256, limit=16),
+            progress=False)
     return out
 
 
@@ -52,9 +54,11 @@ def smollm2_prepared(tmp_path_factory, smollm2_dir) -> Path:
 def smollm2_store(tmp_path_factory, smollm2_prepared) -> Path:
     """A float32 store of `smollm2_prepared` with the default layer ids (2, 15, 27, 30)."""
     from eyas.capture.run import capture
+    from eyas.capture.config import CaptureConfig
 
     out = tmp_path_factory.mktemp("smollm2-store") / "store"
-    capture(SMOLLM2, smollm2_prepared, out, dtype="fp32", batch_tokens=2048, progress=False)
+    capture(CaptureConfig(model=SMOLLM2, data=str(smollm2_prepared), out=str(out), dtype="fp32", batch_tokens=2048),
+            progress=False)
     return out
 
 

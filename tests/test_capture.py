@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from eyas.capture.hf import HFCapturer
 from eyas.capture.run import capture
+from eyas.capture.config import CaptureConfig
 from eyas.cli import main
 from eyas.data.prepared import PreparedData, PreparedSample
 from eyas.errors import EyasError
@@ -109,8 +110,8 @@ def test_on_batch_sees_each_batch_before_its_capture_and_changes_nothing(tmp_pat
         calls.append(len(samples))
         seen.extend(tuple(s.input_ids.tolist()) for s in samples)
 
-    capture(SMOLLM2, smollm2_prepared, tmp_path / "store", dtype="fp32", batch_tokens=2048, progress=False,
-            on_batch=hook)
+    capture(CaptureConfig(model=SMOLLM2, data=str(smollm2_prepared), out=str(tmp_path / "store"), dtype="fp32",
+                          batch_tokens=2048), progress=False, on_batch=hook)
     prepared = PreparedData(smollm2_prepared)
     assert sorted(seen) == sorted(tuple(prepared[i].input_ids.tolist()) for i in range(len(prepared)))
     assert len(calls) > 1  # 16 samples of up to 256 tokens do not fit one 2,048-token batch
@@ -225,7 +226,8 @@ def test_fp8_capture_quantizes_on_the_capture_device_to_the_same_bytes(tmp_path,
         add(self, index, input_ids, loss_mask, hidden, scale=scale)
 
     monkeypatch.setattr(StoreWriter, "add", add_recording)
-    manifest = capture(SMOLLM2, smollm2_prepared, tmp_path / "fp8", dtype="fp8", batch_tokens=2048, progress=False)
+    manifest = capture(CaptureConfig(model=SMOLLM2, data=str(smollm2_prepared), out=str(tmp_path / "fp8"),
+                                     dtype="fp8", batch_tokens=2048), progress=False)
     assert manifest["complete"] and manifest["dtype"] == "fp8"
     assert given == [(torch.float8_e4m3fn, True)] * 16  # quantized before the writer
     fp8, fp32 = Store(tmp_path / "fp8"), Store(smollm2_store)
@@ -241,15 +243,18 @@ def test_fp8_capture_quantizes_on_the_capture_device_to_the_same_bytes(tmp_path,
 
 def test_mismatches_are_clear_errors(tmp_path, smollm2_prepared, smollm2_store, tiny_llama_dir):
     with pytest.raises(EyasError, match=r"Layer id\(s\) \[31\] out of range.*0\.\.29"):
-        capture(SMOLLM2, smollm2_prepared, tmp_path / "a", layers="2,15,31", progress=False)
+        capture(CaptureConfig(model=SMOLLM2, data=str(smollm2_prepared), out=str(tmp_path / "a"), layers="2,15,31"),
+                progress=False)
     assert not (tmp_path / "a").exists()  # nothing was written before the error
     with pytest.raises(EyasError, match="different tokenizer"):
-        capture(str(tiny_llama_dir), smollm2_prepared, tmp_path / "b", progress=False)
+        capture(CaptureConfig(model=str(tiny_llama_dir), data=str(smollm2_prepared), out=str(tmp_path / "b")),
+                progress=False)
     with pytest.raises(EyasError, match="different layer_ids"):
-        capture(SMOLLM2, smollm2_prepared, smollm2_store, layers="3,10,20", progress=False)
+        capture(CaptureConfig(model=SMOLLM2, data=str(smollm2_prepared), out=str(smollm2_store), layers="3,10,20"),
+                progress=False)
     (tmp_path / "plain").mkdir()
     with pytest.raises(EyasError, match="not prepared data"):
-        capture(SMOLLM2, tmp_path / "plain", tmp_path / "c", progress=False)
+        capture(CaptureConfig(model=SMOLLM2, data=str(tmp_path / "plain"), out=str(tmp_path / "c")), progress=False)
     with pytest.raises(EyasError, match="not an eyas store"):
         Store(tmp_path)
 

@@ -12,6 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from eyas.capture.run import capture
+from eyas.capture.config import CaptureConfig
 from eyas.cli import main
 from eyas.data.prepared import PreparedData
 from eyas.data.template import ChatTemplate
@@ -50,8 +51,10 @@ def test_prepare_records_the_template_it_rendered_with(prepared, tiny_llama_dir)
 
 def _prepare_plain(out: Path, model: Path) -> Path:
     from eyas.data.prepare import prepare
+    from eyas.data.config import PrepareConfig
 
-    prepare(str(model), "packaged:chitchat", out, max_len=64, limit=1, progress=False)
+    prepare(PrepareConfig(model=str(model), data=["packaged:chitchat"], out=str(out), max_len=64, limit=1),
+            progress=False)
     return out
 
 
@@ -90,7 +93,8 @@ def test_a_different_template_at_capture_is_refused(prepared, tiny_llama_dir, tm
     other.write_text(CHATML)
     out = tmp_path / "store"
     with pytest.raises(EyasError) as e:
-        capture(str(tiny_llama_dir), prep, out, chat_template=str(other), progress=False)
+        capture(CaptureConfig(model=str(tiny_llama_dir), data=str(prep), out=str(out), chat_template=str(other)),
+                progress=False)
     message = str(e.value)
     assert f"prepared with {template.resolve()}" in message and f"--chat-template {other} is a different" in message
     assert not out.exists()
@@ -101,7 +105,8 @@ def test_a_different_template_at_capture_is_refused(prepared, tiny_llama_dir, tm
     record["chat_template"]["source"] = str(other.resolve())
     (edited / "prepared.json").write_text(json.dumps(record))
     with pytest.raises(EyasError, match=rf"The chat template {other} has changed since .* prepared with it"):
-        capture(str(tiny_llama_dir), edited, out, chat_template=str(other), progress=False)
+        capture(CaptureConfig(model=str(tiny_llama_dir), data=str(edited), out=str(out), chat_template=str(other)),
+                progress=False)
 
 
 def test_a_different_tokenizer_is_still_refused_and_named_once(prepared, tiny_llama_dir, tmp_path):
@@ -117,7 +122,7 @@ def test_a_different_tokenizer_is_still_refused_and_named_once(prepared, tiny_ll
     meta["target"]["model"] = str(model)
     (edited / "prepared.json").write_text(json.dumps(meta))
     with pytest.raises(EyasError) as e:
-        capture(str(model), edited, tmp_path / "store", progress=False)
+        capture(CaptureConfig(model=str(model), data=str(edited), out=str(tmp_path / "store")), progress=False)
     message = str(e.value)
     assert "different tokenizer than the one now at" in message and message.count(str(model)) == 1
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import inspect
 import shlex
 import shutil
 import subprocess
@@ -43,10 +42,10 @@ def _device_options() -> dict[str, object]:
 
 def test_every_stage_takes_device_auto_and_says_so():
     """Every stage that runs a model takes `--device` with the same default and help, and the
-    function behind each command has the same default."""
-    from eyas.capture.run import capture
-    from eyas.evaluate.run import EvalConfig
-    from eyas.regenerate.run import regenerate
+    config the function behind each command takes has the same default."""
+    from eyas.capture.config import CaptureConfig
+    from eyas.evaluate.config import EvalConfig
+    from eyas.regenerate.config import RegenerateConfig
     from eyas.train.config import TrainConfig
 
     options = _device_options()
@@ -54,10 +53,8 @@ def test_every_stage_takes_device_auto_and_says_so():
     for name, action in options.items():
         assert action.default == AUTO, name
         assert action.help.startswith(DEVICE_HELP), name
-    assert inspect.signature(capture).parameters["device"].default == AUTO
-    assert inspect.signature(regenerate).parameters["device"].default == AUTO
-    assert EvalConfig.__dataclass_fields__["device"].default == AUTO
-    assert TrainConfig.__dataclass_fields__["device"].default == AUTO
+    for config in (CaptureConfig, RegenerateConfig, EvalConfig, TrainConfig):
+        assert config.__dataclass_fields__["device"].default == AUTO, config
 
 
 def test_device_auto_is_what_the_help_says(monkeypatch):

@@ -10,6 +10,7 @@ import random
 import pytest
 
 from eyas.data.prepare import format_summary, prepare
+from eyas.data.config import PrepareConfig
 from eyas.errors import EyasError
 
 GOOD = [
@@ -60,7 +61,8 @@ def test_prepare_on_randomly_damaged_data_never_raises_anything_but_a_clear_erro
         data = tmp_path / f"{case}{suffix}"
         data.write_bytes(damage(clean, rng))
         try:
-            summary = prepare(str(tiny_llama_dir), str(data), tmp_path / f"out{case}", max_len=64, progress=False)
+            summary = prepare(PrepareConfig(model=str(tiny_llama_dir), data=[str(data)],
+                                            out=str(tmp_path / f"out{case}"), max_len=64), progress=False)
         except EyasError as e:
             assert "\n" not in str(e)
             errors += 1

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from eyas.data.prepare import EXCLUDED, format_summary, prepare
+from eyas.data.config import PrepareConfig
 from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
 
@@ -73,11 +74,12 @@ def test_parquet_arrow_and_save_to_disk_prepare_exactly_as_jsonl(tmp_path, tiny_
     pq.write_table(table, tmp_path / "rows.parquet", row_group_size=2)
     sources = [tmp_path / "rows.parquet", shards, _arrow(tmp_path / "file.arrow", table, stream=False),
                _arrow(tmp_path / "stream.arrow", table, stream=True), _save_to_disk(tmp_path / "saved", table)]
-    reference = prepare(str(tiny_llama_dir), str(_jsonl(tmp_path / "rows.jsonl", ROWS)), tmp_path / "ref",
-                        workers=1, progress=False)
+    reference = prepare(PrepareConfig(model=str(tiny_llama_dir), data=[str(_jsonl(tmp_path / "rows.jsonl", ROWS))],
+                                      out=str(tmp_path / "ref"), workers=1), progress=False)
     assert reference["layouts"] == LAYOUTS and reference["dropped"] == DROPPED and reference["kept"] == 4
     for k, source in enumerate(sources):
-        assert prepare(str(tiny_llama_dir), str(source), tmp_path / f"p{k}", workers=1, progress=False) == reference
+        assert prepare(PrepareConfig(model=str(tiny_llama_dir), data=[str(source)], out=str(tmp_path / f"p{k}"),
+                                     workers=1), progress=False) == reference
         _same(tmp_path / "ref", tmp_path / f"p{k}")
 
 
@@ -87,7 +89,8 @@ def test_unreadable_tables_are_clear_errors(tmp_path, tiny_llama_dir):
     for source, message in ((tmp_path / "broken.parquet", "Cannot read .*broken.parquet"),
                             (tmp_path / "empty", "holds no .parquet or .arrow file")):
         with pytest.raises(EyasError, match=message):
-            prepare(str(tiny_llama_dir), str(source), tmp_path / "out", progress=False)
+            prepare(PrepareConfig(model=str(tiny_llama_dir), data=[str(source)], out=str(tmp_path / "out")),
+                    progress=False)
 
 
 def test_windows_of_two_user_turns(tmp_path, tiny_llama_dir):
@@ -96,8 +99,9 @@ def test_windows_of_two_user_turns(tmp_path, tiny_llama_dir):
     turns = [{"role": "system", "content": "Be kind."}]
     for k in range(5):
         turns += [{"role": "user", "content": f"Question {k}?"}, {"role": "assistant", "content": f"Answer {k}."}]
-    summary = prepare(str(tiny_llama_dir), str(_jsonl(tmp_path / "long.jsonl", [{"messages": turns}])),
-                      tmp_path / "w", window=2, workers=1, progress=False)
+    summary = prepare(PrepareConfig(model=str(tiny_llama_dir), data=[str(_jsonl(tmp_path / "long.jsonl",
+                                    [{"messages": turns}]))], out=str(tmp_path / "w"), window=2, workers=1),
+                      progress=False)
     assert summary["kept"] == 3 and summary["records_read"] == 1 and summary["layouts"] == {"messages": 1}
     assert format_summary(summary, "w").startswith("kept 3 windows of 2 user turns from 1 records -> w")
     assert PreparedData(tmp_path / "w").conversations() == [turns[:5], turns[:1] + turns[5:9], turns[:1] + turns[9:]]
@@ -113,8 +117,8 @@ def test_weighted_mix_and_excluded_prompts(tmp_path, tiny_llama_dir):
 
     a, b = _jsonl(tmp_path / "a.jsonl", rows("apples")), _jsonl(tmp_path / "b.jsonl", rows("boats"))
     prompts = _jsonl(tmp_path / "eval.jsonl", [{"prompt": "Please tell me about boats number 1 in a few plain words."}])
-    summary = prepare(str(tiny_llama_dir), [f"{a}@2", f"{b}@1"], tmp_path / "mix", exclude=[str(prompts)],
-                      workers=1, progress=False)
+    summary = prepare(PrepareConfig(model=str(tiny_llama_dir), data=[f"{a}@2", f"{b}@1"], out=str(tmp_path / "mix"),
+                                    exclude_prompts=[str(prompts)], workers=1), progress=False)
     answers = [c[1]["content"] for c in PreparedData(tmp_path / "mix").conversations()]
     assert answers == ["apples 0.", "apples 1.", "boats 0.", "apples 2.", "apples 3.", "apples 4.", "apples 5.",
                        "boats 2."]
@@ -123,10 +127,10 @@ def test_weighted_mix_and_excluded_prompts(tmp_path, tiny_llama_dir):
     long = [{"messages": [m for k in range(6) for m in ({"role": "user", "content": f"Q{r}.{k}?"},
                                                          {"role": "assistant", "content": f"L{r}w{k // 2}"})]}
             for r in range(2)]
-    summary = prepare(str(tiny_llama_dir), [f"{_jsonl(tmp_path / 'long.jsonl', long)}@1", f"{a}@1"], tmp_path / "w",
-                      window=2, workers=1, progress=False)
+    summary = prepare(PrepareConfig(model=str(tiny_llama_dir), data=[f"{_jsonl(tmp_path / 'long.jsonl', long)}@1",
+                                    f"{a}@1"], out=str(tmp_path / "w"), window=2, workers=1), progress=False)
     answers = [c[-1]["content"] for c in PreparedData(tmp_path / "w").conversations()]
     assert answers == [x for k in range(6) for x in (f"L{k // 3}w{k % 3}", f"apples {k}.")]
     assert summary["records_read"] == 8 and summary["kept"] == 12
     with pytest.raises(EyasError, match="SOURCE@WEIGHT"):
-        prepare(str(tiny_llama_dir), [f"{a}@0"], tmp_path / "bad", progress=False)
+        prepare(PrepareConfig(model=str(tiny_llama_dir), data=[f"{a}@0"], out=str(tmp_path / "bad")), progress=False)

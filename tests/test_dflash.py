@@ -311,11 +311,15 @@ def test_eval_refuses_a_tree_for_a_block_drafter_as_the_recipe_plans_none(one_th
 @pytest.fixture(scope="module")
 def tiny_llama_data(tiny_llama_dir, tmp_path_factory):
     from eyas.capture.run import capture
+    from eyas.capture.config import CaptureConfig
     from eyas.data.prepare import prepare
+    from eyas.data.config import PrepareConfig
 
     root = tmp_path_factory.mktemp("dflash-data")
-    prepare(str(tiny_llama_dir), "packaged:chitchat", root / "prep", max_len=64, limit=8, progress=False)
-    capture(str(tiny_llama_dir), root / "prep", root / "store", dtype="fp32", progress=False)
+    prepare(PrepareConfig(model=str(tiny_llama_dir), data=["packaged:chitchat"], out=str(root / "prep"), max_len=64,
+                          limit=8), progress=False)
+    capture(CaptureConfig(model=str(tiny_llama_dir), data=str(root / "prep"), out=str(root / "store"), dtype="fp32"),
+            progress=False)
     return root / "prep", root / "store"
 
 
@@ -361,10 +365,11 @@ def test_export_writes_vllms_dflash_layout_and_refuses_the_others(tmp_path):
 
     from eyas.draft import save_drafter
     from eyas.export import export_drafter
+    from eyas.export.config import ExportConfig
 
     drafter = make_setup()[0]
     save_drafter(drafter, tmp_path / "ckpt")
-    summary = export_drafter(tmp_path / "ckpt", "vllm", tmp_path / "vllm")
+    summary = export_drafter(ExportConfig(ckpt=str(tmp_path / "ckpt"), to="vllm", out=str(tmp_path / "vllm")))
     config = json.loads((tmp_path / "vllm" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
     assert config["block_size"] == K + 1 and config["num_hidden_layers"] == LAYERS
@@ -376,4 +381,4 @@ def test_export_writes_vllms_dflash_layout_and_refuses_the_others(tmp_path):
     assert f'"num_speculative_tokens": {K}' in summary["serve_command"] and '"method": "dflash"' in summary["serve_command"]
     for layout in ("sglang", "speculators"):
         with pytest.raises(EyasError, match="exports only --to vllm"):
-            export_drafter(tmp_path / "ckpt", layout, tmp_path / layout)
+            export_drafter(ExportConfig(ckpt=str(tmp_path / "ckpt"), to=layout, out=str(tmp_path / layout)))

@@ -57,7 +57,9 @@ def drafters(smollm2, references, tmp_path_factory):
     the test prompts, so that most of its drafts are accepted and long accepted paths,
     partial acceptance and drafted end tokens all occur."""
     from eyas.capture.run import capture
+    from eyas.capture.config import CaptureConfig
     from eyas.data.prepare import prepare
+    from eyas.data.config import PrepareConfig
     from eyas.train import TrainConfig, train
 
     model, tokenizer, identity = smollm2
@@ -74,8 +76,9 @@ def drafters(smollm2, references, tmp_path_factory):
         {"role": "user", "content": PROMPTS[name]},
         {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)},
     ]}) + "\n" for name, (_, ids) in references.items()))
-    prepare(SMOLLM2, str(answers), root / "prepared", max_len=256, progress=False)
-    capture(SMOLLM2, root / "prepared", root / "store", dtype="fp32", progress=False)
+    prepare(PrepareConfig(model=SMOLLM2, data=[str(answers)], out=str(root / "prepared"), max_len=256), progress=False)
+    capture(CaptureConfig(model=SMOLLM2, data=str(root / "prepared"), out=str(root / "store"), dtype="fp32"),
+            progress=False)
     trained = root / "trained"
     trained.mkdir()
     train(TrainConfig(out=str(trained), store=str(root / "store"), steps=30, lr=3e-3, warmup=0, ttt_steps=3,

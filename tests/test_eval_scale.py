@@ -36,9 +36,11 @@ def test_stratified_order_deals_categories_round_robin():
 def trained(tiny_llama_dir, tmp_path_factory):
     """A tiny drafter trained online for 3 steps with a quarter of 16 samples held out."""
     from eyas.data.prepare import prepare
+    from eyas.data.config import PrepareConfig
 
     root = tmp_path_factory.mktemp("scale")
-    prepare(str(tiny_llama_dir), "packaged:chitchat", root / "prep", max_len=64, limit=16, workers=1, progress=False)
+    prepare(PrepareConfig(model=str(tiny_llama_dir), data=["packaged:chitchat"], out=str(root / "prep"), max_len=64,
+                          limit=16, workers=1), progress=False)
     result = train(TrainConfig(out=str(root / "drafter"), online=True, model=str(tiny_llama_dir),
                                data=str(root / "prep"), steps=3, batch_tokens=256, eval_fraction=0.25, ttt_steps=3,
                                lr=1e-3, progress=False))
@@ -83,9 +85,11 @@ def test_teacher_forced_from_a_store_equals_running_the_target(tiny_llama_dir, t
     """Scored from an fp32 store of the same samples (how a recipe with offline training scores
     a target too large to load in transformers), the held-out figures equal the online ones."""
     from eyas.capture.run import capture
+    from eyas.capture.config import CaptureConfig
 
     root, _ = trained
-    capture(str(tiny_llama_dir), root / "prep", tmp_path / "store", dtype="fp32", progress=False)
+    capture(CaptureConfig(model=str(tiny_llama_dir), data=str(root / "prep"), out=str(tmp_path / "store"),
+                          dtype="fp32"), progress=False)
     online = teacher_forced(str(tiny_llama_dir), root / "drafter", root / "prep", held_out=True, device="cpu")
     stored = teacher_forced(str(tiny_llama_dir), root / "drafter", tmp_path / "store", held_out=True, device="cpu")
     assert stored["samples"] == online["samples"] == 4 and stored["positions"] == online["positions"]

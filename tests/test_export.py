@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from eyas.draft import DraftConfig, Eagle3Drafter, load_config, load_drafter, save_drafter
 from eyas.errors import EyasError
 from eyas.export import LAYOUTS, export_drafter, import_drafter
+from eyas.export.config import ExportConfig
 from eyas.vllm.serve import serve_launcher
 
 FORMATS = sorted(LAYOUTS)
@@ -78,7 +79,7 @@ def embed(tiny_llama_dir) -> torch.Tensor:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_export_then_import_gives_identical_weights_config_and_logits(fmt, drafter, embed, tmp_path):
-    export_drafter(drafter, fmt, tmp_path / "exported")
+    export_drafter(ExportConfig(ckpt=str(drafter), to=fmt, out=str(tmp_path / "exported")))
     import_drafter(tmp_path / "exported", tmp_path / "back")
     before, after = saved(drafter), saved(tmp_path / "back")
     assert before.keys() == after.keys()
@@ -93,14 +94,14 @@ def test_round_trip_of_a_full_vocabulary_drafter(tiny_llama_dir, tmp_path, embed
     vocab = json.loads((tiny_llama_dir / "config.json").read_text())["vocab_size"]
     ckpt = make_drafter(tiny_llama_dir, tmp_path / "full", draft_vocab=vocab)
     for fmt in FORMATS:
-        export_drafter(ckpt, fmt, tmp_path / fmt)
+        export_drafter(ExportConfig(ckpt=str(ckpt), to=fmt, out=str(tmp_path / fmt)))
         assert ("d2t" in saved(tmp_path / fmt)) == LAYOUTS[fmt].full_vocab_mapping
         import_drafter(tmp_path / fmt, tmp_path / f"{fmt}-back")
         assert torch.equal(ttt_logits(tmp_path / f"{fmt}-back", embed), ttt_logits(ckpt, embed))
 
 
 def test_export_casts_floating_weights_only(drafter, tmp_path):
-    export_drafter(drafter, "vllm", tmp_path / "bf16", dtype="bf16")
+    export_drafter(ExportConfig(ckpt=str(drafter), to="vllm", out=str(tmp_path / "bf16"), dtype="bf16"))
     tensors = saved(tmp_path / "bf16")
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
     assert all(t.dtype == torch.bfloat16 for k, t in tensors.items() if k not in ("d2t", "t2d"))
@@ -132,7 +133,7 @@ def test_eagle31_options_change_the_logits(drafter31, embed, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["vllm", "speculators"])
 def test_eagle31_options_round_trip_through_the_vllm_layouts(fmt, drafter31, tiny_llama_dir, embed, tmp_path):
-    export_drafter(drafter31, fmt, tmp_path / fmt)
+    export_drafter(ExportConfig(ckpt=str(drafter31), to=fmt, out=str(tmp_path / fmt)))
     config = json.loads((tmp_path / fmt / "config.json").read_text())
     assert config["fc_norm"] is True and config["norm_output"] is True and not config.get("norm_before_fc")
     tensors = saved(tmp_path / fmt)
@@ -153,7 +154,7 @@ def test_eagle31_options_round_trip_through_the_vllm_layouts(fmt, drafter31, tin
 
 
 def test_import_refuses_an_export_whose_option_was_edited(drafter31, tmp_path):
-    export_drafter(drafter31, "vllm", tmp_path / "vllm")
+    export_drafter(ExportConfig(ckpt=str(drafter31), to="vllm", out=str(tmp_path / "vllm")))
     edit(tmp_path / "vllm", lambda c: c.update(norm_output=False))
     with pytest.raises(EyasError, match="norm_output False disagrees with its eyas block"):
         import_drafter(tmp_path / "vllm", tmp_path / "back")
@@ -163,7 +164,7 @@ def test_import_refuses_an_export_whose_option_was_edited(drafter31, tmp_path):
 
 def test_layer_ids_follow_each_engines_convention(drafter, tmp_path):
     for fmt in FORMATS:
-        export_drafter(drafter, fmt, tmp_path / fmt)
+        export_drafter(ExportConfig(ckpt=str(drafter), to=fmt, out=str(tmp_path / fmt)))
     vllm = json.loads((tmp_path / "vllm/config.json").read_text())
     sglang = json.loads((tmp_path / "sglang/config.json").read_text())
     spec = json.loads((tmp_path / "speculators/config.json").read_text())
@@ -179,39 +180,40 @@ def test_layer_ids_follow_each_engines_convention(drafter, tmp_path):
 def test_sglang_export_refuses_what_sglang_does_not_implement(tiny_llama_dir, tmp_path):
     four = make_drafter(tiny_llama_dir, tmp_path / "four", aux=(1, 2, 4, 5))
     with pytest.raises(EyasError, match="exactly three aux layers"):
-        export_drafter(four, "sglang", tmp_path / "out1")
-    export_drafter(four, "vllm", tmp_path / "out2")  # vLLM sizes fc from num_aux_hidden_states
+        export_drafter(ExportConfig(ckpt=str(four), to="sglang", out=str(tmp_path / "out1")))
+    export_drafter(ExportConfig(ckpt=str(four), to="vllm",
+                                out=str(tmp_path / "out2")))  # vLLM sizes fc from num_aux_hidden_states
     assert json.loads((tmp_path / "out2/config.json").read_text())["num_aux_hidden_states"] == 4
     nbr = make_drafter(tiny_llama_dir, tmp_path / "nbr", norm_before_residual=True)
     with pytest.raises(EyasError, match="norm_before_residual"):
-        export_drafter(nbr, "sglang", tmp_path / "out3")
+        export_drafter(ExportConfig(ckpt=str(nbr), to="sglang", out=str(tmp_path / "out3")))
     for option in ("fc_norm", "norm_output"):
         ckpt = make_drafter(tiny_llama_dir, tmp_path / option, **{option: True})
         with pytest.raises(EyasError, match=f"trained with {option}=true .* export it --to vllm"):
-            export_drafter(ckpt, "sglang", tmp_path / f"{option}-sglang")
+            export_drafter(ExportConfig(ckpt=str(ckpt), to="sglang", out=str(tmp_path / f"{option}-sglang")))
         assert not (tmp_path / f"{option}-sglang").exists()
 
 
 def test_export_refuses_bad_requests(drafter, tmp_path, tiny_tokenizer_dir):
     from tiny import build_model
 
-    with pytest.raises(EyasError, match="Unknown export format"):
-        export_drafter(drafter, "tensorrt", tmp_path / "x")
+    with pytest.raises(EyasError, match="--to must be one of sglang, speculators, vllm"):
+        export_drafter(ExportConfig(ckpt=str(drafter), to="tensorrt", out=str(tmp_path / "x")))
     (tmp_path / "busy").mkdir()
     (tmp_path / "busy/notes.txt").write_text("mine")
     with pytest.raises(EyasError, match="--force"):
-        export_drafter(drafter, "vllm", tmp_path / "busy")
+        export_drafter(ExportConfig(ckpt=str(drafter), to="vllm", out=str(tmp_path / "busy")))
     with pytest.raises(EyasError, match="is the input the checkpoint"):
-        export_drafter(drafter, "vllm", drafter, force=True)
+        export_drafter(ExportConfig(ckpt=str(drafter), to="vllm", out=str(drafter), force=True))
     other = build_model(tmp_path / "other", "llama", layers=6, tokenizer_dir=tiny_tokenizer_dir)
     with pytest.raises(EyasError, match="configs differ"):
-        export_drafter(drafter, "vllm", tmp_path / "y", target=str(other))
+        export_drafter(ExportConfig(ckpt=str(drafter), to="vllm", out=str(tmp_path / "y"), target=str(other)))
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text((drafter / "config.json").read_text())
     save_file({k: v for k, v in saved(drafter).items() if k != "fc.weight"}, broken / "model.safetensors")
     with pytest.raises(EyasError, match=r"missing \['fc.weight'\]"):
-        export_drafter(broken, "vllm", tmp_path / "z")
+        export_drafter(ExportConfig(ckpt=str(broken), to="vllm", out=str(tmp_path / "z")))
 
 
 # --- foreign layouts, written the way their projects write them ------------------------------
@@ -358,7 +360,7 @@ def test_import_refuses_bad_weights(drafter, tiny_llama_dir, embed, tmp_path):
 
 
 def test_import_refuses_an_edited_eyas_export(drafter, tmp_path):
-    export_drafter(drafter, "sglang", tmp_path / "sglang")
+    export_drafter(ExportConfig(ckpt=str(drafter), to="sglang", out=str(tmp_path / "sglang")))
     edit(tmp_path / "sglang", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[1, 3, 4],
                                                  eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 2, 3]}))
     with pytest.raises(EyasError, match="disagrees with its eyas block"):
@@ -406,11 +408,12 @@ def test_cli_import_and_errors(drafter, tmp_path, capsys):
 
 def test_force_replaces_only_the_files_eyas_wrote(drafter, tmp_path):
     out = tmp_path / "out"
-    export_drafter(drafter, "vllm", out)
+    export_drafter(ExportConfig(ckpt=str(drafter), to="vllm", out=str(out)))
     assert json.loads((out / "eyas-export.json").read_text())["files"] == ["config.json", "model.safetensors"]
     (out / "README.md").write_text("notes")
     first = (out / "model.safetensors").read_bytes()
-    export_drafter(drafter, "vllm", out, dtype="bf16", force=True)  # over its own export: allowed
+    export_drafter(ExportConfig(ckpt=str(drafter), to="vllm", out=str(out), dtype="bf16",
+                                force=True))  # over its own export: allowed
     assert (out / "README.md").read_text() == "notes" and (out / "model.safetensors").read_bytes() != first
     assert sorted(p.name for p in out.iterdir()) == [".eyas-lock", "README.md", "config.json", "eyas-export.json",
                                                      "model.safetensors"]
@@ -420,10 +423,10 @@ def test_force_replaces_only_the_files_eyas_wrote(drafter, tmp_path):
                                      "model.safetensors.index.json"])
 def test_force_refuses_foreign_weights_that_would_sit_beside_the_new_ones(drafter, tmp_path, foreign):
     out = tmp_path / "out"
-    export_drafter(drafter, "vllm", out)
+    export_drafter(ExportConfig(ckpt=str(drafter), to="vllm", out=str(out)))
     (out / foreign).write_bytes(b"someone else's weights")
     with pytest.raises(EyasError, match=f"weight files eyas did not write \\({foreign}\\)"):
-        export_drafter(drafter, "vllm", out, force=True)
+        export_drafter(ExportConfig(ckpt=str(drafter), to="vllm", out=str(out), force=True))
     assert (out / foreign).read_bytes() == b"someone else's weights"  # nothing deleted
 
 
@@ -432,5 +435,5 @@ def test_force_refuses_to_overwrite_a_drafter_eyas_did_not_write(drafter, tmp_pa
     out.mkdir()
     (out / "config.json").write_text("{}")
     with pytest.raises(EyasError, match="holds config.json, which eyas did not write"):
-        export_drafter(drafter, "vllm", out, force=True)
+        export_drafter(ExportConfig(ckpt=str(drafter), to="vllm", out=str(out), force=True))
     assert (out / "config.json").read_text() == "{}"

@@ -28,6 +28,7 @@ from safetensors import safe_open
 
 from eyas.draft import load_drafter
 from eyas.export import export_drafter
+from eyas.export.config import ExportConfig
 from test_export import make_drafter
 
 STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
@@ -87,7 +88,7 @@ def sglang_load(folder: Path) -> dict:
 
 def test_sglang_loader_places_every_weight(tiny_llama_dir, tmp_path):
     ckpt = make_drafter(tiny_llama_dir, tmp_path / "ckpt", aux=(1, 4, 6))
-    export_drafter(ckpt, "sglang", tmp_path / "sglang")
+    export_drafter(ExportConfig(ckpt=str(ckpt), to="sglang", out=str(tmp_path / "sglang")))
     r = sglang_load(tmp_path / "sglang")
     config = r["config"]
 

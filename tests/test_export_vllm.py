@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from eyas.draft import DraftConfig, load_drafter, save_drafter
 from eyas.draft.build import new_drafter
 from eyas.export import export_drafter
+from eyas.export.config import ExportConfig
 from vllm_util import vllm_engine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -179,11 +180,11 @@ def serve_and_measure(tmp: Path, smollm2_dir: Path, reference: tuple) -> dict:
              "eagle31": fit_drafter(captured, tmp / "drafter31", fc_norm=True, norm_output=True)}
     served = {}
     for name, ckpt in ckpts.items():
-        export_drafter(ckpt, "vllm", tmp / f"{name}-vllm")
+        export_drafter(ExportConfig(ckpt=str(ckpt), to="vllm", out=str(tmp / f"{name}-vllm")))
         spec = {"method": "eagle3", "model": str(tmp / f"{name}-vllm"), "num_speculative_tokens": K}
         served[name] = served_with(tmp / f"{name}-vllm", prompt_ids, model=str(smollm2_dir), speculative_config=spec)
     spec_dir = tmp / "speculators"
-    export_drafter(ckpts["eagle31"], "speculators", spec_dir)
+    export_drafter(ExportConfig(ckpt=str(ckpts["eagle31"]), to="speculators", out=str(spec_dir)))
     served["speculators"] = served_with(spec_dir, prompt_ids, model=str(spec_dir))  # the folder names its target
     return {"prompt_ids": prompt_ids, "plain": plain, **served, "changed": changed_drafts(ckpts["eagle31"], captured),
             "eyas": {name: eyas_eval(ckpt, tmp) for name, ckpt in ckpts.items()}}

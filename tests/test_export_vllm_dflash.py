@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from eyas.export import export_drafter
+from eyas.export.config import ExportConfig
 from test_export_vllm import K, check_acceptance, eyas_eval, fit_drafter, served_with
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -26,7 +27,7 @@ def run(tmp_path_factory, smollm2_dir, smollm2_vllm_plain, one_thread) -> dict:
     # in directly), so it takes more steps than test_export_vllm's drafters to fit as closely.
     ckpt = fit_drafter(captured, tmp / "dflash", steps=120, drafter="dflash", num_hidden_layers=2,
                        mask_token_id=captured["identity"].vocab_size - 1)
-    summary = export_drafter(ckpt, "vllm", tmp / "dflash-vllm")
+    summary = export_drafter(ExportConfig(ckpt=str(ckpt), to="vllm", out=str(tmp / "dflash-vllm")))
     spec = {"method": "dflash", "model": str(tmp / "dflash-vllm"), "num_speculative_tokens": K}
     served = served_with(tmp / "dflash-vllm", prompt_ids, model=str(smollm2_dir), speculative_config=spec)
     return {"prompt_ids": prompt_ids, "plain": plain, "served": served, "summary": summary,

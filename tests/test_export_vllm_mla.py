@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from eyas.export import export_drafter
+from eyas.export.config import ExportConfig
 from eyas.vllm.engine import text_only, with_native_cpu_rotary
 from test_export_vllm import ENGINE, K, PROMPTS, capture, eyas_eval, fit_drafter, generate, served_with
 from tiny import build_model
@@ -49,7 +50,7 @@ def serve_and_measure(tmp: Path, family: str, tokenizer_dir: Path) -> dict:
     captured = capture([p + a[: len(a) // 2] for p, a in zip(prompt_ids, plain)], model=model)
     ckpt = fit_drafter(captured, tmp / "drafter", steps=40, attention="mla")
     exported = tmp / "exported"
-    export_drafter(ckpt, "vllm", exported)
+    export_drafter(ExportConfig(ckpt=str(ckpt), to="vllm", out=str(exported)))
     spec = {"method": "eagle3", "model": str(exported), "num_speculative_tokens": K}
     served = served_with(exported, prompt_ids, **engine, speculative_config=spec)
     return {"prompt_ids": prompt_ids, "plain": plain, "served": served, "eyas": eyas_eval(ckpt, tmp, model=model),

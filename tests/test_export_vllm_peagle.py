@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from eyas.export import export_drafter
+from eyas.export.config import ExportConfig
 from test_export_vllm import K, check_acceptance, eyas_eval, fit_drafter, served_with
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -24,7 +25,7 @@ def run(tmp_path_factory, smollm2_dir, smollm2_vllm_plain, one_thread) -> dict:
     prompt_ids, plain, captured = smollm2_vllm_plain
     ckpt = fit_drafter(captured, tmp / "peagle", steps=60, drafter="peagle",
                        mask_token_id=captured["identity"].vocab_size - 1)
-    summary = export_drafter(ckpt, "vllm", tmp / "peagle-vllm")
+    summary = export_drafter(ExportConfig(ckpt=str(ckpt), to="vllm", out=str(tmp / "peagle-vllm")))
     spec = {"method": "eagle3", "parallel_drafting": True, "model": str(tmp / "peagle-vllm"),
             "num_speculative_tokens": K}
     served = served_with(tmp / "peagle-vllm", prompt_ids, model=str(smollm2_dir), speculative_config=spec)

@@ -15,9 +15,11 @@ from safetensors.torch import load_file
 
 from eyas import __version__
 from eyas.capture.run import capture
+from eyas.capture.config import CaptureConfig
 from eyas.cli import main
 from eyas.data import prepared as prepared_format
 from eyas.data.prepare import prepare
+from eyas.data.config import PrepareConfig
 from eyas.data.prepared import PreparedData, write_prepared
 from eyas.data.template import ChatTemplate
 from eyas.draft import DraftConfig, Eagle3Drafter
@@ -53,14 +55,16 @@ def tiny_prepared(tmp_path_factory, tiny_llama_dir) -> Path:
     root = tmp_path_factory.mktemp("formats")
     data = root / "data.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
-    prepare(str(tiny_llama_dir), str(data), root / "prepared", max_len=64, progress=False)
+    prepare(PrepareConfig(model=str(tiny_llama_dir), data=[str(data)], out=str(root / "prepared"), max_len=64),
+            progress=False)
     return root / "prepared"
 
 
 @pytest.fixture(scope="module")
 def tiny_store(tiny_llama_dir, tiny_prepared) -> Path:
     out = tiny_prepared.parent / "store"
-    capture(str(tiny_llama_dir), tiny_prepared, out, dtype="fp32", progress=False)
+    capture(CaptureConfig(model=str(tiny_llama_dir), data=str(tiny_prepared), out=str(out), dtype="fp32"),
+            progress=False)
     return out
 
 
@@ -123,7 +127,8 @@ def test_prepared_data_from_a_newer_eyas_is_refused(tiny_prepared, tmp_path, tin
         PreparedData(new)
     assert "\n" not in str(e.value) and str(new) in str(e.value)
     with pytest.raises(EyasError, match=_refused(version, prepared_format.FORMAT_VERSION, "prepared data")):
-        capture(str(tiny_llama_dir), new, tmp_path / "store", dtype="fp32", progress=False)
+        capture(CaptureConfig(model=str(tiny_llama_dir), data=str(new), out=str(tmp_path / "store"), dtype="fp32"),
+                progress=False)
     assert not (tmp_path / "store" / store_format.MANIFEST).exists()
     _edit_json(new / prepared_format.META, lambda m: m.update(format_version="1"))  # not a version at all
     with pytest.raises(EyasError, match=r"prepared data format version '1', but this eyas .* reads version 1\.$"):
@@ -158,7 +163,8 @@ def test_a_store_without_a_version_still_loads_and_resumes(tiny_store, tiny_prep
     store = Store(old)
     store.verify()
     assert len(store) == len(Store(tiny_store)) and torch.equal(store.sample(1)["hidden"], Store(tiny_store).sample(1)["hidden"])
-    manifest = capture(str(tiny_llama_dir), tiny_prepared, old, dtype="fp32", progress=False)  # nothing left to do
+    manifest = capture(CaptureConfig(model=str(tiny_llama_dir), data=str(tiny_prepared), out=str(old), dtype="fp32"),
+                       progress=False)  # nothing left to do
     assert manifest["shards"] == Store(tiny_store).manifest["shards"] and manifest["complete"]
 
 
@@ -173,7 +179,8 @@ def test_a_store_from_a_newer_eyas_is_refused_by_every_reader(tiny_store, tiny_p
     with pytest.raises(EyasError, match=refused):
         Store(new)
     with pytest.raises(EyasError, match=refused):  # a resumed capture
-        capture(str(tiny_llama_dir), tiny_prepared, new, dtype="fp32", progress=False)
+        capture(CaptureConfig(model=str(tiny_llama_dir), data=str(tiny_prepared), out=str(new), dtype="fp32"),
+                progress=False)
     with pytest.raises(EyasError, match=refused):  # a repair would rewrite it in the old layout
         repair_store(new)
     capsys.readouterr()

@@ -243,12 +243,13 @@ def test_mla_export_names_what_the_engines_load_and_imports_back(tmp_path, to):
 
     from eyas.draft import save_drafter
     from eyas.export import export_drafter
+    from eyas.export.config import ExportConfig
     from eyas.export.importer import import_drafter
 
     m = mla_drafter(fc_norm=True, norm_output=True)
     m.set_vocab(torch.randperm(V)[:VD].sort().values)
     save_drafter(m, tmp_path / "ckpt")
-    export_drafter(tmp_path / "ckpt", to, tmp_path / to)
+    export_drafter(ExportConfig(ckpt=str(tmp_path / "ckpt"), to=to, out=str(tmp_path / to)))
     config = json.loads((tmp_path / to / "config.json").read_text())
     assert config["architectures"] == [{"vllm": "Eagle3DeepseekV3ForCausalLM", "sglang": "Eagle3DeepseekV2ForCausalLM"}[to]]
     assert config["model_type"] == "deepseek_v2" and config["fc_norm"] and config["norm_output"]
@@ -262,16 +263,17 @@ def test_mla_export_names_what_the_engines_load_and_imports_back(tmp_path, to):
     assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in back)
     assert load_config(tmp_path / "back") == m.config
     with pytest.raises(EyasError, match="speculators"):
-        export_drafter(tmp_path / "ckpt", "speculators", tmp_path / "spec")
+        export_drafter(ExportConfig(ckpt=str(tmp_path / "ckpt"), to="speculators", out=str(tmp_path / "spec")))
 
 
 def test_sglang_export_refuses_an_mla_drafter_without_query_lora(tmp_path):
     from eyas.draft import save_drafter
     from eyas.export import export_drafter
+    from eyas.export.config import ExportConfig
 
     save_drafter(mla_drafter(**VARIANTS["no_q_lora"]), tmp_path / "ckpt")
     with pytest.raises(EyasError, match="q_lora_rank"):
-        export_drafter(tmp_path / "ckpt", "sglang", tmp_path / "sglang")
+        export_drafter(ExportConfig(ckpt=str(tmp_path / "ckpt"), to="sglang", out=str(tmp_path / "sglang")))
 
 
 def test_a_run_recorded_before_draft_attention_existed_resumes():

@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import typing
 from dataclasses import MISSING
+from pathlib import Path
 
 import pytest
 import yaml
@@ -16,7 +18,7 @@ from eyas.cli import SUBCOMMANDS, build_parser
 from eyas.errors import EyasError
 from eyas.options import (AUTO_LAYERS, AUTO_LAYERS_MEANS, BATCH_TOKENS, default_of, from_mapping,
                           help_text, key_of, option_fields, option_type)
-from eyas.recipe.run import LINKED, STAGE_KEYS, check_stage_options, run_recipe
+from eyas.recipe.run import STAGE_KEYS, check_stage_options, plan, run_recipe
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
@@ -61,14 +63,20 @@ def _sample(f, meta, tp: str) -> object:
     return {bool: True, int: 2, float: 0.5, str: "x"}.get(tp, ["x"])  # else a list option
 
 
+def _linked(command: str) -> frozenset[str]:
+    """The options a recipe sets itself in its stages of `command` (a recipe with every stage)."""
+    recipe = {"model": "m", "prepare": {"data": "packaged:chitchat"}, "regenerate": {}, "eval": {}}
+    return frozenset().union(*(s.linked for s in plan(recipe, Path("w"), "r.yaml") if s.command == command))
+
+
 @pytest.mark.parametrize("stage", STAGE_KEYS)
 def test_a_recipe_key_for_each_option_of_a_stage_is_accepted(stage):
-    cls = _config(stage)
+    cls, linked = _config(stage), _linked(stage)
     for f, meta in option_fields(cls):
         key = key_of(f)
-        if key in LINKED[stage]:
+        if key in linked:
             with pytest.raises(EyasError, match=rf"`{stage}: {key}` is set by the recipe itself"):
-                check_stage_options(stage, {key: "x"}, "r.yaml")
+                check_stage_options(stage, {key: "x"}, "r.yaml", linked)
             continue
         value = _sample(f, meta, option_type(cls, f.name))
         check_stage_options(stage, {key: value}, "r.yaml")  # no error
@@ -112,26 +120,31 @@ def test_a_bad_key_in_any_stage_stops_the_recipe_before_the_first_stage_runs(tmp
     assert not (tmp_path / "work").exists()
 
 
-def test_library_entry_points_take_the_config_options_by_name_and_refuse_others(tmp_path):
-    """`capture` and `regenerate` build their config from keywords: the signature shows the
-    config's options with its defaults, and an unknown keyword (a vLLM option misspelt) is
-    refused with its name before any work."""
+def test_every_stage_runs_from_its_typed_config_which_refuses_what_the_stage_would():
+    """One entry-point shape: each stage's library function takes the config its command line
+    and a recipe build; building one refuses a misspelt option, a backend that does not exist
+    and a rule between options, before any work."""
     from eyas.capture.config import CaptureConfig
     from eyas.capture.run import capture
-    from eyas.regenerate.config import RegenerateConfig
+    from eyas.data.prepare import prepare
+    from eyas.evaluate.run import evaluate
+    from eyas.export.exporter import export_drafter
     from eyas.regenerate.run import regenerate
+    from eyas.train.loop import train
 
-    library_only = ("progress", "on_batch")  # keywords of the library call that are not stage options
-    for function, cls in ((capture, CaptureConfig), (regenerate, RegenerateConfig)):
-        params = inspect.signature(function).parameters
-        assert list(params)[:3] == ["model", "data", "out"] and "progress" in params
-        assert {name: p.default for name, p in params.items() if name not in ("model", "data", "out", *library_only)} \
-            == {f.name: default_of(f) for f, _ in option_fields(cls) if f.name not in ("model", "data", "out")}
+    for command, function in (("prepare", prepare), ("regenerate", regenerate), ("capture", capture),
+                              ("train", train), ("eval", evaluate), ("export", export_drafter)):
+        first = next(iter(inspect.signature(function).parameters))
+        assert typing.get_type_hints(function)[first] is _config(command), command
+    stage = {"model": "m", "data": "d", "out": "s"}
     with pytest.raises(EyasError, match=r"^capture: unknown option `tensor_paralel_size`"):
-        capture("m", tmp_path / "d", tmp_path / "s", backend="vllm", tensor_paralel_size=2)
-    with pytest.raises(EyasError, match=r"^regenerate: unknown option `endpoint`"):
-        regenerate("m", tmp_path / "d", tmp_path / "s", backend="vllm", endpoint="http://x")
-    assert not (tmp_path / "s").exists()
+        from_mapping(CaptureConfig, {**stage, "backend": "vllm", "tensor_paralel_size": 2}, "capture")
+    with pytest.raises(EyasError, match=r"^--backend must be one of hf, vllm \(got 'nonsense'\)\.$"):
+        CaptureConfig(**stage, backend="nonsense")
+    with pytest.raises(EyasError, match=r"^--endpoint needs --spool DIR"):
+        from_mapping(CaptureConfig, {**stage, "backend": "vllm", "endpoint": "http://x"}, "capture")
+    with pytest.raises(EyasError, match=r"^missing --out \(see eyas capture --help\)$"):
+        CaptureConfig(model="m", data="d")
 
 
 def test_vllm_options_are_a_typed_config():

@@ -17,11 +17,13 @@ import pytest
 import torch
 
 from eyas.capture.run import capture
+from eyas.capture.config import CaptureConfig
 from eyas.cli import main
 from eyas.errors import EyasError
 from eyas.lock import LOCK_FILE, output_lock
 from eyas.paths import atomic_write_bytes
 from eyas.regenerate.run import regenerate
+from eyas.regenerate.config import RegenerateConfig
 from eyas.store import StoreWriter
 from eyas.train import TrainConfig, train
 from test_store_damage import tiny_prepared, tiny_store  # noqa: F401  (fixtures)
@@ -51,11 +53,12 @@ def test_a_second_run_on_a_held_folder_is_refused_naming_the_first(tmp_path, tin
     try:
         owner = rf"{out} is in use by eyas train \(pid {proc.pid} on {socket.gethostname()}, since .*\); wait"
         with pytest.raises(EyasError, match=owner):
-            capture(str(tiny_llama_dir), tiny_prepared, out, progress=False)
+            capture(CaptureConfig(model=str(tiny_llama_dir), data=str(tiny_prepared), out=str(out)), progress=False)
         with pytest.raises(EyasError, match=owner):
             train(TrainConfig(store=str(tiny_store), out=str(out), steps=1, progress=False))
         with pytest.raises(EyasError, match=owner):
-            regenerate(str(tiny_llama_dir), tiny_prepared, out, progress=False)
+            regenerate(RegenerateConfig(model=str(tiny_llama_dir), data=str(tiny_prepared), out=str(out)),
+                       progress=False)
         assert sorted(p.name for p in out.iterdir()) == [LOCK_FILE]  # none of them wrote anything
     finally:
         proc.communicate("\n")
@@ -113,7 +116,7 @@ def test_written_files_get_the_mode_of_an_ordinary_file_under_the_umask(tmp_path
 
 @pytest.mark.parametrize("command,function,hint", [
     ("train", "eyas.train.loop.train", "add --resume to the same command to continue from its last checkpoint."),
-    ("capture", "eyas.capture.run.run_capture", "run the same command again to resume."),
+    ("capture", "eyas.capture.run.capture", "run the same command again to resume."),
     ("export", "eyas.export.exporter.export_drafter", "interrupted."),
 ])
 def test_ctrl_c_says_what_resumes(monkeypatch, capsys, command, function, hint):

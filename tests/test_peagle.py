@@ -143,13 +143,14 @@ def test_export_writes_vllms_eagle3_layout_with_mask_hidden(tmp_path):
 
     from eyas.draft import load_drafter, save_drafter
     from eyas.export import export_drafter
+    from eyas.export.config import ExportConfig
 
     drafter = make_setup()[0]
     save_drafter(drafter, tmp_path / "ckpt")
     reloaded = load_drafter(tmp_path / "ckpt")
     assert type(reloaded).__name__ == "PEagleDrafter"
     torch.testing.assert_close(reloaded.mask_hidden, drafter.mask_hidden)
-    summary = export_drafter(tmp_path / "ckpt", "vllm", tmp_path / "vllm")
+    summary = export_drafter(ExportConfig(ckpt=str(tmp_path / "ckpt"), to="vllm", out=str(tmp_path / "vllm")))
     config = json.loads((tmp_path / "vllm" / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["mask_token_id"] == V - 1
     weights = load_file(tmp_path / "vllm" / "model.safetensors")
@@ -159,7 +160,7 @@ def test_export_writes_vllms_eagle3_layout_with_mask_hidden(tmp_path):
     assert spec["method"] == "eagle3" and spec["parallel_drafting"] is True and spec["num_speculative_tokens"] == K
     for layout in ("sglang", "speculators"):
         with pytest.raises(EyasError, match="exports only --to vllm"):
-            export_drafter(tmp_path / "ckpt", layout, tmp_path / layout)
+            export_drafter(ExportConfig(ckpt=str(tmp_path / "ckpt"), to=layout, out=str(tmp_path / layout)))
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +179,7 @@ def test_mla_peagle_decodes_losslessly_and_vllm_export_is_refused(deepseek_dir, 
     from eyas.evaluate.prompts import render
     from eyas.evaluate.run import load_checked_drafter
     from eyas.export import export_drafter
+    from eyas.export.config import ExportConfig
     from eyas.models import load_target, model_identity
 
     model, tokenizer = load_target(deepseek_dir, dtype="float32")
@@ -195,7 +197,7 @@ def test_mla_peagle_decodes_losslessly_and_vllm_export_is_refused(deepseek_dir, 
     assert sum(g.accept_counts) >= 6, g.accept_counts
     assert session.keys.shape[1] == 1  # the latent cache
     with pytest.raises(EyasError, match="Eagle3DeepseekV3ForCausalLM \\(no mask_hidden\\)"):
-        export_drafter(ckpt, "vllm", tmp_path / "vllm")
+        export_drafter(ExportConfig(ckpt=str(ckpt), to="vllm", out=str(tmp_path / "vllm")))
     assert not (tmp_path / "vllm").exists()
 
 
@@ -206,11 +208,15 @@ def test_train_peagle_draft_attention_on_an_mla_target(deepseek_dir, tmp_path, c
     import json
 
     from eyas.capture.run import capture
+    from eyas.capture.config import CaptureConfig
     from eyas.data.prepare import prepare
+    from eyas.data.config import PrepareConfig
     from eyas.train import TrainConfig, train
 
-    prepare(deepseek_dir, "packaged:chitchat", tmp_path / "prep", max_len=64, limit=4, progress=False)
-    capture(deepseek_dir, tmp_path / "prep", tmp_path / "store", dtype="fp32", progress=False)
+    prepare(PrepareConfig(model=deepseek_dir, data=["packaged:chitchat"], out=str(tmp_path / "prep"), max_len=64,
+                          limit=4), progress=False)
+    capture(CaptureConfig(model=deepseek_dir, data=str(tmp_path / "prep"), out=str(tmp_path / "store"), dtype="fp32"),
+            progress=False)
     common = dict(store=str(tmp_path / "store"), drafter="peagle", steps=2, batch_tokens=128, ttt_steps=2,
                   progress=False)
     for attention, written in (("auto", "gqa"), ("mla", "mla")):

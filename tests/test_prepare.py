@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 
 from eyas.cli import main
 from eyas.data.prepare import format_summary, prepare
+from eyas.data.config import PrepareConfig
 from eyas.data.prepared import PreparedData
 from eyas.data.sources import TruncatedTail, iter_records
 from eyas.data.template import tokenize_conversation
@@ -99,7 +100,8 @@ def test_bad_records_are_counted_by_reason_and_strict_names_the_record(tmp_path,
         {"text": "no conversation"},
         GOOD_SHAREGPT,
     ])
-    summary = prepare(str(tiny_llama_dir), str(data), tmp_path / "out", progress=False)
+    summary = prepare(PrepareConfig(model=str(tiny_llama_dir), data=[str(data)], out=str(tmp_path / "out")),
+                      progress=False)
     assert summary["kept"] == 2 and summary["records_read"] == 7
     assert summary["dropped"] == {
         "invalid JSON (Expecting property name enclosed in double quotes)": 1, "no assistant turn": 1,
@@ -109,7 +111,8 @@ def test_bad_records_are_counted_by_reason_and_strict_names_the_record(tmp_path,
     assert [s.source_index for s in prepared] == [0, 6]
     assert prepared.conversations()[1][1] == {"role": "assistant", "content": "An apple."}
     with pytest.raises(EyasError, match="record 1 of .*invalid JSON"):
-        prepare(str(tiny_llama_dir), str(data), tmp_path / "strict", strict=True, progress=False)
+        prepare(PrepareConfig(model=str(tiny_llama_dir), data=[str(data)], out=str(tmp_path / "strict"), strict=True),
+                progress=False)
 
 
 def test_over_long_samples_are_truncated_or_dropped(tmp_path, tiny_llama_dir):
@@ -117,7 +120,8 @@ def test_over_long_samples_are_truncated_or_dropped(tmp_path, tiny_llama_dir):
                                 {"role": "assistant", "content": "Once upon a time " * 50}]}
     long_question = {"messages": [{"role": "user", "content": "why " * 200}, {"role": "assistant", "content": "ok"}]}
     data = _write_jsonl(tmp_path / "long.jsonl", [long_answer, long_question])
-    summary = prepare(str(tiny_llama_dir), str(data), tmp_path / "out", max_len=32, progress=False)
+    summary = prepare(PrepareConfig(model=str(tiny_llama_dir), data=[str(data)], out=str(tmp_path / "out"),
+                                    max_len=32), progress=False)
     assert summary["kept"] == 1 and summary["truncated"] == 1
     assert summary["dropped"] == {"no assistant token within --max-len": 1}
     sample = PreparedData(tmp_path / "out")[0]
@@ -127,7 +131,7 @@ def test_over_long_samples_are_truncated_or_dropped(tmp_path, tiny_llama_dir):
 def test_empty_dataset_and_non_chat_tokenizer_are_clear_errors(tmp_path, tiny_llama_dir):
     empty = _write_jsonl(tmp_path / "empty.jsonl", [])
     with pytest.raises(EyasError, match="No usable conversation.*source is empty"):
-        prepare(str(tiny_llama_dir), str(empty), tmp_path / "out", progress=False)
+        prepare(PrepareConfig(model=str(tiny_llama_dir), data=[str(empty)], out=str(tmp_path / "out")), progress=False)
     plain = tmp_path / "plain"
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     tokenizer.chat_template = None
@@ -135,9 +139,10 @@ def test_empty_dataset_and_non_chat_tokenizer_are_clear_errors(tmp_path, tiny_ll
     (plain / "config.json").write_text((tiny_llama_dir / "config.json").read_text())
     good = _write_jsonl(tmp_path / "good.jsonl", [GOOD_OPENAI])
     with pytest.raises(EyasError, match="no chat template"):
-        prepare(str(plain), str(good), tmp_path / "out2", progress=False)
+        prepare(PrepareConfig(model=str(plain), data=[str(good)], out=str(tmp_path / "out2")), progress=False)
     with pytest.raises(EyasError, match="does not exist"):
-        prepare(str(tiny_llama_dir), str(tmp_path / "missing.jsonl"), tmp_path / "out3", progress=False)
+        prepare(PrepareConfig(model=str(tiny_llama_dir), data=[str(tmp_path / "missing.jsonl")],
+                              out=str(tmp_path / "out3")), progress=False)
 
 
 def test_packaged_sharegpt_recovers_every_complete_record():
@@ -148,7 +153,8 @@ def test_packaged_sharegpt_recovers_every_complete_record():
 
 
 def test_packaged_chitchat_alternates_speakers(tmp_path, tiny_llama_dir):
-    summary = prepare(str(tiny_llama_dir), "packaged:chitchat", tmp_path / "out", limit=5, progress=False)
+    summary = prepare(PrepareConfig(model=str(tiny_llama_dir), data=["packaged:chitchat"], out=str(tmp_path / "out"),
+                                    limit=5), progress=False)
     assert summary["kept"] == 5
     roles = [m["role"] for m in PreparedData(tmp_path / "out").conversations()[0]]
     assert roles[:4] == ["user", "assistant", "user", "assistant"]
@@ -215,7 +221,7 @@ def test_only_assistant_content_and_end_of_turn_are_trained_in_any_turn_order(ti
 # --- damaged and odd data files (issue 13) -------------------------------------------------------
 
 def _summary(tiny_llama_dir, data, out, **kw):
-    return prepare(str(tiny_llama_dir), str(data), out, progress=False, **kw)
+    return prepare(PrepareConfig(model=str(tiny_llama_dir), data=[str(data)], out=str(out), **kw), progress=False)
 
 
 def test_a_bad_record_inside_a_json_array_does_not_end_reading_and_a_cut_tail_is_reported(tmp_path, tiny_llama_dir):
@@ -274,12 +280,15 @@ def test_worker_processes_prepare_exactly_what_one_process_does(tmp_path, tiny_l
     text = "\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + '\n{"messages": [{"role": "us'
     data = tmp_path / "d.jsonl"
     data.write_text(text)
-    one = prepare(str(tiny_llama_dir), str(data), tmp_path / "one", workers=1, progress=False)
-    many = prepare(str(tiny_llama_dir), str(data), tmp_path / "many", workers=3, progress=False)
+    one = prepare(PrepareConfig(model=str(tiny_llama_dir), data=[str(data)], out=str(tmp_path / "one"), workers=1),
+                  progress=False)
+    many = prepare(PrepareConfig(model=str(tiny_llama_dir), data=[str(data)], out=str(tmp_path / "many"), workers=3),
+                   progress=False)
     assert one == many and one["kept"] == 80 and one["dropped"]["invalid JSON (Expecting property name enclosed in double quotes)"] == 40
     a, b = PreparedData(tmp_path / "one"), PreparedData(tmp_path / "many")
     assert a.meta["fingerprint"] == b.meta["fingerprint"] and [s.source_index for s in a] == [s.source_index for s in b]
     assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.loss_mask, b.loss_mask)
     assert a.conversations() == b.conversations()
-    limited = prepare(str(tiny_llama_dir), str(data), tmp_path / "limited", workers=3, limit=5, progress=False)
+    limited = prepare(PrepareConfig(model=str(tiny_llama_dir), data=[str(data)], out=str(tmp_path / "limited"),
+                                    workers=3, limit=5), progress=False)
     assert limited["kept"] == 5 and [s.source_index for s in PreparedData(tmp_path / "limited")] == [0, 2, 4, 6, 8]

@@ -216,3 +216,48 @@ def test_offline_recipe_scores_held_out_samples_from_the_store(tiny_llama_dir, t
     per_token = 4 * hidden + 4 * 4 + 5
     assert out.count(" done\n") == 6 and f"{len(regen):,} samples, {int(regen.offsets[-1]):,} tokens" in out
     assert f"fp8 store: {per_token:,} B per token" in out
+
+
+BASE = {"model": "packaged:smollm2-135m", "prepare": {"data": "packaged:chitchat"}, "regenerate": {},
+        "train": {"steps": 1}, "eval": {}}
+
+
+@pytest.mark.parametrize("stage,options,message", [
+    ("capture", {"backend": "nonsense"}, r"`capture`: --backend must be one of hf, vllm \(got 'nonsense'\)"),
+    ("capture", {"backend": "vllm", "endpoint": "http://gpu:8000"}, r"the capture stage: --endpoint needs --spool"),
+    ("regenerate", {"backend": "tpu"}, r"`regenerate`: --backend must be one of hf, vllm"),
+    ("prepare", {"window": 0}, r"`prepare`: --window must be an integer >= 1"),
+    ("train", {"steps": 3, "epochs": 1}, r"the train stage: give --steps or --epochs, not both"),
+    ("eval", {"held_out": True}, r"`eval: held_out` is set by the recipe itself"),
+    ("export", {"num_speculative_tokens": 0}, r"`export`: --num-speculative-tokens must be an integer >= 1"),
+])
+def test_an_invalid_stage_option_is_refused_before_the_first_stage_runs(tmp_path, stage, options, message):
+    """Each stage's config is built, with every rule its command applies, before any stage
+    runs: a recipe whose capture (the fourth stage) would be refused writes nothing."""
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({**BASE, stage: {**BASE.get(stage, {}), **options}}))
+    with pytest.raises(EyasError, match=message):
+        run_recipe(path, tmp_path / "work")
+    assert not (tmp_path / "work").exists()
+
+
+def test_each_recorded_command_line_makes_the_config_the_recipe_runs(tmp_path):
+    """The line a stage records (and, for train under torchrun, launches) is derived from its
+    options, not parsed from them: run by `eyas`, it builds the very config the recipe runs."""
+    from eyas.cli import build_parser
+    from eyas.options import from_args
+    from eyas.recipe.run import load_recipe, plan
+
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump({**BASE, "capture": {"layers": "2,5", "engine_arg": ["max_model_len=512"]},
+                                    "train": {"steps": 2, "nproc_per_node": 2, "progress": False, "lr": 0.001},
+                                    "eval": {"baseline": "prompt-lookup", "steps": 2},
+                                    "export": {"to": ["vllm", "speculators"]}}))
+    stages = plan(load_recipe(path), tmp_path / "work", str(path))
+    assert [s.name for s in stages] == ["prepare", "regenerate", "capture", "train", "heldout", "eval-chain",
+                                        "eval-tree", "export-vllm", "export-speculators"]
+    for stage in stages:
+        argv = shlex.split(stage.line)
+        args = build_parser().parse_args(argv[argv.index("eyas") + 1:])
+        assert from_args(args._config, args) == stage.config(str(path)), stage.name
+    assert stages[3].line.startswith("torchrun --nproc-per-node 2 -m eyas train --store ")

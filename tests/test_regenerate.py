@@ -21,7 +21,9 @@ import torch
 
 from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
+from eyas.regenerate.config import RegenerateConfig
 from eyas.regenerate.run import PROGRESS, regenerate
+from eyas.vllm.options import EngineOptions
 from faults import killed
 from vllm_util import require_vllm
 
@@ -34,9 +36,11 @@ TIE = 1e-3
 def source(tmp_path_factory, smollm2_dir) -> Path:
     """Three real multi-turn ShareGPT conversations, at most 160 tokens."""
     from eyas.data.prepare import prepare
+    from eyas.data.config import PrepareConfig
 
     out = tmp_path_factory.mktemp("regen-source")
-    prepare(SMOLLM2, "packaged:sharegpt", out, max_len=160, limit=3, progress=False)
+    prepare(PrepareConfig(model=SMOLLM2, data=["packaged:sharegpt"], out=str(out), max_len=160, limit=3),
+            progress=False)
     return out
 
 
@@ -100,7 +104,8 @@ def assert_greedy_turns(folder: Path, source: Path, model) -> None:
 @pytest.fixture(scope="module")
 def hf_regenerated(tmp_path_factory, source) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("regen-hf")
-    summary = regenerate(SMOLLM2, source, out, backend="hf", max_new_tokens=NEW, group_size=2, progress=False)
+    summary = regenerate(RegenerateConfig(model=SMOLLM2, data=str(source), out=str(out), backend="hf",
+                                          max_new_tokens=NEW, group_size=2), progress=False)
     return out, summary
 
 
@@ -125,8 +130,9 @@ def test_regenerate_says_where_its_time_went(hf_regenerated):
 def test_regenerate_vllm_is_greedy(tmp_path, source, reference):
     require_vllm()
     out = tmp_path / "regen"
-    regenerate(SMOLLM2, source, out, backend="vllm", max_new_tokens=NEW, model_dtype="float32",
-               engine_args={"enforce_eager": True}, progress=False)
+    regenerate(RegenerateConfig(model=SMOLLM2, data=str(source), out=str(out), backend="vllm", max_new_tokens=NEW,
+                                model_dtype="float32", vllm=EngineOptions(engine_args={"enforce_eager": True})),
+               progress=False)
     assert_greedy_turns(out, source, reference)
 
 
@@ -146,7 +152,8 @@ def test_killed_regenerate_resumes_to_the_same_result(tmp_path, source):
     assert sorted(indices) == [0, 1, 2]  # each conversation generated once
 
     whole = tmp_path / "whole"
-    regenerate(SMOLLM2, source, whole, backend="hf", max_new_tokens=NEW, group_size=1, progress=False)
+    regenerate(RegenerateConfig(model=SMOLLM2, data=str(source), out=str(whole), backend="hf", max_new_tokens=NEW,
+                                group_size=1), progress=False)
     assert PreparedData(out).conversations() == PreparedData(whole).conversations()
     assert torch.equal(PreparedData(out).input_ids, PreparedData(whole).input_ids)
     assert torch.equal(PreparedData(out).loss_mask, PreparedData(whole).loss_mask)
@@ -157,8 +164,9 @@ def test_sampled_regeneration_resumed_after_a_failure_equals_an_uninterrupted_ru
     among the conversations still to do: a resumed run draws what an uninterrupted one draws."""
     import eyas.regenerate.run as run
 
-    options = dict(backend="hf", max_new_tokens=NEW, group_size=1, temperature=1.0, seed=7, progress=False)
-    regenerate(SMOLLM2, source, tmp_path / "whole", **options)
+    options = dict(model=SMOLLM2, data=str(source), backend="hf", max_new_tokens=NEW, group_size=1, temperature=1.0,
+                   seed=7)
+    regenerate(RegenerateConfig(out=str(tmp_path / "whole"), **options), progress=False)
     real, calls = run.regenerate_group, [0]
 
     def failing(*args, **kwargs):
@@ -169,15 +177,16 @@ def test_sampled_regeneration_resumed_after_a_failure_equals_an_uninterrupted_ru
 
     monkeypatch.setattr(run, "regenerate_group", failing)
     with pytest.raises(RuntimeError, match="injected"):
-        regenerate(SMOLLM2, source, tmp_path / "resumed", **options)
+        regenerate(RegenerateConfig(out=str(tmp_path / "resumed"), **options), progress=False)
     monkeypatch.setattr(run, "regenerate_group", real)
-    regenerate(SMOLLM2, source, tmp_path / "resumed", **options)
+    regenerate(RegenerateConfig(out=str(tmp_path / "resumed"), **options), progress=False)
     assert PreparedData(tmp_path / "resumed").conversations() == PreparedData(tmp_path / "whole").conversations()
 
 
 def test_regenerate_refuses_data_prepared_for_another_model(tmp_path, tiny_llama_dir, source):
     with pytest.raises(EyasError, match="different tokenizer"):
-        regenerate(str(tiny_llama_dir), source, tmp_path / "out", progress=False)
+        regenerate(RegenerateConfig(model=str(tiny_llama_dir), data=str(source), out=str(tmp_path / "out")),
+                   progress=False)
     assert not (tmp_path / "out").exists()
 
 
@@ -309,9 +318,11 @@ def test_regenerate_runs_on_a_shallow_target(tmp_path, tiny_tokenizer_dir):
 
     from eyas.cli import main
     from eyas.data.prepare import prepare
+    from eyas.data.config import PrepareConfig
 
     model = str(build_model(tmp_path / "model", "llama", layers=4, tokenizer_dir=tiny_tokenizer_dir))
-    prepare(model, "packaged:chitchat", tmp_path / "prepared", max_len=64, limit=2, progress=False)
+    prepare(PrepareConfig(model=model, data=["packaged:chitchat"], out=str(tmp_path / "prepared"), max_len=64,
+                          limit=2), progress=False)
     with pytest.raises(SystemExit) as e:
         main(["regenerate", "--model", model, "--data", str(tmp_path / "prepared"), "--out", str(tmp_path / "out"),
               "--max-new-tokens", "4", "--group-size", "2"])

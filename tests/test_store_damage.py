@@ -18,8 +18,10 @@ import torch
 from safetensors.torch import load_file
 
 from eyas.capture.run import capture
+from eyas.capture.config import CaptureConfig
 from eyas.cli import main
 from eyas.data.prepare import prepare
+from eyas.data.config import PrepareConfig
 from eyas.errors import EyasError
 from eyas.store import Store, StoreWriter
 from eyas.store.format import write_safetensors
@@ -40,14 +42,15 @@ def tiny_prepared(tmp_path_factory, tiny_llama_dir) -> Path:
     root = tmp_path_factory.mktemp("damage")
     data = root / "data.jsonl"
     data.write_text("".join(json.dumps(c) + "\n" for c in conversations(N_SAMPLES)))
-    prepare(str(tiny_llama_dir), str(data), root / "prepared", max_len=64, progress=False)
+    prepare(PrepareConfig(model=str(tiny_llama_dir), data=[str(data)], out=str(root / "prepared"), max_len=64),
+            progress=False)
     return root / "prepared"
 
 
 def capture_into(model: Path, prepared: Path, out: Path) -> dict:
     """bf16, ~40 tokens a shard: a dozen samples land in several shards."""
-    return capture(str(model), prepared, out, dtype="bf16", batch_tokens=256, shard_mb=40 * 4 * 64 * 2 / 2**20,
-                   progress=False)
+    return capture(CaptureConfig(model=str(model), data=str(prepared), out=str(out), dtype="bf16", batch_tokens=256,
+                                 shard_mb=40 * 4 * 64 * 2 / 2**20), progress=False)
 
 
 @pytest.fixture(scope="module")

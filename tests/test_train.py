@@ -66,11 +66,15 @@ def two_batch_store(smollm2_store, tmp_path_factory) -> Path:
 def tiny_llama_data(tiny_llama_dir, tmp_path_factory) -> tuple[Path, Path]:
     """A prepared folder of 8 chitchat dialogues for the tiny random Llama, and its fp32 store."""
     from eyas.capture.run import capture
+    from eyas.capture.config import CaptureConfig
     from eyas.data.prepare import prepare
+    from eyas.data.config import PrepareConfig
 
     root = tmp_path_factory.mktemp("tiny-llama-data")
-    prepare(str(tiny_llama_dir), "packaged:chitchat", root / "prep", max_len=64, limit=8, progress=False)
-    capture(str(tiny_llama_dir), root / "prep", root / "store", dtype="fp32", progress=False)
+    prepare(PrepareConfig(model=str(tiny_llama_dir), data=["packaged:chitchat"], out=str(root / "prep"), max_len=64,
+                          limit=8), progress=False)
+    capture(CaptureConfig(model=str(tiny_llama_dir), data=str(root / "prep"), out=str(root / "store"), dtype="fp32"),
+            progress=False)
     return root / "prep", root / "store"
 
 

@@ -19,9 +19,11 @@ def _one_thread(one_thread):
 def prepared(tiny_llama_dir, tmp_path_factory):
     """8 chitchat dialogues of at most 64 tokens for the tiny 8-layer Llama."""
     from eyas.data.prepare import prepare
+    from eyas.data.config import PrepareConfig
 
     out = tmp_path_factory.mktemp("bounds") / "prep"
-    prepare(str(tiny_llama_dir), "packaged:chitchat", out, max_len=64, limit=8, progress=False)
+    prepare(PrepareConfig(model=str(tiny_llama_dir), data=["packaged:chitchat"], out=str(out), max_len=64, limit=8),
+            progress=False)
     return out
 
 

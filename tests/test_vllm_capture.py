@@ -22,6 +22,8 @@ import pytest
 import torch
 
 from eyas.capture.run import capture
+from eyas.vllm.options import CaptureVLLMOptions
+from eyas.capture.config import CaptureConfig
 from eyas.store.reader import Store
 from faults import killed
 from vllm_util import require_vllm
@@ -57,8 +59,9 @@ def vllm_store(tmp_path_factory, smollm2_prepared) -> Path:
     """The in-process engine, float32, chunked prefill: an uninterrupted capture."""
     require_vllm()
     out = tmp_path_factory.mktemp("vllm-store") / "store"
-    capture(SMOLLM2, smollm2_prepared, out, backend="vllm", dtype="fp32", model_dtype="float32",
-            batch_tokens=1024, engine_args=ENGINE, progress=False)
+    capture(CaptureConfig(model=SMOLLM2, data=str(smollm2_prepared), out=str(out), backend="vllm", dtype="fp32",
+                          model_dtype="float32", batch_tokens=1024, vllm=CaptureVLLMOptions(engine_args=ENGINE)),
+            progress=False)
     return out
 
 
@@ -131,8 +134,9 @@ def test_endpoint_capture_through_vllm_serve(tmp_path, smollm2_prepared, smollm2
     try:
         _wait_healthy(server, url, tmp_path / "serve.log")
         out = tmp_path / "store"
-        capture(SMOLLM2, smollm2_prepared, out, backend="vllm", endpoint=url, spool=str(spool), dtype="fp32",
-                concurrency=4, request_timeout=120, progress=False)
+        capture(CaptureConfig(model=SMOLLM2, data=str(smollm2_prepared), out=str(out), backend="vllm", dtype="fp32",
+                              vllm=CaptureVLLMOptions(endpoint=url, spool=str(spool), concurrency=4,
+                              request_timeout=120)), progress=False)
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
@@ -193,16 +197,20 @@ def test_tensor_parallel_2_gives_the_same_store_as_1(tmp_path, tiny_llama_tp):
     worker gets one of the two cores (VLLM_CPU_OMP_THREADS_BIND, set by eyas)."""
     require_vllm()
     from eyas.data.prepare import prepare
+    from eyas.data.config import PrepareConfig
 
     prepared = tmp_path / "prepared"
-    prepare(str(tiny_llama_tp), "packaged:chitchat", prepared, max_len=160, limit=8, progress=False)
+    prepare(PrepareConfig(model=str(tiny_llama_tp), data=["packaged:chitchat"], out=str(prepared), max_len=160,
+                          limit=8), progress=False)
     stores = {}
     for tp in (1, 2):
         stores[tp] = tmp_path / f"tp{tp}"
-        capture(str(tiny_llama_tp), prepared, stores[tp], backend="vllm", dtype="fp32", model_dtype="float32",
-                tensor_parallel_size=tp, engine_args={"enforce_eager": True, "max_model_len": 256}, progress=False)
+        capture(CaptureConfig(model=str(tiny_llama_tp), data=str(prepared), out=str(stores[tp]), backend="vllm",
+                              dtype="fp32", model_dtype="float32", vllm=CaptureVLLMOptions(tensor_parallel_size=tp,
+                              engine_args={"enforce_eager": True, "max_model_len": 256})), progress=False)
     reference = tmp_path / "hf"
-    capture(str(tiny_llama_tp), prepared, reference, dtype="fp32", progress=False)
+    capture(CaptureConfig(model=str(tiny_llama_tp), data=str(prepared), out=str(reference), dtype="fp32"),
+            progress=False)
     Store(stores[2]).verify()
     assert_same_states(Store(stores[2]), Store(stores[1]))
     assert_same_states(Store(stores[1]), Store(reference))

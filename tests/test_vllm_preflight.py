@@ -22,10 +22,12 @@ from safetensors import safe_open
 import torch
 
 from eyas.capture.run import capture
+from eyas.capture.config import CaptureConfig
 from eyas.cli import main
 from eyas.draft import DraftConfig, Eagle3Drafter, save_drafter
 from eyas.errors import EyasError
 from eyas.export import export_drafter
+from eyas.export.config import ExportConfig
 from eyas.models import load_target, model_identity, resolve_layer_ids
 from eyas.vllm.serve import serve_launcher
 from tiny import KIMI_TEXT, build_model
@@ -51,9 +53,11 @@ def no_engine(monkeypatch):
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory, tiny_llama_dir) -> Path:
     from eyas.data.prepare import prepare
+    from eyas.data.config import PrepareConfig
 
     out = tmp_path_factory.mktemp("preflight-prepared")
-    prepare(str(tiny_llama_dir), "packaged:chitchat", out, max_len=48, limit=2, progress=False)
+    prepare(PrepareConfig(model=str(tiny_llama_dir), data=["packaged:chitchat"], out=str(out), max_len=48, limit=2),
+            progress=False)
     return out
 
 
@@ -141,7 +145,8 @@ def test_capture_refuses_before_any_engine_starts(case, models, prepared, tmp_pa
     layers, message = CASES[case]
     out = tmp_path / "store"
     with pytest.raises(EyasError, match=message):
-        capture(str(models[case]), prepared, out, backend="vllm", layers=layers, progress=False)
+        capture(CaptureConfig(model=str(models[case]), data=str(prepared), out=str(out), backend="vllm",
+                              layers=layers), progress=False)
     assert not out.exists()
 
 
@@ -190,12 +195,13 @@ def test_export_to_vllm_refuses_a_target_vllm_cannot_serve(models, tmp_path, cap
     draft = _drafter(models["gemma3"], tmp_path / "draft")
     for fmt in ("vllm", "speculators"):
         with pytest.raises(EyasError, match=r"Gemma3ForCausalLM has no EAGLE-3 .*; export --to sglang"):
-            export_drafter(draft, fmt, tmp_path / fmt)
+            export_drafter(ExportConfig(ckpt=str(draft), to=fmt, out=str(tmp_path / fmt)))
         assert not (tmp_path / fmt).exists()
     with pytest.raises(SystemExit) as e:
         main(["export", str(draft), "--to", "vllm", "--out", str(tmp_path / "x"), "--serve-command"])
     assert e.value.code == 2 and "vllm serve" not in capsys.readouterr().out
-    export_drafter(draft, "sglang", tmp_path / "sglang")  # SGLang's own limits are checked elsewhere
+    export_drafter(ExportConfig(ckpt=str(draft), to="sglang",
+                                out=str(tmp_path / "sglang")))  # SGLang's own limits are checked elsewhere
 
 
 def test_without_vllm_here_the_command_is_said_to_be_unchecked(models, tmp_path, capsys, monkeypatch):
@@ -206,7 +212,8 @@ def test_without_vllm_here_the_command_is_said_to_be_unchecked(models, tmp_path,
         raise EyasError("The vLLM backend needs vLLM")
 
     monkeypatch.setattr(engine, "installed_vllm_version", missing)
-    export_drafter(_drafter(models["gemma3"], tmp_path / "draft"), "vllm", tmp_path / "vllm")
+    export_drafter(ExportConfig(ckpt=str(_drafter(models["gemma3"], tmp_path / "draft")), to="vllm",
+                                out=str(tmp_path / "vllm")))
     assert (tmp_path / "vllm" / "model.safetensors").is_file()
     assert "the command was not checked against vLLM here (The vLLM backend needs vLLM)" in capsys.readouterr().err
 

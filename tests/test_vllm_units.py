@@ -17,6 +17,8 @@ import pytest
 import torch
 
 from eyas.capture.run import capture
+from eyas.vllm.options import CaptureVLLMOptions
+from eyas.capture.config import CaptureConfig
 from eyas.errors import EyasError
 from eyas.store.reader import Store
 from eyas.vllm import engine
@@ -28,9 +30,11 @@ TESTS = Path(__file__).parent
 @pytest.fixture(scope="module")
 def tiny_prepared(tmp_path_factory, tiny_llama_dir) -> Path:
     from eyas.data.prepare import prepare
+    from eyas.data.config import PrepareConfig
 
     out = tmp_path_factory.mktemp("tiny-prepared")
-    prepare(str(tiny_llama_dir), "packaged:chitchat", out, max_len=96, limit=4, progress=False)
+    prepare(PrepareConfig(model=str(tiny_llama_dir), data=["packaged:chitchat"], out=str(out), max_len=96, limit=4),
+            progress=False)
     return out
 
 
@@ -121,7 +125,8 @@ def test_vllm_tests_fail_under_ci_when_vllm_is_missing(tmp_path, ci):
 def test_layer_id_past_n_fails_before_any_work(tmp_path, tiny_llama_dir, tiny_prepared):
     out = tmp_path / "store"
     with pytest.raises(EyasError, match=r"Layer id\(s\) \[8\] out of range"):
-        capture(str(tiny_llama_dir), tiny_prepared, out, backend="vllm", layers="2,8", progress=False)
+        capture(CaptureConfig(model=str(tiny_llama_dir), data=str(tiny_prepared), out=str(out), backend="vllm",
+                              layers="2,8"), progress=False)
     assert not out.exists()
 
 
@@ -135,7 +140,7 @@ def test_model_vllm_cannot_load_fails_before_any_work(tmp_path, tiny_llama_dir, 
     (model / "config.json").write_text(json.dumps(config))
     out = tmp_path / "store"
     with pytest.raises(EyasError, match=r"vLLM cannot load .*'EyasUnknownForCausalLM'"):
-        capture(str(model), tiny_prepared, out, backend="vllm", progress=False)
+        capture(CaptureConfig(model=str(model), data=str(tiny_prepared), out=str(out), backend="vllm"), progress=False)
     assert not out.exists()
 
 
@@ -187,8 +192,9 @@ class FakeServer:
 
 
 def _endpoint_capture(model, prepared, out, url, spool):
-    return capture(str(model), prepared, out, backend="vllm", endpoint=url, spool=str(spool), retries=1,
-                   request_timeout=0.5, concurrency=2, dtype="fp32", progress=False)
+    return capture(CaptureConfig(model=str(model), data=str(prepared), out=str(out), backend="vllm", dtype="fp32",
+                                 vllm=CaptureVLLMOptions(endpoint=url, spool=str(spool), retries=1,
+                                 request_timeout=0.5, concurrency=2)), progress=False)
 
 
 def test_endpoint_down_is_retried_then_reported_before_any_work(tmp_path, tiny_llama_dir, tiny_prepared):
@@ -279,5 +285,6 @@ def test_print_serve_command(tmp_path, tiny_llama_dir, capsys):
 def test_in_process_data_parallel_points_to_a_server(tmp_path, tiny_llama_dir, tiny_prepared):
     out = tmp_path / "store"
     with pytest.raises(EyasError, match=r"data parallel only across processes.*--print-serve-command --data-parallel-size"):
-        capture(str(tiny_llama_dir), tiny_prepared, out, backend="vllm", data_parallel_size=2, progress=False)
+        capture(CaptureConfig(model=str(tiny_llama_dir), data=str(tiny_prepared), out=str(out), backend="vllm",
+                              vllm=CaptureVLLMOptions(data_parallel_size=2)), progress=False)
     assert not out.exists()

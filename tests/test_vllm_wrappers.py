@@ -18,8 +18,11 @@ import pytest
 import torch
 
 from eyas.capture.run import capture
+from eyas.vllm.options import CaptureVLLMOptions
+from eyas.capture.config import CaptureConfig
 from eyas.cli import main
 from eyas.data.prepare import prepare
+from eyas.data.config import PrepareConfig
 from eyas.store.reader import Store
 from test_capture import ATOL, RTOL, reference_states
 from test_vllm_capture import assert_same_states
@@ -36,11 +39,14 @@ def test_kimi_layout_captures_equal_to_transformers_through_both_backends(tmp_pa
     from transformers import AutoModelForImageTextToText
 
     model_dir = str(build_model(tmp_path / "kimi", "kimi_k25", tokenizer_dir=tiny_tokenizer_dir))
-    prepare(model_dir, "packaged:chitchat", tmp_path / "prepared", max_len=96, limit=4, progress=False)
+    prepare(PrepareConfig(model=model_dir, data=["packaged:chitchat"], out=str(tmp_path / "prepared"), max_len=96,
+                          limit=4), progress=False)
     stores = {"hf": tmp_path / "hf", "vllm": tmp_path / "vllm"}
-    capture(model_dir, tmp_path / "prepared", stores["hf"], dtype="fp32", progress=False)
-    capture(model_dir, tmp_path / "prepared", stores["vllm"], backend="vllm", dtype="fp32", model_dtype="float32",
-            engine_args=ENGINE, progress=False)  # one engine start
+    capture(CaptureConfig(model=model_dir, data=str(tmp_path / "prepared"), out=str(stores["hf"]), dtype="fp32"),
+            progress=False)
+    capture(CaptureConfig(model=model_dir, data=str(tmp_path / "prepared"), out=str(stores["vllm"]), backend="vllm",
+                          dtype="fp32", model_dtype="float32", vllm=CaptureVLLMOptions(engine_args=ENGINE)),
+            progress=False)  # one engine start
     model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
     for backend, path in stores.items():
         store = Store(path)

@@ -17,8 +17,10 @@ from transformers import AutoConfig
 
 from eyas.capture.hf import HFCapturer
 from eyas.capture.run import capture
+from eyas.capture.config import CaptureConfig
 from eyas.cli import main
 from eyas.data.prepare import prepare
+from eyas.data.config import PrepareConfig
 from eyas.models import decoder_parts
 from eyas.models.target_head import load_target_head
 from eyas.train import TrainConfig, train
@@ -67,8 +69,10 @@ ROPE = {
 @pytest.mark.parametrize("family", sorted(WRAPPERS))
 def test_wrapper_prepare_capture_train_eval_export(wrapper_dirs, family, tmp_path):
     model = str(wrapper_dirs[family])
-    prepare(model, "packaged:chitchat", tmp_path / "prep", max_len=48, limit=4, progress=False)
-    capture(model, tmp_path / "prep", tmp_path / "store", dtype="fp32", progress=False)
+    prepare(PrepareConfig(model=model, data=["packaged:chitchat"], out=str(tmp_path / "prep"), max_len=48, limit=4),
+            progress=False)
+    capture(CaptureConfig(model=model, data=str(tmp_path / "prep"), out=str(tmp_path / "store"), dtype="fp32"),
+            progress=False)
     train(TrainConfig(out=str(tmp_path / "draft"), store=str(tmp_path / "store"), steps=1, batch_tokens=96,
                       ttt_steps=2, draft_vocab=64, eval_fraction=0.0, progress=False))
     prompts = tmp_path / "prompts.jsonl"

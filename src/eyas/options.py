@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
+import json
 import os
 import types
 import typing
@@ -239,6 +239,39 @@ def from_args(cls: type, args: argparse.Namespace) -> Any:
     return cls(**values)
 
 
+def argv_of(cls: type, values: Mapping[str, Any]) -> list[str]:
+    """The command-line arguments that give `cls`'s options `values` (keyed as `from_mapping`
+    takes them), in their order: what a recipe records as a stage's command, and launches
+    under torchrun. One way only: nothing parses them back (a recipe builds the config with
+    `from_mapping`)."""
+    known, argv = _keys(cls), []
+    for key, value in values.items():
+        f, meta, tp, inverted = known[str(key).replace("-", "_")]
+        argv += _arguments(f, meta, tp, not value if inverted else value)
+    return argv
+
+
+def _arguments(f: dataclasses.Field, meta: Option, tp: Any, value: Any) -> list[str]:
+    """One option's arguments, as `_add` made its flag take them: nothing for None or a bool
+    the flag would not set, the flag (or its --no- form) for a bool, one flag per value where
+    it repeats (a mapping's key=value each), else the flag and its value or values."""
+    if value is None:
+        return []
+    if meta.positional:
+        return [str(value)]
+    flag = flag_of(f)
+    if tp is bool and meta.parse is None:
+        if meta.negatable:
+            return [flag if value else "--no-" + flag[2:]]
+        return [flag] if value != default_of(f) else []
+    if isinstance(value, dict):
+        return [x for k, v in value.items() for x in (flag, f"{k}={json.dumps(v)}")]
+    if meta.repeat or (_is_list(tp) and isinstance(value, (list, tuple))):
+        items = list(value) if isinstance(value, (list, tuple)) else [value]
+        return [x for v in items for x in (flag, str(v))] if meta.repeat else [flag, *map(str, items)]
+    return [flag, str(value)]
+
+
 # ---------------------------------------------------------------- plain keys and values
 
 
@@ -425,16 +458,3 @@ def device_option(note: str = "", group: str | None = None) -> Any:
 def rules(cls: type) -> dict[str, Number]:
     """The number rules of `cls`'s options by field name, for functions that take them as keywords."""
     return {f.name: meta.rule for f, meta in option_fields(cls) if meta.rule is not None}
-
-
-def keyword_signature(cls: type, leading: tuple[str, ...], **extra: Any) -> inspect.Signature:
-    """The signature of a function taking `cls`'s options as keywords (`leading` ones first,
-    positionally), plus `extra` keywords with their defaults: what `help()` and
-    `inspect.signature` show for a library entry point that builds `cls` from its keywords."""
-    params = {f.name: (f, option_type(cls, f.name)) for f, _ in option_fields(cls)}
-    out = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=params[name][1])
-           for name in leading]
-    out += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default_of(f), annotation=tp)
-            for name, (f, tp) in params.items() if name not in leading]
-    out += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=value) for name, value in extra.items()]
-    return inspect.Signature(out)

@@ -19,7 +19,6 @@ import importlib
 import os
 
 from eyas.capture.config import CaptureConfig
-from eyas.errors import EyasError
 
 HELP = "run the target and store its hidden states (transformers or vLLM)"
 CONFIG = CaptureConfig  # its options (eyas.options)
@@ -31,19 +30,16 @@ ON_OUT_OF_MEMORY = "lower --batch-tokens, then run the same command again to res
 
 
 def run(cfg: CaptureConfig) -> int:
-    run_capture = importlib.import_module("eyas.capture.run").run_capture
+    capture = importlib.import_module("eyas.capture.run").capture
     Store = importlib.import_module("eyas.store.reader").Store
     summary = importlib.import_module("eyas.store.cli").summary
 
-    if cfg.backend == "vllm" and cfg.vllm.print_serve_command:
+    if cfg.serve_command_only:
         print_serve_command = importlib.import_module("eyas.vllm").print_serve_command
 
         print_serve_command(cfg.model, cfg.layers, cfg.model_dtype, cfg.vllm)
         return 0
-    missing = [f"--{k}" for k in ("data", "out") if not getattr(cfg, k)]
-    if missing:
-        raise EyasError(f"missing {', '.join(missing)} (see eyas capture --help)")
-    run_capture(cfg)
+    capture(cfg)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, one summary
         print(summary(Store(cfg.out)))
     return 0

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from tqdm import tqdm
 
-from eyas.capture.config import BACKENDS, CaptureConfig
+from eyas.capture.config import CaptureConfig
 from eyas.capture.hf import HFCapturer
 from eyas.capture.staging import HostStager
 from eyas.data.batching import token_budget_batches
@@ -20,7 +19,6 @@ from eyas.distributed import all_reduce, barrier, init, shutdown
 from eyas.errors import EyasError
 from eyas.lock import output_lock
 from eyas.models.load import DTYPES, model_dtype
-from eyas.options import from_mapping, keyword_signature
 from eyas.paths import check_confined
 from eyas.store import StoreWriter
 from eyas.store.format import manifest_header, read_manifest
@@ -31,18 +29,7 @@ from eyas.vllm import make_vllm_backend  # light: vLLM itself is imported only w
 BatchHook = Callable[[list[PreparedSample]], None]
 
 
-def capture(model: str, data: str | Path, out: str | Path, *, progress: bool = True, on_batch: BatchHook | None = None,
-            **options: Any) -> dict[str, Any]:
-    """`run_capture` for library callers: `options` are CaptureConfig's (and its vLLM options'),
-    by name; an unknown one is refused with its name."""
-    config = from_mapping(CaptureConfig, {"model": model, "data": str(data), "out": str(out), **options}, "capture")
-    return run_capture(config, progress, on_batch)
-
-
-capture.__signature__ = keyword_signature(CaptureConfig, ("model", "data", "out"), progress=True, on_batch=None)
-
-
-def run_capture(cfg: CaptureConfig, progress: bool = True, on_batch: BatchHook | None = None) -> dict[str, Any]:
+def capture(cfg: CaptureConfig, progress: bool = True, on_batch: BatchHook | None = None) -> dict[str, Any]:
     """Capture every prepared sample of `cfg.data` not yet in the store at `cfg.out`; return the
     manifest. The samples were rendered with the chat template recorded in the data; a
     `cfg.chat_template` file, if given, must be that template.
@@ -74,8 +61,6 @@ def _open_backend(cfg: CaptureConfig, dev: torch.device):
 
 def _capture(cfg: CaptureConfig, progress: bool, on_batch: BatchHook | None) -> dict[str, Any]:
     backend, data, out = cfg.backend, cfg.data, cfg.out
-    if backend not in BACKENDS:
-        raise EyasError(f"Unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}.")
     prepared = PreparedData(data)
     if prepared.chat_template is not None:
         check_same_template(prepared.chat_template, cfg.chat_template, f"The prepared data in {data}")

@@ -23,7 +23,6 @@ import importlib
 import sys
 
 from eyas.data.config import PrepareConfig
-from eyas.errors import EyasError
 
 HELP = "conversations -> token ids + assistant-only loss mask"
 CONFIG = PrepareConfig  # its options (eyas.options)
@@ -36,15 +35,8 @@ def run(cfg: PrepareConfig) -> int:
     show_sample = importlib.import_module("eyas.data.prepare").show_sample
 
     if cfg.show is not None:
-        if not cfg.dir:
-            raise EyasError("--show N needs the prepared folder: eyas prepare --show N DIR")
         print(show_sample(cfg.dir, cfg.show, color=sys.stdout.isatty()))
         return 0
-    missing = [f"--{k}" for k in ("model", "data", "out") if not getattr(cfg, k)]
-    if missing:
-        raise EyasError(f"missing {', '.join(missing)} (see eyas prepare --help)")
-    summary = prepare(cfg.model, cfg.data, cfg.out, max_len=cfg.max_len, limit=cfg.limit, strict=cfg.strict,
-                      chat_template=cfg.chat_template, workers=cfg.workers, window=cfg.window,
-                      exclude=cfg.exclude_prompts)
+    summary = prepare(cfg)
     print(format_summary(summary, cfg.out))
     return 0

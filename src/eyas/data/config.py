@@ -1,10 +1,11 @@
 """Every option of `eyas prepare`, in one typed config: the CLI is generated from it, the
-recipe's `prepare:` keys are checked against it, and `prepare` takes its rules and defaults."""
+recipe's `prepare:` keys are checked against it, and `prepare` (data/prepare.py) reads it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from eyas.errors import EyasError
 from eyas.options import check_rules, option
 from eyas.validate import COUNT, Number
 
@@ -35,3 +36,10 @@ class PrepareConfig:
 
     def __post_init__(self) -> None:
         check_rules(self)
+        if self.show is not None:
+            if not self.dir:
+                raise EyasError("--show N needs the prepared folder: eyas prepare --show N DIR")
+            return
+        missing = [f"--{k}" for k in ("model", "data", "out") if not getattr(self, k)]
+        if missing:
+            raise EyasError(f"missing {', '.join(missing)} (see eyas prepare --help)")

@@ -26,41 +26,30 @@ from eyas.evaluate.prompts import load_prompts
 from eyas.lock import LOCK_FILE, output_lock
 from eyas.models import load_tokenizer, model_identity, resolve_model
 from eyas.paths import check_confined, remove_leftovers
-from eyas.options import rules
-from eyas.validate import check_options
 
 
 TAIL = "cut off at the end of the file"
 EXCLUDED = "shares 8 words in a row with an excluded prompt"
 
 
-def prepare(model: str, source: str | list[str], out: str | Path, max_len: int = PrepareConfig.max_len,
-            limit: int | None = None, strict: bool = False, chat_template: str | Path | ChatTemplate | None = None,
-            progress: bool = True, workers: int | None = None, window: int | None = None,
-            exclude: list[str] | None = None) -> dict[str, Any]:
+def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
     """`prepare_into` an output folder of its own: one that is none of the inputs, holds none
     of them, holds nothing but prepared data, and that no other run is writing."""
-    template_file = None if isinstance(chat_template, ChatTemplate) else chat_template
-    inputs = {f"--data {name}": name for name, _ in parse_mix(source)}
-    check_confined(out, {**inputs, "--model": model, "--chat-template": template_file})
-    check_options({"max_len": max_len, "limit": limit, "workers": workers, "window": window}, OPTIONS)
-    with output_lock(out, "prepare"):
-        remove_leftovers(out, PREPARED_FILES)  # a killed run's half-written files
-        foreign = sorted(p.name for p in Path(out).iterdir() if p.name not in PREPARED_FILES + (LOCK_FILE,))
+    inputs = {f"--data {name}": name for name, _ in parse_mix(cfg.data)}
+    check_confined(cfg.out, {**inputs, "--model": cfg.model, "--chat-template": cfg.chat_template})
+    with output_lock(cfg.out, "prepare"):
+        remove_leftovers(cfg.out, PREPARED_FILES)  # a killed run's half-written files
+        foreign = sorted(p.name for p in Path(cfg.out).iterdir() if p.name not in PREPARED_FILES + (LOCK_FILE,))
         if foreign:
-            raise EyasError(f"--out {out} already holds other files ({', '.join(foreign[:3])}); prepare writes "
+            raise EyasError(f"--out {cfg.out} already holds other files ({', '.join(foreign[:3])}); prepare writes "
                             f"into an empty folder or one it wrote before: choose another --out.")
-        return prepare_into(model, source, out, max_len, limit, strict, chat_template, progress, workers, window,
-                            exclude)
+        return prepare_into(cfg.model, cfg.data, cfg.out, cfg.max_len, limit=cfg.limit, strict=cfg.strict,
+                            chat_template=cfg.chat_template, progress=progress, workers=cfg.workers,
+                            window=cfg.window, exclude=cfg.exclude_prompts)
 
 
-# The number options of `eyas prepare` (data/config.py).
-OPTIONS = rules(PrepareConfig)
-
-
-def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: int = PrepareConfig.max_len,
-                 limit: int | None = None, strict: bool = False,
-                 chat_template: str | Path | ChatTemplate | None = None, progress: bool = True,
+def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: int, *, limit: int | None = None,
+                 strict: bool = False, chat_template: str | Path | ChatTemplate | None = None, progress: bool = True,
                  workers: int | None = None, window: int | None = None,
                  exclude: list[str] | None = None) -> dict[str, Any]:
     """Tokenize `source` for `model` with its tokenizer's chat template, or `chat_template` (a
@@ -75,7 +64,8 @@ def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: 
 
     Rendering a chat template costs about a millisecond per turn, so hundreds of thousands of
     conversations take minutes on one core: `workers` processes (default: up to 8 of the
-    machine's cores) tokenize them, and the result is the same, in the same order."""
+    machine's cores) tokenize them, and the result is the same, in the same order. The numbers
+    are those of a PrepareConfig, checked there (or, from regenerate, recorded by one)."""
     tokenizer = load_tokenizer(model)
     # The identity is the tokenizer as shipped; the template used is recorded beside it, so
     # later stages load the same tokenizer and are not asked for the template again.
@@ -87,8 +77,6 @@ def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: 
     require_chat_template(tokenizer, model)
     template = chat_template or ChatTemplate(tokenizer.chat_template, "tokenizer")
 
-    if window is not None and window < 1:
-        raise EyasError("--window must be at least 1 (user turns per sample).")
     mix = parse_mix(source)
     source = " ".join(s if w == 1 else f"{s}@{w:g}" for s, w in mix)
     grams = _exclusion_grams(exclude or [])

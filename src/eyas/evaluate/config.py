@@ -56,6 +56,10 @@ class EvalConfig:
         if unknown:
             raise EyasError(f"Unknown baseline(s) {unknown}; choose from none, {', '.join(BASELINES)}.")
         check_rules(self)
+        if self.teacher_forced and not self.draft:
+            raise EyasError("--teacher-forced scores a drafter: give --draft.")
+        if self.held_out and not self.teacher_forced:
+            raise EyasError("--held-out goes with --teacher-forced PREPARED.")
 
     def check_paths(self) -> None:
         """Before any work: the outputs can be written, and neither is one of the inputs."""

@@ -32,11 +32,9 @@ def run(cfg: ExportConfig) -> int:
     planned_serve_command = importlib.import_module("eyas.export.exporter").planned_serve_command
 
     if cfg.serve_command:
-        print(planned_serve_command(cfg.ckpt, cfg.to, cfg.out, target=cfg.target,
-                                    num_speculative_tokens=cfg.num_speculative_tokens))
+        print(planned_serve_command(cfg))
         return 0
-    summary = export_drafter(cfg.ckpt, cfg.to, cfg.out, target=cfg.target, dtype=cfg.dtype,
-                             num_speculative_tokens=cfg.num_speculative_tokens, force=cfg.force)
+    summary = export_drafter(cfg)
     print(f"exported {cfg.ckpt} as {summary['format']} to {summary['out']}: "
           f"{summary['tensors']} tensors, {summary['bytes'] / 2**20:.1f} MiB")
     for engine, ids in summary["aux_layer_ids"].items():

@@ -15,40 +15,37 @@ from eyas.draft.checkpoint import load_config
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
 from eyas.export.config import ExportConfig
-from eyas.export.layouts import Layout, get_layout, layout_for
+from eyas.export.layouts import Layout, layout_for
 from eyas.export.weights import build_drafter, owned_out, read_tensors, write_folder
 from eyas.models import load_tokenizer, model_identity
 from eyas.models.load import parse_dtype
 from eyas.models.resolve import MODEL_CONFIG, resolve_model
 from eyas.paths import check_confined
 from eyas.train.checkpoint import unfinished_note
-from eyas.validate import COUNT
 from eyas.vllm.preflight import preflight_where_installed
 from eyas.vllm.serve import serve_launcher
 
 
-def export_drafter(ckpt: str | Path, to: str, out: str | Path, *, target: str | None = None,
-                   dtype: str = ExportConfig.dtype, num_speculative_tokens: int | None = None,
-                   force: bool = False) -> dict[str, Any]:
-    """Export the drafter in `ckpt` as `to` (vllm, speculators or sglang) into `out`; return a summary."""
-    layout = get_layout(to)
-    COUNT.check("--num-speculative-tokens", num_speculative_tokens)
-    check_confined(out, {"the checkpoint": ckpt, "--target": target})
+def export_drafter(export: ExportConfig) -> dict[str, Any]:
+    """Export the drafter in `export.ckpt` as `export.to` (vllm, speculators or sglang) into
+    `export.out`; return a summary."""
+    ckpt = export.ckpt
+    check_confined(export.out, {"the checkpoint": ckpt, "--target": export.target})
     if note := unfinished_note(ckpt):
         print(f"eyas export: {note}", file=sys.stderr, flush=True)
     cfg = load_config(ckpt)
-    layout = layout_for(cfg, to)
-    num_speculative_tokens = speculative_tokens(cfg, num_speculative_tokens)
+    layout = layout_for(cfg, export.to)
+    num_speculative_tokens = speculative_tokens(cfg, export.num_speculative_tokens)
     state = read_tensors(ckpt)
     build_drafter(cfg, state, str(ckpt))
     layout.check(cfg)
-    out = Path(out).resolve()
-    serving = serving_info(cfg, target, num_speculative_tokens)
+    out = Path(export.out).resolve()
+    serving = serving_info(cfg, export.target, num_speculative_tokens)
     if layout.engine == "vllm":
         check_vllm_serves(cfg, serving["target"])
-    tensors = export_tensors(cfg, state, layout, dtype)
+    tensors = export_tensors(cfg, state, layout, export.dtype)
     config = layout.config(cfg, serving)
-    with owned_out(out, force, Path(ckpt), "export"):
+    with owned_out(out, export.force, Path(ckpt), "export"):
         size = write_folder(out, config, tensors)
     return {
         "format": layout.name, "out": str(out), "tensors": len(tensors), "bytes": size,
@@ -57,17 +54,17 @@ def export_drafter(ckpt: str | Path, to: str, out: str | Path, *, target: str | 
     }
 
 
-def planned_serve_command(ckpt: str | Path, to: str, out: str | Path, *, target: str | None = None,
-                          num_speculative_tokens: int | None = None, check: bool = True) -> str:
-    """The serve command for exporting `ckpt` to `out`, without writing anything; `check=False`
-    skips vLLM's pre-flight (the recipe's report: its export stage ran it already)."""
-    cfg = load_config(ckpt)
-    layout = layout_for(cfg, to)
-    num_speculative_tokens = speculative_tokens(cfg, num_speculative_tokens)
-    serving = serving_info(cfg, target, num_speculative_tokens)
+def planned_serve_command(export: ExportConfig, check: bool = True) -> str:
+    """The serve command for exporting `export.ckpt` to `export.out`, without writing anything;
+    `check=False` skips vLLM's pre-flight (the recipe's report: its export stage ran it already)."""
+    cfg = load_config(export.ckpt)
+    layout = layout_for(cfg, export.to)
+    num_speculative_tokens = speculative_tokens(cfg, export.num_speculative_tokens)
+    serving = serving_info(cfg, export.target, num_speculative_tokens)
     if check and layout.engine == "vllm":
         check_vllm_serves(cfg, serving["target"])
-    return serve_command(layout.engine, serving["target"], Path(out).resolve(), num_speculative_tokens, cfg.drafter)
+    return serve_command(layout.engine, serving["target"], Path(export.out).resolve(), num_speculative_tokens,
+                         cfg.drafter)
 
 
 def speculative_tokens(cfg: DraftConfig, asked: int | None) -> int:

@@ -24,7 +24,7 @@ def _table(rows: dict[str, dict[str, float]], columns: list[str]) -> list[str]:
     return out
 
 
-def write_report(recipe: dict[str, Any], work: Path, stages) -> Path:
+def write_report(recipe: dict[str, Any], work: Path, stages, where: str) -> Path:
     ev = work / "eval"
     heldout = _read(ev / "heldout.json").get("teacher_forced", {})
     chain, tree = _read(ev / "chain.json"), _read(ev / "tree.json")
@@ -33,8 +33,7 @@ def write_report(recipe: dict[str, Any], work: Path, stages) -> Path:
     summary = {m: found[m] for m in sorted(found, key=lambda m: (m != "plain", m.startswith("eagle3"), m))}
     by = {key: {m: v for r in (chain, tree) for m, v in r.get("tau_by", {}).get(key, {}).items() if m != "plain"}
           for key in ("category", "turn")}
-    exports = {s.output.name: {"folder": str(s.output), "serve": planned_serve_command(work / "drafter", s.output.name,
-                                                                                       s.output, check=False)}
+    exports = {s.output.name: {"folder": str(s.output), "serve": planned_serve_command(s.config(where), check=False)}
                for s in stages if s.command == "export"}
     result = {"model": recipe["model"], "heldout": heldout, "summary": summary, "tau_by": by, "exports": exports,
               "plots": [str(p) for p in (ev / "chain.png", ev / "tree.png") if p.is_file()]}

@@ -27,24 +27,23 @@ error, never silently redone.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import shlex
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import yaml
 
-from eyas.cli import SUBCOMMANDS, build_parser, run as run_stage
+from eyas.cli import SUBCOMMANDS
 from eyas.draft.kinds import drafts_trees
 from eyas.errors import EyasError
 from eyas.export.layouts import check_format
-from eyas.options import check_mapping, from_args
+from eyas.options import argv_of, check_mapping, from_mapping
 from eyas.lock import LOCK_FILE, output_lock
 from eyas.paths import atomic_write_json, is_leftover, remove_leftovers
 from eyas.recipe.estimate import describe
@@ -53,20 +52,30 @@ from eyas.validate import COUNT
 
 STATE = "recipe-state.json"
 STAGE_KEYS = ("prepare", "regenerate", "capture", "train", "eval", "export")
-# Options the recipe sets itself, per stage command: they link the stages.
-LINKED = {"prepare": {"model", "out"}, "regenerate": {"model", "data", "out"}, "capture": {"model", "data", "out"},
-          "train": {"model", "data", "store", "out", "resume"},
-          "eval": {"model", "draft", "output", "tree", "teacher_forced", "held_out", "plot"},
-          "export": {"ckpt", "out", "force", "serve_command"}}
 
 
-@dataclass
+@dataclass(frozen=True)
 class Stage:
     name: str  # recipe-state key
     command: str  # the eyas subcommand
-    argv: list[str]  # its options, as on the command line
+    options: dict[str, Any]  # its config's options, keyed as in a recipe: those linking the stages, then the user's
     output: Path  # the stage's checkpoint: its output folder or file
     processes: int = 1  # > 1: run under torchrun with this many processes
+    linked: frozenset[str] = frozenset()  # the options the recipe sets itself (they link the stages)
+
+    @property
+    def argv(self) -> list[str]:
+        """Its options as on the command line (derived from them, never parsed back)."""
+        return argv_of(_config_class(self.command), self.options)
+
+    def config(self, where: str) -> Any:
+        """The stage's typed config: every rule its command applies, checked before any stage runs."""
+        cls = _config_class(self.command)
+        check_mapping(cls, self.options, f"{where}: `{self.command}`")  # the linked values too (`train: online`)
+        try:
+            return from_mapping(cls, self.options, where)
+        except EyasError as e:
+            raise EyasError(f"{where}: the {self.name} stage: {e}") from None
 
     @property
     def line(self) -> str:
@@ -131,86 +140,66 @@ def work_folder(path: str | Path, recipe: dict[str, Any], work: str | Path | Non
     return folder
 
 
-def _stage_parser(command: str) -> argparse.ArgumentParser:
-    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
-    return sub.choices[command]
-
-
 def _config_class(command: str) -> type:
     """The typed config of `eyas command` (eyas.options), whose options a recipe stage may set."""
     return importlib.import_module(SUBCOMMANDS[command]).CONFIG
 
 
-def check_stage_options(stage: str, options: dict[str, Any], where: str, also: frozenset[str] = frozenset()) -> None:
-    """Before any stage runs: each key names an option of the stage's command, with a value it
-    takes, and none is one the recipe sets itself; else one line naming the stage and the key."""
+def check_stage_options(stage: str, options: Mapping[str, Any], where: str,
+                        linked: frozenset[str] = frozenset()) -> None:
+    """Before any stage runs: each key names an option of the stage's command (by its flag's
+    name), with a value it takes, and none is one of the `linked` options the recipe sets
+    itself; else one line naming the stage and the key."""
     for key in options:
-        if str(key).replace("-", "_") in LINKED[stage]:
+        if str(key).replace("-", "_") in linked:
             raise EyasError(f"{where}: `{stage}: {key}` is set by the recipe itself (it links the stages).")
-    check_mapping(_config_class(stage), options, f"{where}: `{stage}`", also, flags_only=True)
+    check_mapping(_config_class(stage), options, f"{where}: `{stage}`", flags_only=True)
 
 
-def _options(stage: str, options: dict[str, Any], where: str) -> list[str]:
-    """A stage's recipe options, checked (`check_stage_options`), as command-line arguments
-    (True: the flag; False: its --no- form where the command has one, else nothing; a list:
-    several values)."""
-    check_stage_options(stage, options, where)
-    known = _stage_parser(stage)._option_string_actions
-    argv: list[str] = []
-    for key, value in options.items():
-        name = str(key).replace("-", "_")
-        flag = "--" + name.replace("_", "-")
-        if value is True:
-            argv.append(flag)
-        elif value is False:
-            argv += ["--no-" + flag[2:]] if "--no-" + flag[2:] in known else []
-        elif isinstance(value, list):  # one flag for nargs="+", else the flag once per value (action="append")
-            action = known.get(flag)
-            argv += [flag, *map(str, value)] if action is not None and action.nargs in ("+", "*") else \
-                [x for v in value for x in (flag, str(v))]
-        elif value is not None:
-            argv += [flag, str(value)]
-    return argv
+def _stage(name: str, command: str, output: Path, where: str, head: Mapping[str, Any],
+           user: Mapping[str, Any] = {}, tail: Mapping[str, Any] = {}, processes: int = 1) -> Stage:
+    """A stage whose options are the linking ones (`head` and `tail`, which the recipe alone
+    sets) around the user's, checked as a whole config (`Stage.config`)."""
+    linked = frozenset(str(k) for k in [*head, *tail])
+    check_stage_options(command, user, where, linked)
+    stage = Stage(name, command, {**head, **user, **tail}, output, processes, linked)
+    stage.config(where)
+    return stage
 
 
 def plan(recipe: dict[str, Any], work: Path, where: str) -> list[Stage]:
-    """The stages this recipe runs, with their exact commands."""
+    """The stages this recipe runs, each with its options checked as its command's config."""
     model = recipe["model"]
     opts = {k: dict(recipe.get(k) or {}) for k in STAGE_KEYS}
     prepared = work / "prepared"
-    stages = [Stage("prepare", "prepare", ["--model", model, "--out", str(prepared)]
-                    + _options("prepare", opts["prepare"], where), prepared)]
+    stages = [_stage("prepare", "prepare", prepared, where, {"model": model, "out": str(prepared)}, opts["prepare"])]
     data = prepared
     if "regenerate" in recipe:
         data = work / "regen"
-        stages.append(Stage("regenerate", "regenerate", ["--model", model, "--data", str(prepared), "--out", str(data)]
-                            + _options("regenerate", opts["regenerate"], where), data))
+        stages.append(_stage("regenerate", "regenerate", data, where,
+                             {"model": model, "data": str(prepared), "out": str(data)}, opts["regenerate"]))
     drafter = work / "drafter"
     train = opts["train"]
-    check_stage_options("train", train, where, also=frozenset({"nproc_per_node"}))
-    kind = str(train.get("drafter", "eagle3"))  # DFlash and P-EAGLE draft one block: no tree, vLLM's layout only
-    online = bool(train.pop("online", False))
-    if online:
-        source = ["--online", "--model", model, "--data", str(data)]
-    else:
-        store = work / "store"
-        stages.append(Stage("capture", "capture", ["--model", model, "--data", str(data), "--out", str(store)]
-                            + _options("capture", opts["capture"], where), store))
-        source = ["--store", str(store), "--model", model]
-    processes = train.pop("nproc_per_node", 1)
+    online, processes = train.pop("online", False), train.pop("nproc_per_node", 1)  # read by the recipe itself
     COUNT.check(f"{where}: `train: nproc_per_node`", processes)
-    stages.append(Stage("train", "train", source + ["--out", str(drafter)] + _options("train", train, where), drafter,
-                        processes))
+    check_stage_options("train", train, where)  # before the kind is read from it
+    kind = str(train.get("drafter", "eagle3"))  # DFlash and P-EAGLE draft one block: no tree, vLLM's layout only
+    store = work / "store"
+    if not online:
+        stages.append(_stage("capture", "capture", store, where, {"model": model, "data": str(data), "out": str(store)},
+                             opts["capture"]))
+    source = {"online": online, "store": None if online else str(store), "model": model,
+              "data": str(data) if online else None}
+    stages.append(_stage("train", "train", drafter, where, {**source, "out": str(drafter)}, train, {"resume": False},
+                         processes=processes))
     ev = work / "eval"
     # Held-out accuracy (when training holds samples out) needs no eval key: offline it reads the store (the
     # target is not loaded), online it runs the target as training did.
     device = opts["eval"].get("device", train.get("device"))
-    held = {k.replace("-", "_"): v for k, v in train.items()}.get("eval_fraction")
-    if held is None or float(held) > 0:
-        stages.append(Stage("heldout", "eval", ["--model", model, "--draft", str(drafter), "--teacher-forced",
-                                                str(data if online else store), "--held-out", "--output",
-                                                str(ev / "heldout.json")]
-                            + (["--device", str(device)] if device else []), ev / "heldout.json"))
+    if stages[-1].config(where).eval_fraction > 0:
+        stages.append(_stage("heldout", "eval", ev / "heldout.json", where, {
+            "model": model, "draft": str(drafter), "teacher_forced": str(data if online else store), "held_out": True,
+            "output": str(ev / "heldout.json"), **({"device": str(device)} if device else {})}))
     if "eval" in recipe:
         stages += _eval_stages(model, drafter, ev, opts["eval"], where, tree=drafts_trees(kind))
     export = opts["export"]
@@ -221,38 +210,26 @@ def plan(recipe: dict[str, Any], work: Path, where: str) -> list[Stage]:
             check_format(kind, fmt)
         except EyasError as e:
             raise EyasError(f"{where}: `export: to` {fmt}: {e}") from None
-        stages.append(Stage(f"export-{fmt}", "export", [str(drafter), "--to", fmt, "--out", str(work / "export" / fmt),
-                                                        "--force"] + _options("export", export, where),
-                            work / "export" / fmt))
+        out = work / "export" / fmt
+        stages.append(_stage(f"export-{fmt}", "export", out, where,
+                             {"ckpt": str(drafter), "to": fmt, "out": str(out), "force": True}, export,
+                             {"serve_command": False}))
     return stages
 
 
 def _eval_stages(model: str, drafter: Path, ev: Path, options: dict[str, Any], where: str,
                  tree: bool) -> list[Stage]:
     """The chain against prompt lookup, then (`tree`: the drafter's kind drafts trees) the tree."""
-    common = ["--model", model, "--draft", str(drafter)] + _options("eval", options, where)
-    stages = [Stage("eval-chain", "eval", common + ["--output", str(ev / "chain.json")], ev / "chain.json")]
+    head = {"model": model, "draft": str(drafter)}
+
+    def tail(name: str, tree: bool) -> dict[str, Any]:
+        return {"tree": tree, "teacher_forced": None, "held_out": False, "plot": None, "output": str(ev / name)}
+
+    stages = [_stage("eval-chain", "eval", ev / "chain.json", where, head, options, tail("chain.json", False))]
     if tree:
-        stages.append(Stage("eval-tree", "eval", common + ["--tree", "--baseline", "none", "--output",
-                                                           str(ev / "tree.json")], ev / "tree.json"))
+        stages.append(_stage("eval-tree", "eval", ev / "tree.json", where, head, {**options, "baseline": "none"},
+                             tail("tree.json", True)))
     return stages
-
-
-def _parse(stage: Stage) -> argparse.Namespace:
-    try:
-        return build_parser().parse_args([stage.command, *stage.argv])
-    except SystemExit:  # argparse has printed the reason
-        raise EyasError(f"the {stage.name} stage's options are not valid for eyas {stage.command} "
-                        f"(see above, and eyas {stage.command} --help): {stage.line}") from None
-
-
-def _check(stage: Stage, where: str) -> None:
-    """The stage's command line makes a valid config (the rules between its options included)."""
-    args = _parse(stage)
-    try:
-        from_args(args._config, args)
-    except EyasError as e:
-        raise EyasError(f"{where}: the {stage.name} stage: {e}") from None
 
 
 class State:
@@ -343,9 +320,11 @@ def check_work_folder(work: Path, stages: list[Stage], state: State, clean: bool
                         f"it writes only into a new folder or one it wrote before: choose another `work:` or --work.")
 
 
-def _run_stage(stage: Stage) -> None:
+def _run_stage(stage: Stage, where: str) -> None:
+    """The stage's command, given its config: `run(config)`, as `eyas COMMAND` runs it (under
+    torchrun its command line, derived from the config's options)."""
     if stage.command == "train" and (stage.output / "checkpoints" / "latest").is_file():
-        stage = Stage(stage.name, stage.command, [*stage.argv, "--resume"], stage.output, stage.processes)
+        stage = replace(stage, options={**stage.options, "resume": True})
     if stage.processes > 1:
         launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(stage.processes),
                   "-m", "eyas", stage.command, *stage.argv]
@@ -353,7 +332,7 @@ def _run_stage(stage: Stage) -> None:
             raise EyasError(f"the {stage.name} stage failed under torchrun (see above); run the recipe again to "
                             f"continue from its last checkpoint.")
         return
-    run_stage(_parse(stage))
+    importlib.import_module(SUBCOMMANDS[stage.command]).run(stage.config(where))
 
 
 def run_recipe(path: str | Path, work: str | Path | None = None, dry_run: bool = False,
@@ -362,9 +341,7 @@ def run_recipe(path: str | Path, work: str | Path | None = None, dry_run: bool =
     if given; returns the report once every stage is done."""
     recipe = load_recipe(path)
     work = work_folder(path, recipe, work)
-    stages = plan(recipe, work, str(path))
-    for stage in stages:
-        _check(stage, str(path))  # every stage's options are checked before the first one runs
+    stages = plan(recipe, work, str(path))  # every stage's config is checked before the first one runs
     names = [s.name for s in stages]
     if stop_after is not None and stop_after not in names:
         raise EyasError(f"--stop-after {stop_after!r}: this recipe's stages are {', '.join(names)}.")
@@ -384,12 +361,12 @@ def run_recipe(path: str | Path, work: str | Path | None = None, dry_run: bool =
             again = " (continuing: its output exists)" if stage.output.exists() else ""
             print(f"[{k}/{len(stages)}] {stage.name}{again}\n  {stage.line}", flush=True)
             started = time.monotonic()
-            _run_stage(stage)
+            _run_stage(stage, str(path))
             state.finish(stage)
             print(f"[{k}/{len(stages)}] {stage.name}: done in {time.monotonic() - started:.0f} s", flush=True)
             if stage.name == stop_after and k < len(stages):
                 print(f"stopped after {stop_after} (--stop-after); run without it to go on.", flush=True)
                 return None
-        report = write_report(recipe, work, stages)
+        report = write_report(recipe, work, stages, str(path))
     print(f"recipe finished: report in {report}", flush=True)
     return report

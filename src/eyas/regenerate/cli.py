@@ -25,9 +25,9 @@ ON_OUT_OF_MEMORY = ("its batches take half the device's memory: free the device 
 
 def run(cfg: RegenerateConfig) -> int:
     format_summary = importlib.import_module("eyas.data.prepare").format_summary
-    run_regenerate = importlib.import_module("eyas.regenerate.run").run_regenerate
+    regenerate = importlib.import_module("eyas.regenerate.run").regenerate
 
-    summary = run_regenerate(cfg)
+    summary = regenerate(cfg)
     print(format_summary(summary, cfg.out))
     t = summary.get("regenerate_seconds")
     if t:

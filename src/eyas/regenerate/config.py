@@ -1,5 +1,5 @@
 """Every option of `eyas regenerate`, in one typed config: the CLI is generated from it, the
-recipe's `regenerate:` keys are checked against it, and `run_regenerate` reads it."""
+recipe's `regenerate:` keys are checked against it, and `regenerate` (regenerate/run.py) reads it."""
 
 from __future__ import annotations
 

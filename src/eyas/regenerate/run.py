@@ -34,7 +34,6 @@ from eyas.errors import EyasError
 from eyas.lock import LOCK_FILE, output_lock
 from eyas.models import load_tokenizer
 from eyas.models.load import model_dtype
-from eyas.options import from_mapping, keyword_signature
 from eyas.paths import atomic_write_bytes, check_confined, remove_leftovers
 from eyas.regenerate.config import RegenerateConfig
 from eyas.regenerate.generate import HFGenerator, VLLMGenerator
@@ -63,19 +62,7 @@ def default_group_size(cfg: RegenerateConfig) -> int:
     return 4096 if resolve_device(cfg.device).type == "cuda" else 64
 
 
-def regenerate(model: str, data: str | Path, out: str | Path, *, progress: bool = True,
-               **options: Any) -> dict[str, Any]:
-    """`run_regenerate` for library callers: `options` are RegenerateConfig's (and its vLLM
-    options'), by name; an unknown one is refused with its name."""
-    config = from_mapping(RegenerateConfig, {"model": model, "data": str(data), "out": str(out), **options},
-                          "regenerate")
-    return run_regenerate(config, progress)
-
-
-regenerate.__signature__ = keyword_signature(RegenerateConfig, ("model", "data", "out"), progress=True)
-
-
-def run_regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict[str, Any]:
+def regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict[str, Any]:
     """Regenerate every conversation of `cfg.data` not yet in `cfg.out` (or as many as
     `cfg.minutes` allow), then prepare `cfg.out` from the finished ones; return prepare's summary."""
     model, data, minutes = cfg.model, cfg.data, cfg.minutes
@@ -128,8 +115,8 @@ def run_regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict[str, An
         atomic_write_bytes(out / CONVERSATIONS, "".join(json.dumps({"messages": done[i]}, ensure_ascii=False) + "\n"
                                                         for i in sorted(done)).encode("utf-8"))
         t0 = time.monotonic()
-        summary = prepare_into(model, str(out / CONVERSATIONS), out, max_len=max_len,
-                               chat_template=source.chat_template, progress=progress)
+        summary = prepare_into(model, str(out / CONVERSATIONS), out, max_len, chat_template=source.chat_template,
+                               progress=progress)
         seconds["prepare"] = time.monotonic() - t0
         summary["regenerate_seconds"] = {k: round(v, 1) for k, v in seconds.items()}
         if generator is not None and decoding and decoding["batches"]:

@@ -68,6 +68,19 @@ class CaptureVLLMOptions(EngineOptions):
         "print the `vllm serve` command a server for --endpoint needs (with --model, --layers, --spool, parallel "
         "sizes, --engine-arg) and exit", False)
 
+    def check_together(self) -> None:
+        """The rules between these options, for `--backend vllm` (checked before any work)."""
+        if self.print_serve_command and not self.spool:
+            raise EyasError("--print-serve-command needs --spool DIR: the folder the server writes states to.")
+        if self.endpoint and not self.spool:
+            raise EyasError("--endpoint needs --spool DIR: the folder the server writes states to, as this machine "
+                            "sees it.")
+        if self.data_parallel_size > 1 and not (self.endpoint or self.print_serve_command):
+            raise EyasError(
+                "vLLM runs data parallel only across processes (vllm.LLM refuses data_parallel_size > 1). Start a "
+                "server with the command from `eyas capture --backend vllm --print-serve-command --data-parallel-size "
+                "N --spool DIR` and capture through it with --endpoint URL --spool DIR.")
+
 
 def print_serve_command(model: str, layers: str, asked: str | None, options: CaptureVLLMOptions) -> None:
     """`--print-serve-command`: the `vllm serve` line a server for `--endpoint` needs, the target
@@ -76,8 +89,6 @@ def print_serve_command(model: str, layers: str, asked: str | None, options: Cap
     from eyas.vllm.serve import serve_command
     from eyas.vllm.target import describe_target
 
-    if not options.spool:
-        raise EyasError("--print-serve-command needs --spool DIR: the folder the server writes states to.")
     print("# eyas must be installed where vLLM runs (its connector is imported from eyas); the server writes to "
           f"{options.spool}, which must be the same folder for the capture client.", file=sys.stderr)
     target = describe_target(model, layers)
@@ -91,17 +102,9 @@ def print_serve_command(model: str, layers: str, asked: str | None, options: Cap
 
 def make_vllm_backend(model: str, layers: str, model_dtype: str, options: CaptureVLLMOptions):
     """`--backend vllm`: the endpoint client when `options.endpoint` is given, else an in-process engine."""
-    if options.data_parallel_size > 1 and not options.endpoint:
-        raise EyasError(
-            "vLLM runs data parallel only across processes (vllm.LLM refuses data_parallel_size > 1). Start a server "
-            "with the command from `eyas capture --backend vllm --print-serve-command --data-parallel-size N --spool DIR` "
-            "and capture through it with --endpoint URL --spool DIR."
-        )
     if options.endpoint:
         from eyas.vllm.endpoint import EndpointCapturer
 
-        if not options.spool:
-            raise EyasError("--endpoint needs --spool DIR: the folder the server writes states to, as this machine sees it.")
         return EndpointCapturer(model, options.endpoint, options.spool, layers=layers,
                                 served_model_name=options.served_model_name, concurrency=options.concurrency,
                                 request_timeout=options.request_timeout, retries=options.retries)
