@@ -6,11 +6,12 @@ import json
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from transformers import AutoConfig
 
+from eyas.draft import kinds
 from eyas.draft.checkpoint import load_config
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
@@ -18,7 +19,7 @@ from eyas.export.config import ExportConfig
 from eyas.export.layouts import Layout, layout_for
 from eyas.export.weights import build_drafter, owned_out, read_tensors, write_folder
 from eyas.models import load_tokenizer, model_identity
-from eyas.models.load import parse_dtype
+from eyas.models.load import ENGINE_DTYPE, parse_dtype
 from eyas.models.resolve import MODEL_CONFIG, resolve_model
 from eyas.paths import check_confined
 from eyas.train.checkpoint import unfinished_note
@@ -50,7 +51,8 @@ def export_drafter(export: ExportConfig) -> dict[str, Any]:
     return {
         "format": layout.name, "out": str(out), "tensors": len(tensors), "bytes": size,
         "aux_layer_ids": written_layer_ids(config),
-        "serve_command": serve_command(layout.engine, serving["target"], out, num_speculative_tokens, cfg.drafter),
+        "serve_command": serve_command(layout.engine, serving["target"], out, num_speculative_tokens,
+                                       cfg.kind.vllm_method),
     }
 
 
@@ -64,12 +66,12 @@ def planned_serve_command(export: ExportConfig, check: bool = True) -> str:
     if check and layout.engine == "vllm":
         check_vllm_serves(cfg, serving["target"])
     return serve_command(layout.engine, serving["target"], Path(export.out).resolve(), num_speculative_tokens,
-                         cfg.drafter)
+                         cfg.kind.vllm_method)
 
 
 def speculative_tokens(cfg: DraftConfig, asked: int | None) -> int:
-    """Draft tokens per step: as asked, else 3, or a DFlash or P-EAGLE drafter's whole block as trained."""
-    k = asked if asked is not None else 3 if cfg.drafter == "eagle3" else cfg.ttt_steps
+    """Draft tokens per step: as asked, else the kind's default (3 step by step, a block drafter's whole block)."""
+    k = asked if asked is not None else cfg.kind.default_speculative_tokens(cfg)
     if k < 1:
         raise EyasError("--num-speculative-tokens must be at least 1.")
     return k
@@ -84,7 +86,7 @@ def check_vllm_serves(cfg: DraftConfig, target: str) -> None:
         print(f"eyas: note: the serve command was not checked: the target's config is not readable here ({e})",
               file=sys.stderr)
         return
-    preflight_where_installed(config, target, cfg.layer_ids, "auto", "export --to sglang if SGLang serves this target")
+    preflight_where_installed(config, target, cfg.layer_ids, ENGINE_DTYPE, "export --to sglang if SGLang serves this target")
 
 
 def export_tensors(cfg: DraftConfig, state: dict[str, torch.Tensor], layout: Layout, dtype: str) -> dict[str, torch.Tensor]:
@@ -138,13 +140,14 @@ def written_layer_ids(config: dict[str, Any]) -> dict[str, list[int]]:
 
 
 def serve_command(engine: str, target: str, drafter: str | Path, num_speculative_tokens: int,
-                  method: str = "eagle3") -> str:
-    """The command line that serves `target` with the exported drafter, chain drafting k tokens
-    (DFlash: a block of k in one pass; P-EAGLE: EAGLE-3 with vLLM's parallel drafting)."""
+                  method: Mapping[str, Any] | None = None) -> str:
+    """The command line that serves `target` with the exported drafter, drafting k tokens a step,
+    `method` the kind's fields of vLLM's --speculative-config (draft/kinds.py `vllm_method`;
+    default: the default kind's)."""
     k = num_speculative_tokens
+    method = method or kinds.get(kinds.DEFAULT).vllm_method
     if engine == "vllm":
-        parallel = {"method": "eagle3", "parallel_drafting": True} if method == "peagle" else {"method": method}
-        spec = json.dumps({**parallel, "model": str(drafter), "num_speculative_tokens": k})
+        spec = json.dumps({**method, "model": str(drafter), "num_speculative_tokens": k})
         return shlex.join([*serve_launcher(target), "--speculative-config", spec])
     return shlex.join([
         "python", "-m", "sglang.launch_server", "--model-path", target, "--speculative-algorithm", "EAGLE3",

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from eyas.models.eos import cut_at_stop, eos_ids, saved_generation_config
-from eyas.models.load import load_target, load_tokenizer
+from eyas.models.load import ENGINE_DTYPE, load_target, load_tokenizer
 from eyas.models.resolve import resolve_model
 from eyas.regenerate.static import StaticGreedy, supports_static
 from eyas.vllm.engine import base_kwargs, check_vllm_version, start_llm, stop_llm
@@ -87,7 +87,7 @@ class HFGenerator:
 class VLLMGenerator:
     """`vllm.LLM.generate` over all prompts at once; vLLM batches and caches shared prefixes."""
 
-    def __init__(self, model: str, dtype: str = "auto", max_len: int = 2048, tensor_parallel_size: int = 1,
+    def __init__(self, model: str, dtype: str = ENGINE_DTYPE, max_len: int = 2048, tensor_parallel_size: int = 1,
                  pipeline_parallel_size: int = 1, engine_args: dict[str, Any] | None = None):
         check_vllm_version()
         folder = resolve_model(model)
