@@ -52,7 +52,7 @@ def static_greedy(folder: Path, dev: str) -> bool:
 
 
 def compiled_loss(dev: str) -> bool:
-    from eyas.train.objective import soft_cross_entropy, step_loss
+    from eyas.draft.loss import soft_cross_entropy, step_loss
 
     g = torch.Generator(device=dev).manual_seed(0)
     base = torch.randn(4, 300, 2000, device=dev, generator=g).bfloat16()

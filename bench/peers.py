@@ -907,7 +907,6 @@ def q_heldout(args, ctx) -> dict[str, Any]:
     from eyas.models import resolve_model
     from eyas.train.data import StoreSource
     from eyas.train.loop import score
-    from eyas.train.objective import TTTObjective
     from eyas.models.target_head import load_target_head
 
     device = torch.device(args.device)
@@ -918,7 +917,7 @@ def q_heldout(args, ctx) -> dict[str, Any]:
     for arm, folder in _drafters(ctx).items():
         drafter = load_drafter(folder, head.embed_weight).to(device).eval()
         draft_ids = torch.arange(len(drafter.d2t), device=device) + drafter.d2t
-        m = score(source, head, TTTObjective(drafter), draft_ids, 7, held, args.batch_tokens, 0, device,
+        m = score(source, head, drafter, draft_ids, 7, held, args.batch_tokens, 0, device,
                   distributed.Dist())
         out[arm] = {"acc_per_step": [round(a, 4) for a in m["acc_per_step"]], "tau_sim": round(m["tau_sim"], 3),
                     "positions": m.get("positions")}

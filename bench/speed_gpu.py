@@ -624,7 +624,6 @@ def _in_memory_run(cfg, draft, head, source, device: torch.device):
     from eyas.draft.model import Eagle3Drafter
     from eyas.train.data import BatchStream
     from eyas.train.loop import Run
-    from eyas.train.objective import TTTObjective
     from eyas.train.optim import build_optimizers
 
     d, device = distributed.init(str(device), False)
@@ -634,7 +633,7 @@ def _in_memory_run(cfg, draft, head, source, device: torch.device):
     V = draft.vocab_size
     draft_ids = torch.randperm(V, generator=torch.Generator().manual_seed(0))[: draft.draft_vocab_size].sort().values
     drafter.set_vocab(draft_ids.to(device))
-    model = distributed.wrap(TTTObjective(drafter).to(device), d, device)
+    model = distributed.wrap(drafter.to(device), d, device)
     optimizers = build_optimizers(model, cfg.optimizer, cfg.lr, cfg.weight_decay)
     positions = list(range(len(source.lengths)))
     stream = BatchStream(positions, source.lengths, source.sample_index, cfg.batch_tokens, cfg.seed)

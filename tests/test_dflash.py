@@ -24,7 +24,8 @@ from eyas.evaluate.generate import generate
 from eyas.evaluate.target import TargetSession
 from eyas.models.target_head import TargetHead
 from eyas.train.anchors import anchor_rows
-from eyas.train.objective import TTTObjective, make_labels, step_counts
+from eyas.draft.loss import step_counts
+from eyas.train.labels import make_labels
 from test_eval_sampling import T as TEMPERATURE, V as TOY_V, build_toy, check_sampling
 from test_ttt import K, V, H, VD, check_against_reference, reference_loss, rope, tiny_config
 
@@ -121,7 +122,7 @@ def test_sampled_anchors_train_as_the_reference_on_those_rows():
     decay = 0.8
     weights = torch.tensor([decay ** k for k in range(K)]) / counts
     params = [p for p in drafter.parameters() if p.requires_grad]
-    loss, stats, _ = TTTObjective(drafter)(input_ids, hidden[:, :, :3], labels, weights, rows)
+    loss, stats, _ = drafter(input_ids, hidden[:, :, :3], labels, weights, rows)
     grads = torch.autograd.grad(loss, params)
     ref_logits, ref_loss = reference_dflash(drafter, input_ids, hidden, labels, decay, rows)
     ref_grads = torch.autograd.grad(ref_loss, params)
@@ -222,7 +223,7 @@ def test_compiled_flex_block_attention_on_cuda_equals_dense_across_lengths():
     rows = anchor_rows(loss_mask, K, 3, (0, 0)).cuda()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         labels = make_labels(head, hidden[:, :, -1].cuda(), loss_mask.cuda(), draft_ids.cuda())
-        loss = TTTObjective(drafter)(input_ids.cuda(), hidden[:, :, :3].cuda(), labels, torch.ones(K, device="cuda"),
+        loss = drafter(input_ids.cuda(), hidden[:, :, :3].cuda(), labels, torch.ones(K, device="cuda"),
                                      rows)[0]
     loss.backward()
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in drafter.parameters() if p.requires_grad)
@@ -296,8 +297,8 @@ def test_dflash_greedy_equals_plain_greedy_on_the_toy(one_thread):
 
 def test_eval_refuses_a_tree_for_a_block_drafter_as_the_recipe_plans_none(one_thread):
     """A DFlash block is verified as a chain: `eyas eval --tree` says so in one line, and the
-    recipe, by the same rule (kinds.drafts_trees), plans no tree stage for it."""
-    from eyas.draft.kinds import drafts_trees
+    recipe, by the same rule (the kind record's drafts_trees), plans no tree stage for it."""
+    from eyas.draft import kinds
     from eyas.evaluate.config import EvalConfig
     from eyas.evaluate.run import drafter_proposer
 
@@ -305,7 +306,7 @@ def test_eval_refuses_a_tree_for_a_block_drafter_as_the_recipe_plans_none(one_th
     with pytest.raises(EyasError, match="A DFlash drafter proposes one block, verified as a chain; drop --tree"):
         drafter_proposer(drafter, EvalConfig(model="unused", tree=True), None)
     assert isinstance(drafter_proposer(drafter, EvalConfig(model="unused"), None), DFlash)
-    assert [drafts_trees(k) for k in ("eagle3", "dflash", "peagle")] == [True, False, False]
+    assert [kinds.get(k).drafts_trees for k in ("eagle3", "dflash", "peagle")] == [True, False, False]
 
 
 @pytest.fixture(scope="module")
@@ -351,8 +352,9 @@ def test_train_dflash_offline_equals_online_and_reloads(tiny_llama_dir, tiny_lla
     assert config["num_hidden_layers"] == 2 and config["dflash_config"]["mask_token_id"] == config["vocab_size"] - 1
     drafter = load_drafter(tmp_path / "off")
     assert type(drafter).__name__ == "DFlashDrafter" and drafter.block_size == 4
-    for option in ({"block_size": 4}, {"anchors": 5}):
-        with pytest.raises(EyasError, match="--block-size, --draft-layers and --anchors"):
+    for flag, option in (("--block-size", {"block_size": 4}), ("--anchors", {"anchors": 5}),
+                         ("--draft-layers", {"draft_layers": 2})):
+        with pytest.raises(EyasError, match=f"^{flag} is for --drafter dflash, not eagle3"):
             TrainConfig(out="x", store=str(store), **option)
 
 

@@ -8,7 +8,6 @@ import torch
 from eyas.draft.build import new_drafter
 from eyas.errors import EyasError
 from eyas.train.config import TrainConfig
-from eyas.train.objective import TTTObjective
 from eyas.train.optim import build_optimizers, muon_split
 from test_mla import SIZES
 from test_ttt import H, V, tiny_config
@@ -24,7 +23,7 @@ def test_muon_takes_the_weight_matrices_and_adamw_the_rest(kind):
     """Every trainable parameter lands in exactly one optimizer; Muon gets the 2-D projection
     matrices (fc and the layers'), AdamW the draft head, the norms and vectors; the frozen
     embedding in neither."""
-    model = TTTObjective(new_drafter(tiny_config(**KINDS[kind]), torch.randn(V, H)))
+    model = new_drafter(tiny_config(**KINDS[kind]), torch.randn(V, H))
     muon, adamw = muon_split(model)
     names = {n for n, _ in muon} | {n for n, _ in adamw}
     assert not {n for n, _ in muon} & {n for n, _ in adamw}
@@ -61,7 +60,7 @@ def test_muon_updates_match_a_plain_reference():
     by 0.2 * sqrt(max(rows, cols)) to AdamW's RMS, decoupled weight decay), within 3% of each
     matrix's move in norm; the AdamW side equals torch's AdamW with the same betas (1e-6)."""
     torch.manual_seed(0)
-    model = TTTObjective(new_drafter(tiny_config(), torch.randn(V, H)))
+    model = new_drafter(tiny_config(), torch.randn(V, H))
     lr, wd, mu = 2e-2, 0.1, 0.95
     opts = build_optimizers(model, "muon", lr, wd)
     muon, adamw = muon_split(model)

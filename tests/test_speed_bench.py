@@ -16,7 +16,8 @@ speed = pytest.importorskip("speed_gpu")
 from eyas.draft.config import DraftConfig  # noqa: E402
 from eyas.models.target_head import TargetHead  # noqa: E402
 from eyas.train.config import TrainConfig  # noqa: E402
-from eyas.train.objective import TTTObjective, make_labels, step_counts  # noqa: E402
+from eyas.draft.loss import step_counts  # noqa: E402
+from eyas.train.labels import make_labels  # noqa: E402
 
 V, H, K = 64, 32, 3
 
@@ -77,7 +78,7 @@ def test_plain_step_trains_eyas_objective():
     counts = step_counts(mask, K)
     weights = torch.tensor([0.8 ** k for k in range(K)]) / counts.clamp_min(1)
     labels = make_labels(head, hidden[:, :, -1], mask, draft_ids)
-    loss, _, _ = TTTObjective(drafter)(ids, hidden[:, :, :-1], labels, weights)
+    loss, _, _ = drafter(ids, hidden[:, :, :-1], labels, weights)
     loss.backward()
     want = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad}
     drafter.zero_grad()

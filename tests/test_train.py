@@ -393,7 +393,7 @@ def _first_step(argv: list[str]) -> None:
     run = setup(cfg, d, device)
     stats, _ = accumulate(run)
     if d.main:
-        grads = {n: p.grad.clone() for n, p in run.objective.named_parameters() if p.requires_grad}
+        grads = {n: p.grad.clone() for n, p in run.drafter.named_parameters() if p.requires_grad}
         torch.save({"summary": summarize(distributed.all_reduce(stats, d)), "grads": grads}, dump)
     else:
         distributed.all_reduce(stats, d)

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from eyas.draft import DraftConfig, Eagle3Drafter, ttt_attention
 from eyas.models.target_head import TargetHead
-from eyas.train.objective import TTTObjective, make_labels, step_counts, trained_positions
+from eyas.draft.loss import step_counts, trained_positions
+from eyas.train.labels import make_labels
 
 V, H, VD, K = 97, 32, 41, 4
 
@@ -167,7 +168,7 @@ def check_against_reference(drafter, head, draft_ids, input_ids, hidden, loss_ma
     weights = torch.tensor([decay ** k for k in range(K)]) / counts
 
     params = [p for p in drafter.parameters() if p.requires_grad]
-    loss, stats, _ = TTTObjective(drafter)(input_ids, hidden[:, :, :3], labels, weights)
+    loss, stats, _ = drafter(input_ids, hidden[:, :, :3], labels, weights)
     grads = torch.autograd.grad(loss, params)
     fast_logits = drafter.forward_ttt(input_ids, hidden[:, :, :3], K)
 
@@ -190,14 +191,14 @@ def test_padding_rows_do_not_change_real_rows(setup):
     drafter, head, draft_ids, input_ids, hidden, loss_mask = setup
     weights = torch.ones(K)
     labels = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids)
-    _, batched, rows = TTTObjective(drafter)(input_ids, hidden[:, :, :3], labels, weights)
+    _, batched, rows = drafter(input_ids, hidden[:, :, :3], labels, weights)
     one = make_labels(head, hidden[2:, :8, -1], loss_mask[2:, :8], draft_ids)
-    _, alone, row_alone = TTTObjective(drafter)(input_ids[2:, :8], hidden[2:, :8, :3], one, weights)
+    _, alone, row_alone = drafter(input_ids[2:, :8], hidden[2:, :8, :3], one, weights)
     torch.testing.assert_close(rows[2], row_alone[0], atol=1e-5, rtol=1e-5)
     garbage = hidden.clone()
     garbage[2, 8:] = 1e3  # what sits in padded positions must not matter
     labels_g = make_labels(head, garbage[:, :, -1], loss_mask, draft_ids)
-    _, _, rows_g = TTTObjective(drafter)(input_ids, garbage[:, :, :3], labels_g, weights)
+    _, _, rows_g = drafter(input_ids, garbage[:, :, :3], labels_g, weights)
     torch.testing.assert_close(rows_g, rows, atol=1e-5, rtol=1e-5)
     assert alone[:, 2].sum() <= batched[:, 2].sum()
 
@@ -237,7 +238,7 @@ def test_compiled_step_loss_equals_eager():
     probs[:, 1 + k:]). Tolerance: the loss is float32 (1e-5); the gradient is rounded to
     bf16 either way, so two bf16 roundings of nearly equal float32 values may differ by an
     ulp (1e-2 relative)."""
-    from eyas.train.objective import soft_cross_entropy
+    from eyas.draft.loss import soft_cross_entropy
 
     g = torch.Generator().manual_seed(0)
     base = torch.randn(3, 21, 64, generator=g).to(torch.bfloat16)
@@ -320,7 +321,7 @@ def test_labels_are_the_targets_softmax_over_the_draft_vocab_and_its_argmax(setu
 
 
 def test_labels_do_not_depend_on_how_rows_are_chunked(setup, monkeypatch):
-    import eyas.train.objective as objective
+    import eyas.train.labels as objective
 
     _, head, draft_ids, _, hidden, loss_mask = setup
     whole = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids)
@@ -339,7 +340,7 @@ def test_a_batch_with_nothing_to_score_still_trains_every_weight(setup):
     drafter, head, draft_ids, input_ids, hidden, loss_mask = setup
     labels = make_labels(head, hidden[:, :, -1], torch.zeros_like(loss_mask), draft_ids)
     weights = torch.full((K,), 0.25)
-    loss, stats, rows = TTTObjective(drafter)(input_ids, hidden[:, :, :3], labels, weights)
+    loss, stats, rows = drafter(input_ids, hidden[:, :, :3], labels, weights)
     loss.backward()
     assert loss.item() == 0 and (stats == 0).all() and (rows == 0).all()
     for name, p in drafter.named_parameters():

@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 import eyas.draft.model as dm
-from eyas.train.objective import TTTObjective, make_labels, step_counts
+from eyas.draft.loss import step_counts
+from eyas.train.labels import make_labels
 from eyas.models.target_head import TargetHead
 from test_ttt import K, make_setup
 
@@ -40,7 +41,7 @@ def _loss_and_grads(options: dict):
     drafter, head, draft_ids, input_ids, hidden, loss_mask = make_setup(**options)
     labels = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids)
     weights = 0.8 ** torch.arange(K) / step_counts(loss_mask, K).clamp_min(1)
-    loss, stats, _ = TTTObjective(drafter)(input_ids, hidden[:, :, :-1], labels, weights)
+    loss, stats, _ = drafter(input_ids, hidden[:, :, :-1], labels, weights)
     loss.backward()
     return loss.detach(), stats, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.requires_grad}
 

@@ -61,7 +61,7 @@ def wrap(module: nn.Module, d: Dist, device: torch.device) -> nn.Module:
         if not d.enabled:
             raise EyasError("--fsdp shards across processes: start with torchrun --nproc-per-node N (N > 1).")
         mesh = init_device_mesh(device.type, (d.world,))
-        fully_shard(module, mesh=mesh, ignored_params={module.drafter.embed_tokens.weight})
+        fully_shard(module, mesh=mesh, ignored_params={module.embed_tokens.weight})
         return module
     if d.enabled:
         # The buffers (d2t, t2d) never change: no broadcast per forward.

@@ -1,17 +1,14 @@
-"""A drafter module of its config's kind (see kinds.py)."""
+"""A drafter module of its config's kind (the class its record in kinds.py names)."""
 
 from __future__ import annotations
 
 import torch
 
 from eyas.draft.config import DraftConfig
-from eyas.draft.dflash import DFlashDrafter
-from eyas.draft.model import Eagle3Drafter
-from eyas.draft.peagle import PEagleDrafter
 
 
 def drafter_class(cfg: DraftConfig) -> type[torch.nn.Module]:
-    return {"dflash": DFlashDrafter, "peagle": PEagleDrafter}.get(cfg.drafter, Eagle3Drafter)
+    return cfg.kind.module_class()
 
 
 def new_drafter(cfg: DraftConfig, embed_weight: torch.Tensor | None = None) -> torch.nn.Module:

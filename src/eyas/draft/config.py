@@ -1,14 +1,15 @@
-"""The drafter's configuration: one dataclass, written (by draft/checkpoint.py) as an HF-style
-`config.json` that is also the shape vLLM's `LlamaForCausalLMEagle3` expects, plus an `eyas`
-block recording the target and the training-time-test settings."""
+"""The drafter's configuration: one dataclass for every kind, written (by draft/checkpoint.py)
+as an HF-style `config.json` that is also the one vLLM loads the kind with (its kind's writer,
+draft/vllm_config.py), plus an `eyas` block recording the target and the training-time-test
+settings."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
+from eyas.draft import kinds
 from eyas.draft import mla_config as latent
-from eyas.draft.kinds import check_kind, hf_config, peagle_hf_config
 from eyas.draft.rope import drafter_rope
 from eyas.errors import EyasError
 from eyas.models.identity import ModelIdentity, text_config
@@ -53,9 +54,9 @@ class DraftConfig:
     chat_template: dict[str, Any] | None = None  # the training data's (data/template.py ChatTemplate), for eval
     attention: str = "gqa"  # the layer's attention: "gqa" (Llama) or "mla" (DeepSeek-V2 latent, draft/mla.py)
     mla: dict[str, Any] | None = None  # MLA's latent ranks and head dims (draft/mla.py MLA_FIELDS)
-    drafter: str = "eagle3"  # the kind (draft/kinds.py); dflash drafts ttt_steps tokens per block in one pass
-    num_hidden_layers: int = 1  # decoder layers (EAGLE-3 has one)
-    mask_token_id: int | None = None  # dflash: the token whose embedding marks the block's slots to fill
+    drafter: str = kinds.DEFAULT  # the kind (draft/kinds.py)
+    num_hidden_layers: int = 1  # decoder layers (a kind that is not `deep` has one)
+    mask_token_id: int | None = None  # a kind with a `mask_token`: the token whose embedding marks the slots to fill
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -71,16 +72,18 @@ class DraftConfig:
             raise EyasError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocabulary {self.vocab_size}.")
         if self.num_attention_heads % self.num_key_value_heads:
             raise EyasError("num_attention_heads must be a multiple of num_key_value_heads.")
-        if self.attention not in ("gqa", "mla") or (self.attention == "mla") != (self.mla is not None):
+        if self.attention not in (latent.GQA, latent.MLA) or (self.attention == latent.MLA) != (self.mla is not None):
             raise EyasError(f"attention {self.attention!r} with mla sizes {self.mla}: MLA needs its sizes, GQA none.")
         if self.mla is not None:
             latent.check_sizes(self.mla)
             latent.check_rope(self.rope_parameters)
         if self.fc_norm and self.norm_before_fc:
             raise EyasError("fc_norm and norm_before_fc both norm fc's input; a drafter has one or the other.")
-        if self.drafter == "dflash" and self.attention == "mla":
-            raise EyasError("A DFlash drafter has its own Qwen3-style layers; MLA attention is an EAGLE-3 layer option.")
-        check_kind(self)
+        self.kind.check_config(self)
+
+    @property
+    def kind(self) -> kinds.Kind:
+        return kinds.get(self.drafter)
 
     @property
     def identity(self) -> ModelIdentity:
@@ -126,37 +129,7 @@ class DraftConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json: the fields vLLM reads for the kind at top level, eyas's own under `eyas`."""
-        if self.drafter == "peagle":
-            return peagle_hf_config(self)
-        if self.drafter != "eagle3":
-            return {**hf_config(self), "eyas": {"config_version": CONFIG_VERSION, **asdict(self)}}
-        return {
-            "architectures": ["LlamaForCausalLMEagle3"],
-            "model_type": "llama",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "num_hidden_layers": 1,
-            "hidden_act": self.hidden_act,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_parameters.get("rope_theta", 10000.0),
-            "rope_scaling": None if self.rope_parameters.get("rope_type", "default") == "default" else self.rope_parameters,
-            "max_position_embeddings": self.max_position_embeddings,
-            "vocab_size": self.vocab_size,
-            "draft_vocab_size": self.draft_vocab_size,
-            "target_hidden_size": self.hidden_size,
-            "tie_word_embeddings": False,
-            "norm_before_residual": self.norm_before_residual,
-            "fc_norm": self.fc_norm,
-            "norm_output": self.norm_output,
-            "norm_before_fc": self.norm_before_fc,
-            "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
-            "num_aux_hidden_states": len(self.aux_layer_ids),  # vLLM sizes fc from this, not from the ids
-            "eyas": {"config_version": CONFIG_VERSION, **{k: v for k, v in asdict(self).items()}},
-            **(latent.hf_fields(self) if self.attention == "mla" else {}),
-        }
+        return {**self.kind.vllm_config(self), "eyas": {"config_version": CONFIG_VERSION, **asdict(self)}}
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], where: str) -> "DraftConfig":

@@ -26,10 +26,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_block_mask
 
+from eyas.draft.base import Drafter
 from eyas.draft.config import DraftConfig
 from eyas.draft.flex import compiled
 from eyas.draft.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary_pos_emb
-from eyas.draft.model import Eagle3Drafter, frozen_embedding
+from eyas.draft.model import frozen_embedding
 
 
 class DFlashAttention(nn.Module):
@@ -81,10 +82,7 @@ class DFlashLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DFlashDrafter(nn.Module):
-    set_vocab = Eagle3Drafter.set_vocab
-    draft_to_target = Eagle3Drafter.draft_to_target
-
+class DFlashDrafter(Drafter):
     def __init__(self, cfg: DraftConfig, embed_weight: torch.Tensor | None = None):
         super().__init__()
         self.config = cfg
@@ -146,10 +144,23 @@ class DFlashDrafter(nn.Module):
         states = normed.new_zeros(B, T, K, normed.shape[-1]).index_put((b, anchor[b, n]), normed[b, n])
         return list(states.unbind(2))
 
-    def forward_ttt(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int | None = None,
-                    rows: torch.Tensor | None = None):
-        """K logits tensors [B, T, Vd], aligned as `forward_ttt_states`."""
-        return [self.lm_head(n) for n in self.forward_ttt_states(input_ids, aux_hidden, steps, rows)]
+    @classmethod
+    def step_bytes(cls, cfg: DraftConfig, rows: int, length: int, anchors: int | None, device: torch.device) -> int:
+        """The bytes the largest tensors of a forward and backward take at once, on a micro-batch
+        of `rows` samples of up to `length` tokens, each anchoring N = min(anchors, length)
+        blocks of S slots, counting only these: every layer keeps, for the backward, about 6
+        hidden-wide and 4 MLP-wide values per block token (rows x S x N; bf16 on CUDA, else
+        float32); every drafted slot its draft-vocab logits and their log-softmax in float32;
+        off CUDA, the dense block mask [rows, S*N, length + S*N] of one byte an entry, which each
+        layer's attention keeps again in float32 (a CPU step measured 1 + 4 bytes an entry with
+        one layer, 1 + 4 x 3 with three, within 20%; flex attention on CUDA builds no such mask)."""
+        slots, layers, blocks = cfg.ttt_steps + 1, cfg.num_hidden_layers, min(anchors or length, length)
+        tokens = rows * slots * blocks  # block tokens
+        width = 2 if device.type == "cuda" else 4
+        activations = layers * tokens * (6 * cfg.hidden_size + 4 * cfg.intermediate_size) * width
+        logits = 2 * cfg.ttt_steps * rows * blocks * cfg.draft_vocab_size * 4
+        mask = 0 if device.type == "cuda" else tokens * (length + slots * blocks) * (1 + 4 * layers)
+        return activations + logits + mask
 
 
 def anchor_table(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,76 +1,160 @@
-"""The drafter kinds eyas trains, from the same store and the same objective: `eagle3` drafts
-its K tokens one forward pass each, `dflash` drafts a block of K in one pass, `peagle`
-(EAGLE-3 with parallel drafting) drafts its K in one pass of the EAGLE-3 layer. Here: what a
-kind's config may hold and the config.json vLLM loads it with (no torch: DraftConfig checks
-itself with these); its module class is built by `build.new_drafter`."""
+"""The drafter kinds eyas trains, one `Kind` record each, registered once (torchtitan's
+TrainSpec habit): every stage asks the record, and no stage outside draft/ compares a kind's
+name. A new kind is one `register(Kind(...))` with its module class; the stages follow.
+
+- `eagle3` drafts its K tokens one forward pass each, so it can branch into a tree;
+- `dflash` drafts a block of K in one pass of a few layers beside the target (trained on
+  blocks anchored at sampled rows, train/anchors.py);
+- `peagle` (EAGLE-3 with parallel drafting) drafts its K in one pass of the EAGLE-3 layer.
+
+No torch here: DraftConfig checks itself with these records, and `eyas --help` lists them
+without loading torch; the module class is imported on first use.
+"""
 
 from __future__ import annotations
 
+import importlib
 import math
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
+from eyas.draft import vllm_config
+from eyas.draft.mla_config import GQA, MLA
 from eyas.errors import EyasError
 
-DRAFTERS = ("eagle3", "dflash", "peagle")
+# How a kind drafts during decoding, which decides eval's proposer (evaluate/run.py):
+STEPS = "steps"  # one forward pass per token, so a chain or a tree
+BLOCK = "block"  # a block of K in one pass over the committed context's cached states (DFlash)
+PARALLEL = "parallel"  # K in one pass of the step-by-step layer, masked slots after the first (P-EAGLE)
+
+FORMATS = ("vllm", "speculators", "sglang")  # the export layouts (export/layouts.py)
 # The most layers `--draft-layers` takes before the target is known (then: at most the
 # target's): no served target is deeper (Llama 3.1 405B has 126).
-MAX_DFLASH_LAYERS = 256
-
-
-def drafts_trees(kind: str) -> bool:
-    """Only EAGLE-3 drafts step by step, so only it can branch into a tree; DFlash and P-EAGLE
-    propose one block in one pass, verified as a chain (eval refuses --tree, the recipe plans
-    no tree stage)."""
-    return kind == "eagle3"
+MAX_LAYERS = 256
 
 
 def default_num_layers(target_layers: int) -> int:
-    """A DFlash drafter's layers when none are asked for: DFlash's published heads use a few; a
+    """A deep kind's layers when none are asked for: DFlash's published heads use a few; a
     small target gets at least one and no more than a tenth of its own depth, rounded up."""
     return max(1, math.ceil(target_layers / 10))
 
 
-def check_kind(cfg) -> None:
-    """Refuse settings the kind cannot hold (called by DraftConfig itself)."""
-    if cfg.drafter not in DRAFTERS:
-        raise EyasError(f"Unknown drafter kind {cfg.drafter!r}; choose from {', '.join(DRAFTERS)}.")
-    if cfg.num_hidden_layers < 1:
-        raise EyasError("A drafter needs at least one layer.")
-    if cfg.drafter != "dflash" and cfg.num_hidden_layers != 1:
-        raise EyasError("An EAGLE-3 drafter has exactly one layer.")
-    if cfg.drafter != "eagle3" and (cfg.mask_token_id is None or not 0 <= cfg.mask_token_id < cfg.vocab_size):
-        name = {"dflash": "DFlash", "peagle": "P-EAGLE"}[cfg.drafter]
-        raise EyasError(f"A {name} drafter needs a mask token id in 0..{cfg.vocab_size - 1}, not {cfg.mask_token_id}.")
-    if cfg.drafter == "dflash":
-        if cfg.fc_norm or cfg.norm_output or cfg.norm_before_residual:
-            raise EyasError("fc_norm, norm_output and norm_before_residual are EAGLE-3 options; "
-                            "a DFlash drafter has none of them.")
+def _no_check(cfg) -> None:
+    """A kind without rules of its own beyond its record's fields."""
 
 
-def peagle_hf_config(cfg) -> dict[str, Any]:
-    """config.json of a P-EAGLE drafter: EAGLE-3's (vLLM's LlamaForCausalLMEagle3, which loads
-    `mask_hidden` when served with `parallel_drafting`), plus the mask token vLLM's proposer
-    writes into the parallel slots."""
-    d = replace(cfg, drafter="eagle3", mask_token_id=None).to_hf_dict()
-    d["eyas"] = {**d["eyas"], "drafter": "peagle", "mask_token_id": cfg.mask_token_id}
-    return {**d, "mask_token_id": cfg.mask_token_id}
+@dataclass(frozen=True)
+class Kind:
+    name: str  # the `--drafter` value, and `drafter` in a DraftConfig
+    title: str  # for messages: "EAGLE-3"
+    summary: str  # what `--drafter NAME` trains, for --help
+    module: str | type  # the torch module class, or "package.module:Class" imported on first use
+    vllm_config: Callable[[Any], dict[str, Any]]  # its config.json (draft/vllm_config.py): checkpoint and export
+    drafting: str = STEPS  # STEPS, BLOCK or PARALLEL
+    attentions: tuple[str, ...] = (GQA, MLA)  # the layer attentions it may have
+    # What `--draft-attention auto` means: None picks by the target (MLA for an MLA target);
+    # else (attention, the note said when that differs from the target's own).
+    auto_attention: tuple[str, str] | None = None
+    deep: bool = False  # takes --draft-layers (default `default_num_layers`); else exactly one layer
+    mask_token: bool = False  # has a mask token marking the slots to fill (--mask-token-id)
+    eagle_options: bool = True  # takes EAGLE 3.1's fc_norm / norm_output and norm_before_residual
+    anchored: bool = False  # trained on blocks anchored at sampled rows (--block-size, --anchors)
+    formats: tuple[str, ...] = FORMATS  # the export layouts written for it
+    vllm_method: dict[str, Any] = field(default_factory=lambda: {"method": "eagle3"})  # vLLM --speculative-config
+    check: Callable[[Any], None] = _no_check  # its own rules on a DraftConfig beyond the fields above
+    check_served: Callable[[Any], None] = _no_check  # refuse a config of it that no engine serves (export)
+
+    @property
+    def drafts_trees(self) -> bool:
+        """Only step-by-step drafting can branch into a tree; a block is verified as a chain
+        (eval refuses --tree, the recipe plans no tree stage)."""
+        return self.drafting == STEPS
+
+    def default_speculative_tokens(self, cfg) -> int:
+        """Draft tokens an engine proposes per step unless told: 3 step by step, else the whole block trained."""
+        return 3 if self.drafting == STEPS else cfg.ttt_steps
+
+    def a_title(self, capital: bool = False) -> str:
+        """ "an EAGLE-3", "a DFlash": the title after its article, for messages."""
+        article = "an" if self.title[0] in "AEIOU" else "a"
+        return f"{article.capitalize() if capital else article} {self.title}"
+
+    def module_class(self) -> type:
+        if isinstance(self.module, type):
+            return self.module
+        name, _, attr = self.module.partition(":")
+        return getattr(importlib.import_module(name), attr)
+
+    def check_config(self, cfg) -> None:
+        """Refuse a DraftConfig of this kind holding what the kind cannot (called by DraftConfig itself)."""
+        if cfg.num_hidden_layers < 1:
+            raise EyasError("A drafter needs at least one layer.")
+        if not self.deep and cfg.num_hidden_layers != 1:
+            raise EyasError(f"{self.a_title(True)} drafter has exactly one layer.")
+        if cfg.attention not in self.attentions:
+            raise EyasError(f"{self.a_title(True)} drafter's layer has {' or '.join(self.attentions)} attention, "
+                            f"not {cfg.attention}.")
+        if self.mask_token and (cfg.mask_token_id is None or not 0 <= cfg.mask_token_id < cfg.vocab_size):
+            raise EyasError(f"{self.a_title(True)} drafter needs a mask token id in 0..{cfg.vocab_size - 1}, not "
+                            f"{cfg.mask_token_id}.")
+        if not self.eagle_options and (cfg.fc_norm or cfg.norm_output or cfg.norm_before_residual):
+            raise EyasError(f"fc_norm, norm_output and norm_before_residual are EAGLE-3 options; {self.a_title()} "
+                            f"drafter has none of them.")
+        self.check(cfg)
+
+    def check_format(self, name: str) -> None:
+        """Refuse an export format this kind is not written in. The recipe asks before any stage runs."""
+        if name in FORMATS and name not in self.formats:
+            if not self.formats:
+                raise EyasError(f"No engine serves {self.a_title()} drafter, so no export layout is written for it; "
+                                f"it runs in eyas eval.")
+            only = " or ".join(f"--to {f}" for f in self.formats)
+            raise EyasError(f"{self.a_title(True)} drafter exports only {only} (no other layout is written for it).")
 
 
-def hf_config(cfg) -> dict[str, Any]:
-    """config.json of a DFlash drafter as vLLM 0.32 loads it (models/qwen3_dflash.py): the
-    Qwen3 layer fields, `block_size`, the aux layer ids in vLLM's convention and
-    `dflash_config` (mask token; `target_layer_ids` count one lower, as z-lab's heads do)."""
-    d = replace(cfg, drafter="eagle3", num_hidden_layers=1, mask_token_id=None).to_hf_dict()
-    for key in ("eyas", "fc_norm", "norm_output", "norm_before_residual", "num_aux_hidden_states"):
-        d.pop(key)
-    return {
-        **d,
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "num_hidden_layers": cfg.num_hidden_layers,
-        "attention_bias": False,
-        "block_size": cfg.ttt_steps + 1,
-        "dflash_config": {"mask_token_id": cfg.mask_token_id,
-                          "target_layer_ids": [k - 1 for k in cfg.aux_layer_ids]},
-    }
+KINDS: dict[str, Kind] = {}
+DEFAULT = "eagle3"  # the kind `eyas train` trains unless told
+
+
+def register(kind: Kind) -> Kind:
+    """Add a kind; its name must be new."""
+    if kind.name in KINDS:
+        raise EyasError(f"A drafter kind named {kind.name!r} is registered already.")
+    KINDS[kind.name] = kind
+    return kind
+
+
+def get(name: str) -> Kind:
+    try:
+        return KINDS[name]
+    except (KeyError, TypeError):
+        raise EyasError(f"Unknown drafter kind {name!r}; choose from {', '.join(KINDS)}.") from None
+
+
+def names(where: Callable[[Kind], bool] = lambda kind: True) -> str:
+    """The names of the kinds `where` holds for, for messages: "dflash or peagle"."""
+    return " or ".join(k.name for k in KINDS.values() if where(k))
+
+
+def _peagle_served(cfg) -> None:
+    if cfg.attention == MLA:  # deepseek_eagle3.py has no `mask_hidden`, which the proposer reads
+        raise EyasError("vLLM 0.32 serves parallel drafting (P-EAGLE) only with its Llama EAGLE-3 head, not "
+                        "Eagle3DeepseekV3ForCausalLM (no mask_hidden); this MLA P-EAGLE drafter runs in eyas eval "
+                        "only: train with --draft-attention gqa to serve it.")
+
+
+register(Kind(
+    name="eagle3", title="EAGLE-3", summary="K tokens, one forward pass each (a chain or a tree)",
+    module="eyas.draft.model:Eagle3Drafter", vllm_config=vllm_config.eagle3))
+register(Kind(
+    name="dflash", title="DFlash", summary="a block of K in one pass of a few layers",
+    module="eyas.draft.dflash:DFlashDrafter", vllm_config=vllm_config.dflash, drafting=BLOCK,
+    attentions=(GQA,), deep=True, mask_token=True, eagle_options=False, anchored=True, formats=("vllm",),
+    vllm_method={"method": "dflash"}))
+register(Kind(
+    name="peagle", title="P-EAGLE", summary="EAGLE-3 drafting its K in one pass (vLLM's parallel_drafting)",
+    module="eyas.draft.peagle:PEagleDrafter", vllm_config=vllm_config.peagle, drafting=PARALLEL,
+    auto_attention=(GQA, "vLLM 0.32 serves parallel drafting only with its Llama EAGLE-3 head; --draft-attention "
+                         "mla trains an MLA P-EAGLE drafter that eyas eval runs but no engine serves"),
+    mask_token=True, formats=("vllm",), vllm_method={"method": "eagle3", "parallel_drafting": True},
+    check_served=_peagle_served))

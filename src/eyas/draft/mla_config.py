@@ -12,7 +12,9 @@ from eyas.errors import EyasError
 
 # The MLA sizes a drafter records (DeepseekV2/V3 config field names, as both engines read them).
 MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-ATTENTION_CHOICES = ("auto", "gqa", "mla")
+GQA, MLA = "gqa", "mla"  # a drafter layer's attentions: Llama-style (draft/model.py), latent (draft/mla.py)
+AUTO_ATTENTION = "auto"  # `--draft-attention auto`: the target's own kind (see resolve_attention)
+ATTENTION_CHOICES = (AUTO_ATTENTION, GQA, MLA)
 # What vLLM and SGLang load an MLA EAGLE-3 head as (vLLM registers both names, SGLang the V2 one).
 VLLM_ARCHITECTURE = "Eagle3DeepseekV3ForCausalLM"
 SGLANG_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"
@@ -28,9 +30,9 @@ def resolve_attention(choice: str, text_config) -> str:
     """`--draft-attention`: auto = the target's own kind (MLA for DeepSeek-V2/V3-style targets)."""
     if choice not in ATTENTION_CHOICES:
         raise EyasError(f"--draft-attention must be one of {', '.join(ATTENTION_CHOICES)}, not {choice!r}.")
-    if choice == "auto":
-        return "mla" if target_uses_mla(text_config) else "gqa"
-    if choice == "mla" and not target_uses_mla(text_config):
+    if choice == AUTO_ATTENTION:
+        return MLA if target_uses_mla(text_config) else GQA
+    if choice == MLA and not target_uses_mla(text_config):
         raise EyasError(f"--draft-attention mla takes its latent ranks and head dims from the target, but "
                         f"{type(text_config).__name__} has no MLA (no kv_lora_rank); use gqa.")
     return choice

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 
+from eyas.draft.base import Drafter
 from eyas.draft.config import DraftConfig
 from eyas.draft.flex import compiled, limited
 from eyas.draft.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary_pos_emb
@@ -85,7 +86,7 @@ def frozen_embedding(cfg: DraftConfig, embed_weight: torch.Tensor | None) -> nn.
     return embed
 
 
-class Eagle3Drafter(nn.Module):
+class Eagle3Drafter(Drafter):
     def __init__(self, cfg: DraftConfig, embed_weight: torch.Tensor | None = None):
         super().__init__()
         self.config = cfg
@@ -102,15 +103,6 @@ class Eagle3Drafter(nn.Module):
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_parameters, cfg.max_position_embeddings)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))  # target = draft + d2t[draft]
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # target ids in the draft vocab
-
-    def set_vocab(self, draft_to_target: torch.Tensor) -> None:
-        """draft_to_target [Vd] int64: the target id of each draft id (ascending)."""
-        self.d2t.copy_(draft_to_target - torch.arange(len(draft_to_target), device=draft_to_target.device))
-        self.t2d.zero_()
-        self.t2d[draft_to_target] = True
-
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids + self.d2t[draft_ids]
 
     def rope(self, x: torch.Tensor, position_ids: torch.Tensor):
         """cos, sin for position_ids [B, T]."""
@@ -135,18 +127,15 @@ class Eagle3Drafter(nn.Module):
         normed = self.norm(prenorm)
         return normed, normed if self.config.norm_output else prenorm
 
-    def forward_ttt(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int | None = None):
-        """Training-time test over whole sequences: a list of `steps` logits tensors [B, T, Vd]
-        (see `forward_ttt_states` for the alignment)."""
-        return [self.lm_head(normed) for normed in self.forward_ttt_states(input_ids, aux_hidden, steps)]
-
     def step_inputs(self, k: int, tokens: torch.Tensor, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Step k's inputs: the embeddings of tokens [B, T] and the hidden states [B, T, H] (the
         target's at k = 0, then the previous step's outputs); P-EAGLE overrides it."""
         return self.embed_tokens(tokens), hidden
 
-    def forward_ttt_states(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int | None = None):
-        """Training-time test over whole sequences, up to the final norm.
+    def forward_ttt_states(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int | None = None,
+                           rows: torch.Tensor | None = None):
+        """Training-time test over whole sequences, up to the final norm (at every row: `rows`,
+        when given, restricts only the scoring).
 
         input_ids [B, T]: the sample's tokens; aux_hidden [B, T, L_aux, H]: target states.
         Step k at position i reads token i+1+k and, as hidden, the target's state at i (k=0)

@@ -30,7 +30,7 @@ from eyas import __version__
 from eyas.data.template import ChatTemplate
 from eyas.device import parse_device, resolve_device
 from eyas.draft import DraftConfig, Eagle3Drafter, load_config, load_drafter
-from eyas.draft.kinds import drafts_trees
+from eyas.draft.kinds import BLOCK, PARALLEL
 from eyas.errors import EyasError
 from eyas.evaluate.dflash import DFlash, DFlashSession
 from eyas.evaluate.config import EvalConfig
@@ -119,15 +119,14 @@ def run_methods(target: TargetSession, tokenizer, proposers: list[Proposer], pro
 
 
 def drafter_proposer(drafter, cfg: EvalConfig, generator: torch.Generator | None) -> Proposer:
-    """The drafter's kind decides how it drafts: EAGLE-3 a chain or tree step by step, DFlash
-    and P-EAGLE a block in one pass (verified as a chain)."""
-    kind = drafter.config.drafter
-    if cfg.tree and not drafts_trees(kind):
-        raise EyasError(f"A {'DFlash' if kind == 'dflash' else 'P-EAGLE'} drafter proposes one block, verified as a "
-                        f"chain; drop --tree.")
-    if kind == "dflash":
+    """How the drafter's kind drafts decides the proposer: step by step a chain or a tree, a
+    block (DFlash) or parallel slots (P-EAGLE) in one pass, verified as a chain."""
+    kind = drafter.config.kind
+    if cfg.tree and not kind.drafts_trees:
+        raise EyasError(f"{kind.a_title(True)} drafter proposes one block, verified as a chain; drop --tree.")
+    if kind.drafting == BLOCK:
         return DFlash(DFlashSession(drafter), cfg.steps, temperature=cfg.temperature, generator=generator)
-    if kind == "peagle":
+    if kind.drafting == PARALLEL:
         return PEagle(DrafterSession(drafter), cfg.steps, temperature=cfg.temperature, generator=generator)
     return Eagle3(DrafterSession(drafter), cfg.steps, tree=cfg.tree, top_k=cfg.top_k, max_nodes=cfg.draft_tokens,
                   temperature=cfg.temperature, generator=generator)

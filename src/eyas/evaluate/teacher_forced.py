@@ -31,7 +31,6 @@ from eyas.train.checkpoint import check_store_matches, latest_checkpoint, read_c
 from eyas.train.data import OnlineSource, StoreSource, split
 from eyas.train.loop import score
 from eyas.train.metrics import TAU_DEFINITION
-from eyas.train.objective import TTTObjective
 
 
 def training_settings(draft: str | Path) -> dict[str, Any]:
@@ -72,7 +71,7 @@ def teacher_forced(model: str, draft: str | Path, data: str | Path, held_out: bo
     head = load_target_head(resolve_model(model)).to(dev)
     drafter = load_drafter(draft, head.embed_weight).to(dev).eval()
     draft_ids = torch.arange(len(drafter.d2t), device=dev) + drafter.d2t
-    result = score(source, head, TTTObjective(drafter), draft_ids, config.ttt_steps, positions, batch_tokens, seed,
+    result = score(source, head, drafter, draft_ids, config.ttt_steps, positions, batch_tokens, seed,
                    dev, distributed.Dist())
     return {"data": str(data), "samples": len(positions), "held_out": held_out, **result}
 

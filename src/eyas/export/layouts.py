@@ -44,18 +44,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 from eyas.draft import mla_config as mla
+from eyas.draft.vllm_config import EAGLE31_OPTIONS, layer_fields
 from eyas.errors import EyasError
 
 if TYPE_CHECKING:  # annotations only: `eyas export --help` lists the layouts without torch
     from eyas.draft.config import DraftConfig
 
-EYAS_PREFIX = "midlayer."  # eyas's (and vLLM's, SGLang's, EAGLE's) name for the decoder layer
-# The drafter options vLLM 0.32 serves and SGLang does not: field -> what it means.
-EAGLE31_OPTIONS = {
-    "fc_norm": "an RMSNorm on each aux state before fc",
-    "norm_output": "the normed output fed back between drafting steps",
-    "norm_before_fc": "one RMSNorm over the concatenated aux states before fc",
-}
+EYAS_PREFIX = "midlayer."  # eyas's (and vLLM's, SGLang's, EAGLE's) name for the EAGLE-3 decoder layer
 
 
 @dataclass(frozen=True)
@@ -96,48 +91,9 @@ def _sglang_check(cfg: DraftConfig) -> None:
         raise EyasError("Aux layer id 0 (the embeddings) has no output-of-layer id in SGLang's convention.")
 
 
-def layer_fields(cfg: DraftConfig) -> dict[str, Any]:
-    """The decoder layer as an HF Llama config: what every layout shares."""
-    rope = dict(cfg.rope_parameters)
-    return {
-        "model_type": "llama",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "num_hidden_layers": 1,
-        "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": rope.get("rope_theta", 10000.0),
-        "rope_scaling": None if rope.get("rope_type", "default") == "default" else {
-            k: v for k, v in rope.items() if k != "rope_theta"},
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "num_aux_hidden_states": len(cfg.aux_layer_ids),
-    }
-
-
-def _eyas_block(cfg: DraftConfig) -> dict[str, Any]:
-    """eyas's own record (target identity, ids in eyas's convention, TTT settings); engines ignore it."""
-    return {"eyas": cfg.to_hf_dict()["eyas"]}
-
-
 def vllm_config(cfg: DraftConfig, serving: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        **layer_fields(cfg),
-        "draft_vocab_size": cfg.draft_vocab_size,
-        "target_hidden_size": cfg.hidden_size,
-        "norm_before_residual": cfg.norm_before_residual,
-        **{option: getattr(cfg, option) for option in EAGLE31_OPTIONS},
-        "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-        **(mla.hf_fields(cfg) if cfg.attention == "mla" else {}),
-        **_eyas_block(cfg),
-    }
+    """The config.json the drafter's checkpoint holds: one writer for both (draft/vllm_config.py)."""
+    return cfg.to_hf_dict()
 
 
 def sglang_config(cfg: DraftConfig, serving: dict[str, Any]) -> dict[str, Any]:
@@ -170,7 +126,7 @@ def speculators_config(cfg: DraftConfig, serving: dict[str, Any]) -> dict[str, A
         "norm_before_residual": cfg.norm_before_residual,
         **{option: getattr(cfg, option) for option in EAGLE31_OPTIONS},
         "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-        **_eyas_block(cfg),
+        "eyas": cfg.to_hf_dict()["eyas"],  # eyas's own record (target, ids in eyas's convention); engines ignore it
     }
 
 
@@ -188,39 +144,12 @@ LAYOUTS: dict[str, Layout] = {
 }
 
 
-def dflash_vllm_config(cfg: DraftConfig, serving: dict[str, Any]) -> dict[str, Any]:
-    """vLLM 0.32's `DFlashDraftModel` (models/qwen3_dflash.py, config/speculative.py): the fields
-    draft/kinds.py writes; weights `layers.i.*`, `fc`, `hidden_norm`, `norm`, `lm_head`, `d2t`
-    under their own names; the target's embeddings shared, the mask token's among them."""
-    return cfg.to_hf_dict()
-
-
-def peagle_vllm_config(cfg: DraftConfig, serving: dict[str, Any]) -> dict[str, Any]:
-    """EAGLE-3's vLLM layout, which vLLM 0.32 serves with `parallel_drafting: true` given the
-    mask token (`mask_token_id`, read by its proposer) and the `mask_hidden` weight."""
-    return {**vllm_config(cfg, serving), "mask_token_id": cfg.mask_token_id}
-
-
-def check_format(kind: str, name: str) -> None:
-    """Refuse a format that drafters of this kind (`--drafter`) are not written in: DFlash and
-    P-EAGLE have only the layout vLLM serves. The recipe asks before any stage runs."""
-    if kind != "eagle3" and name != "vllm":
-        raise EyasError(f"A {kind} drafter exports only --to vllm (vLLM 0.32 serves it; neither SGLang nor "
-                        f"the speculators format is written for it).")
-
-
 def layout_for(cfg: DraftConfig, name: str) -> Layout:
-    """The layout `name` for this drafter's kind: DFlash and P-EAGLE have the one vLLM serves."""
-    if cfg.drafter == "eagle3":
-        return get_layout(name)
-    check_format(cfg.drafter, name)
-    if cfg.drafter == "peagle":
-        if cfg.attention == "mla":  # deepseek_eagle3.py has no `mask_hidden`, which the proposer reads
-            raise EyasError("vLLM 0.32 serves parallel drafting (P-EAGLE) only with its Llama EAGLE-3 head, not "
-                            "Eagle3DeepseekV3ForCausalLM (no mask_hidden); this MLA P-EAGLE drafter runs in eyas eval "
-                            "only: train with --draft-attention gqa to serve it.")
-        return Layout("vllm", "vllm", EYAS_PREFIX, False, peagle_vllm_config, _needs_silu)
-    return Layout("vllm", "vllm", "", False, dflash_vllm_config, _needs_silu)
+    """The layout `name`, if the drafter's kind is written in it and an engine serves this drafter."""
+    layout = get_layout(name)
+    cfg.kind.check_format(name)
+    cfg.kind.check_served(cfg)
+    return layout
 
 
 def get_layout(name: str) -> Layout:

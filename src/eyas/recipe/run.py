@@ -40,9 +40,8 @@ from typing import Any, Mapping
 import yaml
 
 from eyas.cli import SUBCOMMANDS
-from eyas.draft.kinds import drafts_trees
+from eyas.draft import kinds
 from eyas.errors import EyasError
-from eyas.export.layouts import check_format
 from eyas.options import argv_of, check_mapping, from_mapping
 from eyas.lock import LOCK_FILE, output_lock
 from eyas.paths import atomic_write_json, is_leftover, remove_leftovers
@@ -183,7 +182,7 @@ def plan(recipe: dict[str, Any], work: Path, where: str) -> list[Stage]:
     online, processes = train.pop("online", False), train.pop("nproc_per_node", 1)  # read by the recipe itself
     COUNT.check(f"{where}: `train: nproc_per_node`", processes)
     check_stage_options("train", train, where)  # before the kind is read from it
-    kind = str(train.get("drafter", "eagle3"))  # DFlash and P-EAGLE draft one block: no tree, vLLM's layout only
+    kind = kinds.get(train.get("drafter", kinds.DEFAULT))  # its record says if it drafts trees, which layouts it has
     store = work / "store"
     if not online:
         stages.append(_stage("capture", "capture", store, where, {"model": model, "data": str(data), "out": str(store)},
@@ -201,13 +200,13 @@ def plan(recipe: dict[str, Any], work: Path, where: str) -> list[Stage]:
             "model": model, "draft": str(drafter), "teacher_forced": str(data if online else store), "held_out": True,
             "output": str(ev / "heldout.json"), **({"device": str(device)} if device else {})}))
     if "eval" in recipe:
-        stages += _eval_stages(model, drafter, ev, opts["eval"], where, tree=drafts_trees(kind))
+        stages += _eval_stages(model, drafter, ev, opts["eval"], where, tree=kind.drafts_trees)
     export = opts["export"]
     formats = export.pop("to", ["vllm"])
     for fmt in [formats] if isinstance(formats, str) else formats:
         check_stage_options("export", {"to": fmt}, where)
         try:
-            check_format(kind, fmt)
+            kind.check_format(fmt)
         except EyasError as e:
             raise EyasError(f"{where}: `export: to` {fmt}: {e}") from None
         out = work / "export" / fmt

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from eyas.train.objective import trained_positions
+from eyas.draft.loss import trained_positions
 
 HELD_OUT = -1  # the step of the held-out pass's draw: the same anchors at every evaluation
 

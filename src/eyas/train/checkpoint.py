@@ -48,7 +48,22 @@ def full_states(model: nn.Module, optimizers: list[torch.optim.Optimizer]) -> tu
 
 def load_optimizer(model: nn.Module, optimizers: list[torch.optim.Optimizer], optim_state: dict) -> None:
     """Restore an unsharded optimizer state (as `full_states` saved it) into this process."""
-    set_optimizer_state_dict(model, optimizers, optim_state, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(model, optimizers, _current_names(optim_state),
+                             options=StateDictOptions(full_state_dict=True))
+
+
+OLD_PREFIX = "drafter."  # parameter names in checkpoints from before the drafter computed its own loss
+
+
+def _current_names(optim_state: dict) -> dict:
+    """The state keyed by today's parameter names: runs started before the drafter computed its
+    own loss keyed it by a wrapper's (`drafter.fc.weight`), which a resumed run still reads."""
+    def name(key):
+        return key.removeprefix(OLD_PREFIX) if isinstance(key, str) else key
+
+    return {**optim_state,
+            "state": {name(k): v for k, v in optim_state.get("state", {}).items()},
+            "param_groups": [{**g, "params": [name(p) for p in g["params"]]} for g in optim_state.get("param_groups", [])]}
 
 
 def save_checkpoint(out: Path, step: int, drafter_cpu: nn.Module, optim_state: dict, trainer: dict[str, Any],

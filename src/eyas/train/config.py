@@ -9,17 +9,18 @@ from typing import Any
 
 from eyas.errors import EyasError
 from eyas.device_flag import TORCHRUN_NOTE
+from eyas.draft import kinds
 from eyas.draft.config import DraftConfig
-from eyas.draft.kinds import DRAFTERS, MAX_DFLASH_LAYERS, default_num_layers
+from eyas.draft.mla_config import ATTENTION_CHOICES, AUTO_ATTENTION
 from eyas.options import (batch_tokens_option, check_rules, crop_length, device_option, layers_option, option,
                           seed_option)
 from eyas.validate import COUNT, POSITIVE, SHARE, Number
 
-DFLASH_ANCHORS = 512  # SpecForge's and speculators' default: bounds a sample's block tokens at 512 x block size
+ANCHORS = 512  # SpecForge's and speculators' default: bounds a sample's block tokens at 512 x block size
 
 # Options added after runs were recorded, with the value such a run had (its drafter, restored
 # from the checkpoint, keeps the attention it was built with).
-ADDED = {"draft_attention": "auto", "optimizer": "adamw"}
+ADDED = {"draft_attention": AUTO_ATTENTION, "optimizer": "adamw"}
 
 
 DATA, DRAFTER, SCHEDULE, RUN = "data", "drafter", "schedule", "run"  # the --help sections
@@ -41,22 +42,21 @@ class TrainConfig:
         "train on a store whose capture has not finished (refused otherwise, naming what is missing)", False,
         group=DATA)
 
-    drafter: str = option("eagle3: K tokens, one forward pass each; dflash: a block of K in one pass; peagle: "
-                          "EAGLE-3 drafting its K in one pass (vLLM's parallel_drafting)", "eagle3",
-                          choices=DRAFTERS, group=DRAFTER)  # the kinds of draft/kinds.py
+    drafter: str = option("; ".join(f"{k.name}: {k.summary}" for k in kinds.KINDS.values()), kinds.DEFAULT,
+                          metavar="{" + ",".join(kinds.KINDS) + "}", group=DRAFTER)  # checked by _check_kind
     block_size: int | None = option(
         f"dflash: the last token plus the K drafted ones (default --ttt-steps + 1 = {DraftConfig.ttt_steps + 1}); at "
         "most a sample's length (--max-len)", None, rule=Number(lo=2, integer=True),
         group=DRAFTER)  # sets ttt_steps = block_size - 1
     draft_layers: int | None = option("dflash: decoder layers (default: a tenth of the target's, >= 1; at most the "
-                                      "target's)", None, rule=Number(lo=1, hi=MAX_DFLASH_LAYERS, integer=True),
+                                      "target's)", None, rule=Number(lo=1, hi=kinds.MAX_LAYERS, integer=True),
                                       group=DRAFTER)
     mask_token_id: int | None = option(
         "dflash, peagle: the token whose (frozen) embedding marks the slots to fill (default: the last id)", None,
         group=DRAFTER)
     anchors: int | None = option(
         "dflash: rows per sample and step that anchor a block, drawn afresh each step among those with a trained "
-        f"label (default {DFLASH_ANCHORS}); bounds the block tokens at anchors x block size a sample; at most a "
+        f"label (default {ANCHORS}); bounds the block tokens at anchors x block size a sample; at most a "
         "sample's length (--max-len)", None,
         rule=COUNT, group=DRAFTER)
     draft_vocab: int | None = option("draft vocabulary size (default min(32000, target vocab))", None, rule=COUNT,
@@ -71,7 +71,7 @@ class TrainConfig:
         "the drafter layer's attention: gqa (Llama-style) or mla (the target's multi-head latent attention, its "
         "ranks and head dims); auto = mla for DeepSeek-V2/V3-style targets (Kimi-K2/K2.5 included), else gqa "
         "(peagle: always gqa, the head vLLM serves it with; dflash has its own layers)",
-        "auto", choices=("auto", "gqa", "mla"), group=DRAFTER)  # draft/mla.py
+        AUTO_ATTENTION, choices=ATTENTION_CHOICES, group=DRAFTER)  # draft/mla_config.py
     fc_norm: bool = option("an RMSNorm on each aux state before fc (EAGLE 3.1; served by vLLM, not SGLang)", False,
                            negatable=True, group=DRAFTER)
     norm_output: bool = option("feed the normed output back between steps (EAGLE 3.1; served by vLLM, not SGLang)",
@@ -136,19 +136,22 @@ class TrainConfig:
         self._check_kind()
 
     def _check_kind(self) -> None:
-        if self.drafter not in DRAFTERS:
-            raise EyasError(f"--drafter must be one of {', '.join(DRAFTERS)}, not {self.drafter!r}.")
-        if self.drafter != "dflash":
-            if (self.block_size, self.draft_layers, self.anchors) != (None,) * 3:
-                raise EyasError("--block-size, --draft-layers and --anchors are for --drafter dflash.")
-            if self.mask_token_id is not None and self.drafter == "eagle3":
-                raise EyasError("--mask-token-id is for --drafter dflash or peagle.")
+        """The options the kind takes (its record in draft/kinds.py), and a block's bounds."""
+        kind = kinds.get(self.drafter)
+        for flag, value, feature in (("--block-size", self.block_size, "anchored"), ("--anchors", self.anchors,
+                                     "anchored"), ("--draft-layers", self.draft_layers, "deep"),
+                                     ("--mask-token-id", self.mask_token_id, "mask_token")):
+            if value is not None and not getattr(kind, feature):
+                raise EyasError(f"{flag} is for --drafter {kinds.names(lambda k: getattr(k, feature))}, not "
+                                f"{kind.name}.")
+        if not kind.eagle_options and (self.fc_norm or self.norm_output):
+            raise EyasError(f"--fc-norm and --norm-output are EAGLE-3 options; drop them with --drafter {kind.name}.")
+        if self.draft_attention not in (AUTO_ATTENTION, *kind.attentions):
+            raise EyasError(f"--draft-attention {self.draft_attention} is for --drafter "
+                            f"{kinds.names(lambda k: self.draft_attention in k.attentions)}; {kind.a_title()} "
+                            f"drafter's layer has {' or '.join(kind.attentions)} attention.")
+        if not kind.anchored:
             return
-        if self.fc_norm or self.norm_output:
-            raise EyasError("--fc-norm and --norm-output are EAGLE-3 options; drop them with --drafter dflash.")
-        if self.draft_attention == "mla":
-            raise EyasError("--draft-attention mla is for --drafter eagle3 or peagle; a DFlash drafter has its own "
-                            "Qwen3-style layers.")
         if self.block_size is not None:
             self.ttt_steps = self.block_size - 1
         # A sample holds at most `crop` tokens: a block's slot s predicts s tokens past its anchor
@@ -162,24 +165,25 @@ class TrainConfig:
             raise EyasError(f"--anchors {self.anchors} is more than a sample's rows: samples are cropped to "
                             f"{self.crop} tokens (--max-len, --batch-tokens); use at most {self.crop}.")
         if self.anchors is None:
-            self.anchors = DFLASH_ANCHORS
+            self.anchors = ANCHORS
 
     def check_target(self, num_layers: int) -> None:
-        """Once the target is known, before any drafter is built: a DFlash drafter is a few
-        layers beside its target, never deeper than it."""
+        """Once the target is known, before any drafter is built: a deep kind's layers are a few
+        beside its target, never more than it has."""
         if self.draft_layers is not None and self.draft_layers > num_layers:
-            raise EyasError(f"--draft-layers {self.draft_layers} is more than the target's {num_layers} layers; a "
-                            f"DFlash drafter takes a few (default {default_num_layers(num_layers)}).")
+            raise EyasError(f"--draft-layers {self.draft_layers} is more than the target's {num_layers} layers; "
+                            f"{kinds.get(self.drafter).a_title()} drafter takes a few (default "
+                            f"{kinds.default_num_layers(num_layers)}).")
 
     def kind_options(self, identity) -> dict[str, Any]:
         """The DraftConfig fields of the kind, given the target's identity."""
-        mask = {"mask_token_id": identity.vocab_size - 1 if self.mask_token_id is None else self.mask_token_id}
-        if self.drafter == "peagle":
-            return {"drafter": "peagle", **mask}
-        if self.drafter != "dflash":
-            return {}
-        return {"drafter": "dflash", "num_hidden_layers": self.draft_layers or default_num_layers(identity.num_layers),
-                **mask}
+        kind = kinds.get(self.drafter)
+        options: dict[str, Any] = {"drafter": kind.name}
+        if kind.mask_token:
+            options["mask_token_id"] = identity.vocab_size - 1 if self.mask_token_id is None else self.mask_token_id
+        if kind.deep:
+            options["num_hidden_layers"] = self.draft_layers or kinds.default_num_layers(identity.num_layers)
+        return options
 
     @property
     def crop(self) -> int:

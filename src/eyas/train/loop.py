@@ -18,11 +18,13 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig
 
+from eyas.draft import kinds
 from eyas.draft import mla_config as latent
-from eyas.draft.build import new_drafter
+from eyas.draft.base import Drafter
+from eyas.draft.build import drafter_class, new_drafter
 from eyas.draft.checkpoint import load_drafter
 from eyas.draft.config import DraftConfig
-from eyas.draft.model import Eagle3Drafter
+from eyas.draft.loss import step_counts
 from eyas.draft.vocab import TokenCounter, build_draft_vocab, coverage, default_draft_vocab_size
 from eyas.errors import EyasError
 from eyas.device import GIB, check_fits, free_bytes
@@ -40,7 +42,7 @@ from eyas.train.data import Batch, BatchStream, OnlineSource, SampleSource, Stor
 from eyas.train.metrics import MetricsLog, format_table, summarize
 from eyas.train.anchors import HELD_OUT, batch_rows, loss_masks
 from eyas.timing import StepTimer, timed
-from eyas.train.objective import TTTObjective, make_labels, step_counts
+from eyas.train.labels import make_labels
 from eyas.train.optim import build_optimizers
 
 
@@ -52,7 +54,7 @@ class Run:
     source: SampleSource
     head: TargetHead
     draft: DraftConfig
-    model: torch.nn.Module  # TTTObjective, wrapped for DDP/FSDP
+    model: torch.nn.Module  # the drafter, wrapped for DDP/FSDP
     optimizers: list[torch.optim.Optimizer]  # [AdamW] or [Muon, AdamW] (train/optim.py)
     train_stream: BatchStream
     eval_positions: list[int]
@@ -63,11 +65,7 @@ class Run:
     cap: int | None = None  # the --steps / --epochs length, which a --minutes plan never exceeds
 
     @property
-    def drafter(self) -> Eagle3Drafter:
-        return self.objective.drafter
-
-    @property
-    def objective(self) -> TTTObjective:
+    def drafter(self) -> Drafter:
         return getattr(self.model, "module", self.model)
 
     @property
@@ -133,12 +131,12 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device) -> Run:
     else:
         draft, draft_ids = _new_draft_config(cfg, source, folder, train_pos, d)
         _check_fits(draft, d, device)
-        _check_block_step(cfg, draft, [(len(b), max(source.lengths[p] for p in b)) for b in stream.batches], d,
+        _check_step(cfg, draft, [(len(b), max(source.lengths[p] for p in b)) for b in stream.batches], d,
                           device)
         torch.manual_seed(cfg.seed)
         drafter = new_drafter(draft, head.embed_weight)
         drafter.set_vocab(draft_ids)
-    model = distributed.wrap(TTTObjective(drafter).to(device), d, device)
+    model = distributed.wrap(drafter.to(device), d, device)
     optimizers = build_optimizers(model, cfg.optimizer, cfg.lr, cfg.weight_decay)
     per_epoch = len(stream) / (d.world * cfg.grad_accum)
     cap = cfg.steps or (math.ceil(cfg.epochs * per_epoch) if cfg.epochs else None)
@@ -222,18 +220,19 @@ def _new_draft_config(cfg: TrainConfig, source, folder: str, train_pos: list[int
 
 
 def _draft_attention(cfg: TrainConfig, target_config, d: distributed.Dist) -> str:
-    """--draft-attention for the kind. A DFlash drafter has its own layers (gqa; TrainConfig
-    refuses mla). For P-EAGLE, `auto` keeps the Llama layer on an MLA target too: vLLM 0.32
-    serves parallel drafting only with that head (its MLA head has no `mask_hidden`), and a
-    user asking for P-EAGLE wants a drafter vLLM serves; `mla` trains one for eyas eval."""
-    if cfg.drafter == "dflash":
-        return "gqa"
-    if cfg.drafter == "peagle" and cfg.draft_attention == "auto":
-        if latent.target_uses_mla(text_config(target_config)):
-            _log(d, "note: --drafter peagle takes a GQA layer on this MLA target (--draft-attention auto): vLLM 0.32 "
-                    "serves parallel drafting only with its Llama EAGLE-3 head; --draft-attention mla trains an MLA "
-                    "P-EAGLE drafter that eyas eval runs but no engine serves")
-        return "gqa"
+    """--draft-attention for the kind: a kind with one attention has it; `auto` is the kind's
+    own choice where it has one (P-EAGLE keeps the Llama layer vLLM serves it with, noted on an
+    MLA target), else MLA for an MLA target (draft/mla_config.py)."""
+    kind = kinds.get(cfg.drafter)
+    if len(kind.attentions) == 1:
+        return kind.attentions[0]
+    if cfg.draft_attention == latent.AUTO_ATTENTION and kind.auto_attention is not None:
+        attention, why = kind.auto_attention
+        own = latent.resolve_attention(latent.AUTO_ATTENTION, text_config(target_config))
+        if own != attention:
+            _log(d, f"note: --drafter {kind.name} takes a {attention.upper()} layer on this {own.upper()} target "
+                    f"(--draft-attention {latent.AUTO_ATTENTION}): {why}")
+        return attention
     return cfg.draft_attention
 
 
@@ -241,7 +240,7 @@ def _check_fits(draft: DraftConfig, d: distributed.Dist, device: torch.device) -
     """Refuse a drafter whose float32 weights, gradients and AdamW moments (16 bytes a trained
     parameter, sharded under FSDP) cannot fit in the device, before allocating any of it."""
     with torch.device("meta"):
-        shape = Eagle3Drafter(draft)
+        shape = new_drafter(draft)
     params = sum(p.numel() for name, p in shape.named_parameters() if not name.startswith("embed_tokens."))
     check_fits(16 * params // (d.world if d.fsdp else 1), device, f"A drafter of {params:,} parameters (weights, "
                f"gradients and optimizer state)", "lower --intermediate-size or --draft-vocab")
@@ -267,37 +266,23 @@ def _check_group(cfg: TrainConfig, batches: int, d: distributed.Dist) -> None:
     _log(d, f"note: {what}: its samples repeat within each step")
 
 
-def _check_block_step(cfg: TrainConfig, draft: DraftConfig, batches: list[tuple[int, int]], d: distributed.Dist,
-                      device: torch.device) -> None:
-    """Refuse a DFlash step whose largest tensors (`_block_step_bytes`) on the largest of the
-    `batches` (rows, longest sample) exceed the memory `device` has free, before allocating any."""
-    if draft.drafter != "dflash":
+def _check_step(cfg: TrainConfig, draft: DraftConfig, batches: list[tuple[int, int]], d: distributed.Dist,
+                device: torch.device) -> None:
+    """Refuse a step whose largest tensors (the kind's `step_bytes` estimate, where it has one)
+    on the largest of the `batches` (rows, longest sample) exceed the memory `device` has free,
+    before allocating any."""
+    estimate = drafter_class(draft).step_bytes
+    needs = [estimate(draft, rows, length, cfg.anchors, device) for rows, length in batches]
+    if not needs or None in needs:
         return
-    need = max(_block_step_bytes(draft, rows, length, cfg.anchors, device) for rows, length in batches)
-    have = free_bytes(device)
+    need, have = max(needs), free_bytes(device)
     if distributed.max_over_processes(float(need > have), d, device):
-        raise EyasError(f"A DFlash step of --block-size {draft.ttt_steps + 1} at up to --anchors {cfg.anchors} rows a "
-                        f"sample needs about {need / GIB:,.1f} GiB, more than the {have / GIB:,.1f} GiB free on "
-                        f"{device}; lower --anchors, --block-size or --batch-tokens (or --draft-layers).")
-
-
-def _block_step_bytes(draft: DraftConfig, rows: int, length: int, anchors: int, device: torch.device) -> int:
-    """The bytes the largest tensors of a DFlash forward and backward take at once, on a
-    micro-batch of `rows` samples of up to `length` tokens, each anchoring N = min(anchors,
-    length) blocks of S slots (draft/dflash.py), counting only these: every layer keeps, for
-    the backward, about 6 hidden-wide and 4 MLP-wide values per block token (rows x S x N; bf16
-    on CUDA, else float32); every drafted slot its draft-vocab logits and their log-softmax in
-    float32; off CUDA, the dense block mask [rows, S*N, length + S*N] of one byte an entry,
-    which each layer's attention keeps again in float32 (a CPU step measured 1 + 4 bytes an
-    entry with one layer, 1 + 4 x 3 with three, within 20%; flex attention on CUDA builds no
-    such mask)."""
-    slots, layers, blocks = draft.ttt_steps + 1, draft.num_hidden_layers, min(anchors, length)
-    tokens = rows * slots * blocks  # block tokens
-    width = 2 if device.type == "cuda" else 4
-    activations = layers * tokens * (6 * draft.hidden_size + 4 * draft.intermediate_size) * width
-    logits = 2 * draft.ttt_steps * rows * blocks * draft.draft_vocab_size * 4
-    mask = 0 if device.type == "cuda" else tokens * (length + slots * blocks) * (1 + 4 * layers)
-    return activations + logits + mask
+        block = f" of --block-size {draft.ttt_steps + 1} at up to --anchors {cfg.anchors} rows a sample" \
+            if cfg.anchors else ""
+        raise EyasError(f"A {draft.kind.title} step{block} needs about {need / GIB:,.1f} GiB, more than the "
+                        f"{have / GIB:,.1f} GiB free on {device}; lower "
+                        + ("--anchors, --block-size or --batch-tokens (or --draft-layers)." if cfg.anchors else
+                           "--batch-tokens."))
 
 
 # ---------------------------------------------------------------- steps
@@ -342,10 +327,10 @@ def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def forward(run: Run, batch: Batch, weights: torch.Tensor, wrapped: bool = True, timer: StepTimer | None = None,
             rows: torch.Tensor | None = None):
-    """One micro-batch: labels from the target head, then the TTT objective (through the
+    """One micro-batch: labels from the target head, then the drafter's own loss (through the
     DDP/FSDP wrapper when `wrapped`, which training needs for its gradient hooks), scoring
-    the rows [B, T] that anchor a DFlash block when given."""
-    model = run.model if wrapped else run.objective
+    the rows [B, T] that anchor a block when given."""
+    model = run.model if wrapped else run.drafter
     with _autocast(run.device):
         with timed(timer, "labels"):
             labels = make_labels(run.head, batch.hidden[:, :, -1], batch.loss_mask, _draft_ids(run))
@@ -355,7 +340,8 @@ def forward(run: Run, batch: Batch, weights: torch.Tensor, wrapped: bool = True,
 
 def _anchor_rows(source, positions: list[int], steps: int, anchors: int | None, seed: int, step: int,
                  device: torch.device) -> torch.Tensor | None:
-    """A DFlash batch's anchor rows [B, T] on `device` (None for other kinds: every row is scored)."""
+    """The batch's anchor rows [B, T] on `device`, for a kind trained on anchored blocks (None
+    for the others: every row is scored)."""
     if anchors is None:
         return None
     return _to_device(batch_rows(source, positions, steps, anchors, seed, step), device)
@@ -374,7 +360,7 @@ def _weights(run: Run, positions: list[list[int]]) -> torch.Tensor:
         if run.cfg.anchors is None:
             for p in batch:
                 counts += step_counts(run.source.tokens(p)[1][None], K)
-        else:  # a DFlash batch: the trained pairs of its anchor rows
+        else:  # anchored blocks: the trained pairs of their anchor rows
             rows = batch_rows(run.source, batch, K, run.cfg.anchors, run.cfg.seed, run.step)
             counts += step_counts(loss_masks(run.source, batch), K, rows)
     counts = distributed.all_reduce(_to_device(counts, run.device), run.d)
@@ -468,7 +454,7 @@ def _check_weights(run: Run) -> None:
 @torch.no_grad()
 def evaluate(run: Run, positions: list[int]) -> dict[str, Any] | None:
     """Metrics over `positions` (split among the processes), with the current weights."""
-    model = run.model if run.cfg.fsdp else run.objective
+    model = run.model if run.cfg.fsdp else run.drafter
     return score(run.source, run.head, model, _draft_ids(run), run.draft.ttt_steps, positions, run.cfg.batch_tokens,
                  run.cfg.seed, run.device, run.d, anchors=run.cfg.anchors)
 
@@ -479,9 +465,9 @@ def score(source, head: TargetHead, model: torch.nn.Module, draft_ids: torch.Ten
           anchors: int | None = None) -> dict[str, Any] | None:
     """Teacher-forced metrics per TTT step over `positions` of `source`: the trainer's held-out
     pass, and `eyas eval --teacher-forced` (one scorer, so the two agree by construction).
-    `model` is the TTTObjective (or its FSDP wrapper, which gathers weights in every forward,
-    so each process runs the same number of them). A DFlash drafter trained on `anchors` rows
-    per sample is scored on as many, drawn the same way at every evaluation."""
+    `model` is the drafter (or its FSDP wrapper, which gathers weights in every forward, so
+    each process runs the same number of them). A drafter trained on `anchors` rows per
+    sample is scored on as many, drawn the same way at every evaluation."""
     if not positions:
         return None
     stream = BatchStream(positions, source.lengths, source.sample_index, batch_tokens, seed)
@@ -510,7 +496,7 @@ def save(run: Run) -> None:
     if run.d.main:
         with torch.device("meta"):
             cpu = new_drafter(run.draft)
-        cpu.load_state_dict({k.removeprefix("drafter."): v for k, v in model_state.items()}, assign=True)
+        cpu.load_state_dict(model_state, assign=True)
         trainer = {"config": run.cfg.to_dict(), "total_steps": run.total_steps}
         ckpt.save_checkpoint(Path(run.cfg.out), run.step, cpu, optim_state, trainer, run.cfg.keep)
     distributed.barrier(run.d)

@@ -11,7 +11,7 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.paths import atomic_write_bytes
-from eyas.train.objective import CORRECT, COUNT, IN_VOCAB, LOSS, simulated_acceptance
+from eyas.draft.loss import CORRECT, COUNT, IN_VOCAB, LOSS, simulated_acceptance
 
 METRICS_FILE = "metrics.jsonl"
 TAU_DEFINITION = "tau_sim = 1 + sum_k prod_{j<=k} acc_j (acceptance length if step k is accepted with prob. acc_k)"
