@@ -1,9 +1,11 @@
 """eyas's own drafter layers (draft/layers.py) against what they replace.
 
 1. Checkpoints trained before the change (tests/data/pre_layers: an EAGLE-3 GQA drafter with
-   llama3 rope, an MLA one with YaRN, a two-layer DFlash one with YaRN; how they were made is
-   in the commit that added them) load and give the logits saved with them. float32 on the
-   CPU: the same operations in the same order, so the tolerance is 1e-6 (it is exact here).
+   llama3 rope, an MLA one with YaRN, a two-layer DFlash one with YaRN; and before the kind
+   records and the one config.json writer, tests/data/pre_kinds: a P-EAGLE drafter with llama3
+   rope and both EAGLE 3.1 options; how they were made is in the commits that added them) load
+   and give the logits saved with them. float32 on the CPU: the same operations in the same
+   order, so the tolerance is 1e-6 (it is exact here).
 2. Each layer against transformers' Llama module as the reference, in float32 and bf16:
    RMSNorm, the MLP, apply_rotary_pos_emb and the rotary embedding for every rope type the
    drafter takes (draft/rope.py ROPE_TYPES), scaled ones included, over positions short of
@@ -25,7 +27,7 @@ from eyas.draft.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary_p
 from eyas.draft.rope import ROPE_TYPES
 from eyas.errors import EyasError
 
-FIXTURES = Path(__file__).parent / "data" / "pre_layers"
+FIXTURES = Path(__file__).parent / "data"
 HEAD, MAX_POS = 16, 64
 
 
@@ -38,7 +40,8 @@ def llama_config(cfg) -> LlamaConfig:
         rope_parameters=dict(cfg.rope_parameters), mlp_bias=False, attention_bias=False)
 
 
-@pytest.mark.parametrize("name", ["eagle3_llama3", "eagle3_mla_yarn", "dflash_yarn"])
+@pytest.mark.parametrize("name", ["pre_layers/eagle3_llama3", "pre_layers/eagle3_mla_yarn", "pre_layers/dflash_yarn",
+                                  "pre_kinds/peagle_llama3"])
 def test_a_checkpoint_trained_before_the_change_gives_the_same_logits(name):
     ref = load_file(FIXTURES / name / "reference.safetensors")
     drafter = load_drafter(FIXTURES / name, ref["embed"]).eval()
