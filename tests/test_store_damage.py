@@ -14,7 +14,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from eyas.capture.run import capture

@@ -12,7 +12,6 @@ test_vllm_capture's 2e-5 x max|transformers| between the two stores (float32 bot
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch

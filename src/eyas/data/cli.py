@@ -2,7 +2,7 @@
 
 Applies the target's chat template and marks assistant tokens as trained (the loss mask),
 whatever the template family. Sources: .json/.jsonl files, parquet and Arrow files and
-`datasets` save_to_disk folders (pyarrow: pip install 'eyas[data]'), in the column layouts
+`datasets` save_to_disk folders (pyarrow: pip install '.[data]' in the clone), in the column layouts
 `conversations: [{from, value}]` (ShareGPT), `messages`/`conversations: [{role, content}]`
 (OpenAI, UltraChat-200k) or `data: [str, ...]` (UltraChat); `packaged:sharegpt`,
 `packaged:chitchat` and `packaged:synthetic:N:SEED` (N synthetic two-turn instruction

@@ -22,7 +22,7 @@ from eyas.data.sources import BadRecord, TruncatedTail, interleave, iter_records
 from eyas.data.synthetic import contaminated, ngram_set
 from eyas.data.template import ChatTemplate, encode_conversation, require_chat_template
 from eyas.errors import EyasError
-from eyas.evaluate.prompts import load_prompts
+from eyas.prompts import load_prompts
 from eyas.lock import LOCK_FILE, output_lock
 from eyas.models import load_tokenizer, model_identity, resolve_model
 from eyas.paths import check_confined, remove_leftovers

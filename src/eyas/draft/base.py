@@ -8,11 +8,12 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from eyas.draft.config import DraftConfig
 from eyas.draft.loss import Labels, ttt_loss
 
 
 class Drafter(nn.Module):
-    config: "DraftConfig"  # noqa: F821 (draft/config.py)
+    config: DraftConfig
     lm_head: nn.Linear
     d2t: torch.Tensor  # [Vd] int64: target id = draft id + d2t[draft id]
     t2d: torch.Tensor  # [V] bool: the target ids in the draft vocabulary
@@ -45,7 +46,7 @@ class Drafter(nn.Module):
         return ttt_loss(self.lm_head, states, labels, weights, rows)
 
     @classmethod
-    def step_bytes(cls, cfg, rows: int, length: int, anchors: int | None, device: torch.device) -> int | None:
+    def step_bytes(cls, cfg: DraftConfig, rows: int, length: int, anchors: int | None, device: torch.device) -> int | None:
         """The bytes a training step's largest tensors take on a micro-batch of `rows` samples of
         up to `length` tokens, where the kind can say before allocating (None: no estimate)."""
         return None

@@ -4,8 +4,7 @@ workers, and the chat-template rendering of a turn."""
 from __future__ import annotations
 
 from eyas.errors import EyasError
-# load_prompts is imported here for evaluate/run.py and data/prepare.py, until they import it from eyas.prompts.
-from eyas.prompts import EvalPrompt, load_prompts  # noqa: F401
+from eyas.prompts import EvalPrompt
 
 
 def stratified(prompts: list[EvalPrompt]) -> list[int]:

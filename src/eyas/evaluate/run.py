@@ -29,7 +29,7 @@ from tqdm import tqdm
 from eyas import __version__
 from eyas.data.template import ChatTemplate
 from eyas.device import parse_device, resolve_device
-from eyas.draft import DraftConfig, Eagle3Drafter, load_config, load_drafter
+from eyas.draft import load_config, load_drafter
 from eyas.draft.kinds import BLOCK, PARALLEL
 from eyas.errors import EyasError
 from eyas.evaluate.dflash import DFlash, DFlashSession
@@ -38,14 +38,15 @@ from eyas.evaluate.drafter import DrafterSession
 from eyas.evaluate.generate import generate
 from eyas.evaluate.peagle import PEagle
 from eyas.evaluate.plot import plot_acceptance
-from eyas.evaluate.prompts import EvalPrompt, load_prompts, render, stratified
+from eyas.evaluate.prompts import render, stratified
 from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
 from eyas.evaluate.report import (RATE_DEFINITION, TAU_DEFINITION, differing, format_breakdown, format_table, summarize,
                                   tau_by)
 from eyas.evaluate.target import TargetSession
 from eyas.models import ModelIdentity, load_target, model_identity, resolve_model
 from eyas.models.eos import eos_ids
-from eyas.paths import atomic_write_json, check_confined, check_writable
+from eyas.paths import atomic_write_json
+from eyas.prompts import EvalPrompt, load_prompts
 from eyas.timing import StepTimer
 from eyas.train.checkpoint import unfinished_note
 

@@ -20,7 +20,7 @@ from transformers import AutoConfig
 
 from eyas import distributed
 from eyas.device import resolve_device
-from eyas.draft import DraftConfig, load_config, load_drafter
+from eyas.draft import load_config, load_drafter
 from eyas.errors import EyasError
 from eyas.models import load_tokenizer, model_identity, resolve_model
 from eyas.models.target_head import load_target_head
