@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import speed_gpu  # noqa: E402
 from common import Peak, free_memory, git, say, sync  # noqa: E402
-from speed_gpu import InMemorySource, _in_memory_run  # noqa: E402
+from speed_gpu import InMemorySource, in_memory_run  # noqa: E402
 
 SHAPES = {  # the target's text config (Kimi-K2.5's DeepseekV3Config fields)
     "seed": dict(hidden_size=7168, intermediate_size=18432, num_attention_heads=64, num_key_value_heads=64,
@@ -93,8 +93,8 @@ def make_run(draft, lengths: list[int], batch_tokens: int, device: torch.device)
     norm = torch.nn.RMSNorm(H, eps=1e-6).to(device)
     with torch.device(device):
         embed, lm_head = torch.randn(V, H) * 0.02, torch.randn(V, H) * 0.02
-    source = InMemorySource(lengths, len(draft.layer_ids), H, V, device)
-    run = _in_memory_run(cfg, draft, TargetHead(embed, norm, lm_head), source, device)
+    source = InMemorySource(lengths, draft, device)
+    run = in_memory_run(cfg, draft, TargetHead(embed, norm, lm_head), source, device)
     run.head = TargetHead(None, norm, lm_head)  # the drafter holds its own copy of the embeddings
     return run
 

@@ -58,7 +58,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Peak, free_memory, git, say, sync  # noqa: E402
 from random_target import SEED_SHAPES  # noqa: E402
-from speed_gpu import FLOP_FORMULA, PEAK_TFLOPS, InMemorySource, _in_memory_run, train_flops  # noqa: E402
+from speed_gpu import FLOP_FORMULA, PEAK_TFLOPS, InMemorySource, in_memory_run, train_flops  # noqa: E402
 
 MATCHED_TTT = 7
 PEER_DEFAULT_TTT = 3
@@ -342,8 +342,8 @@ def eyas_rate(draft, V: int, lengths: list[int], device: torch.device, *, warm: 
         norm = torch.nn.RMSNorm(H, eps=draft.rms_norm_eps).to(device)
         embed = (torch.randn(V, H, generator=g) * 0.02).to(device)
         lm_head = (torch.randn(V, H, generator=g) * 0.02).to(device)
-        source = InMemorySource(lengths, len(draft.layer_ids), H, V, device)
-        run = _in_memory_run(cfg, draft, TargetHead(embed, norm, lm_head), source, device)
+        source = InMemorySource(lengths, draft, device)
+        run = in_memory_run(cfg, draft, TargetHead(embed, norm, lm_head), source, device)
         del embed
         # As `eyas train` holds it (TargetHead.to: bf16 on CUDA); the drafter has its own embeddings.
         run.head = TargetHead(None, norm, lm_head).to(device)

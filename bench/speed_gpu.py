@@ -588,9 +588,11 @@ class InMemorySource(OnDevice):
     sample's hidden is a view of one random [max_len, L+1, H] tensor (speed does not depend
     on values); `load` pads on the device as StoreSource pads on the host."""
 
-    def __init__(self, lengths: list[int], layers: int, hidden_size: int, vocab: int, device: torch.device,
-                 dtype=torch.float32, seed: int = 0):
+    def __init__(self, lengths: list[int], draft, device: torch.device, dtype=torch.float32, seed: int = 0):
         g = torch.Generator().manual_seed(seed)
+        layers, hidden_size, vocab = len(draft.layer_ids), draft.hidden_size, draft.vocab_size
+        self.identity, self.layer_ids, self.hidden_size = draft.identity, draft.layer_ids, hidden_size
+        self.chat_template, self.cropped = None, 0
         self.lengths = list(lengths)
         self.sample_index = list(range(len(lengths)))
         self._ids = [torch.randint(2, vocab, (n,), generator=g) for n in lengths]
@@ -618,27 +620,13 @@ class InMemorySource(OnDevice):
         return Batch(ids.to(device), mask.to(device), hidden, [self.sample_index[p] for p in positions])
 
 
-def _in_memory_run(cfg, draft, head, source, device: torch.device):
-    """A loop.Run over `source` built as loop.setup builds one (drafter, AdamW, batch stream)."""
+def in_memory_run(cfg, draft, head, source, device: torch.device):
+    """`eyas train`'s own run (loop.setup) over `source`, with the target's `head` and `draft` given in memory."""
     from eyas import distributed
-    from eyas.draft.model import Eagle3Drafter
-    from eyas.train.data import BatchStream
-    from eyas.train.loop import Run
-    from eyas.train.optim import build_optimizers
+    from eyas.train.loop import InMemory, setup
 
     d, device = distributed.init(str(device), False)
-    torch.manual_seed(cfg.seed)
-    with torch.device(device):
-        drafter = Eagle3Drafter(draft, head.embed_weight)
-    V = draft.vocab_size
-    draft_ids = torch.randperm(V, generator=torch.Generator().manual_seed(0))[: draft.draft_vocab_size].sort().values
-    drafter.set_vocab(draft_ids.to(device))
-    model = distributed.wrap(drafter.to(device), d, device)
-    optimizers = build_optimizers(model, cfg.optimizer, cfg.lr, cfg.weight_decay)
-    positions = list(range(len(source.lengths)))
-    stream = BatchStream(positions, source.lengths, source.sample_index, cfg.batch_tokens, cfg.seed)
-    return Run(cfg=cfg, d=d, device=device, source=source, head=head, draft=draft, model=model, optimizers=optimizers,
-               train_stream=stream, eval_positions=[], total_steps=1_000_000)
+    return setup(cfg, d, device, InMemory(source, head, draft))
 
 
 def part_fixed(ctx: Context) -> dict[str, Any]:
@@ -648,8 +636,7 @@ def part_fixed(ctx: Context) -> dict[str, Any]:
     run = ctx.run
     saved = run.source, run.train_stream
     T = 256 if ctx.tiny else 2048
-    L = len(run.draft.aux_layer_ids) + 1
-    run.source = InMemorySource([T] * 8, L, run.draft.hidden_size, run.draft.vocab_size, run.device)
+    run.source = InMemorySource([T] * 8, run.draft, run.device)
     run.train_stream = BatchStream(list(range(8)), run.source.lengths, run.source.sample_index, 4 * T, 0)
     try:
         from eyas.train.loop import train_step
@@ -815,8 +802,8 @@ def part_seed(ctx: Context) -> dict[str, Any]:
             lm_head = torch.randn(V, H) * 0.02
         rng = random.Random(1)
         lengths = [rng.randint(32, 256) if ctx.tiny else rng.randint(256, 2048) for _ in range(96)]
-        source = InMemorySource(lengths, len(layer_ids), H, V, device)
-        run = _in_memory_run(cfg, draft, TargetHead(embed, norm, lm_head), source, device)
+        source = InMemorySource(lengths, draft, device)
+        run = in_memory_run(cfg, draft, TargetHead(embed, norm, lm_head), source, device)
         del embed
         run.head = TargetHead(None, norm, lm_head)  # the drafter holds its own copy of the embeddings
         from eyas.train.loop import train_step

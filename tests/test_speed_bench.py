@@ -33,9 +33,10 @@ def tiny_run(lengths=(9, 12, 7, 12, 5, 10)):
     torch.manual_seed(0)
     draft = tiny_draft(draft_vocab=40)
     head = TargetHead(torch.randn(V, H), torch.nn.RMSNorm(H, eps=1e-5), torch.randn(V, H) * 0.5)
-    source = speed.InMemorySource(list(lengths), 4, H, V, torch.device("cpu"))
-    cfg = TrainConfig(out="unused", store="(in memory)", batch_tokens=24, ttt_steps=K, lr=1e-2, warmup=0)
-    return speed._in_memory_run(cfg, draft, head, source, torch.device("cpu"))
+    source = speed.InMemorySource(list(lengths), draft, torch.device("cpu"))
+    cfg = TrainConfig(out="unused", store="(in memory)", batch_tokens=24, ttt_steps=K, lr=1e-2, warmup=0,
+                      eval_fraction=0.0)
+    return speed.in_memory_run(cfg, draft, head, source, torch.device("cpu"))
 
 
 def test_a_timed_step_is_the_trainers_step_and_times_each_part():

@@ -47,6 +47,16 @@ from eyas.train.optim import build_optimizers
 
 
 @dataclass
+class InMemory:
+    """A run's samples, the target's output head and the drafter's config held in memory, in
+    place of a store (or the target) and the target's folder: what a benchmark times with the
+    trainer's own setup and steps. The draft vocabulary is still counted from the samples."""
+    source: SampleSource
+    head: TargetHead
+    draft: DraftConfig
+
+
+@dataclass
 class Run:
     cfg: TrainConfig
     d: distributed.Dist
@@ -103,14 +113,16 @@ def _log(d: distributed.Dist, message: str) -> None:
 # ---------------------------------------------------------------- setup
 
 
-def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device) -> Run:
+def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device, memory: InMemory | None = None) -> Run:
+    """The run `cfg` describes, resumed where --out holds one; from `memory` instead of the
+    store (or target) and the target's folder when given."""
     out = Path(cfg.out)
     ckpt.check_out_folder(out)
     previous = ckpt.latest_checkpoint(out)
     if previous is not None and not cfg.resume:
         raise EyasError(f"{out} already holds a training run (at {previous.name}); pass --resume to continue it, "
                         f"or choose another --out.")
-    source, folder = _open_source(cfg, device)
+    source, folder = _open_source(cfg, device) if memory is None else (memory.source, None)
     _check_layer_ids(source)
     cfg.check_target(source.identity.num_layers)
     if source.cropped:
@@ -120,7 +132,7 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device) -> Run:
         raise EyasError("No training sample left after the held-out split; lower --eval-fraction or add data.")
     stream = BatchStream(train_pos, source.lengths, source.sample_index, cfg.batch_tokens, cfg.seed)
     _check_group(cfg, len(stream), d)
-    head = load_target_head(folder).to(device)
+    head = load_target_head(folder).to(device) if memory is None else memory.head
     if previous is not None:
         draft, trainer = ckpt.read_checkpoint(previous)
         where = f"The store {cfg.store}" if cfg.store else f"The target {cfg.model}"
@@ -129,7 +141,7 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device) -> Run:
         drafter = load_drafter(previous, head.embed_weight)
         _log(d, f"resuming {out} from {previous.name}")
     else:
-        draft, draft_ids = _new_draft_config(cfg, source, folder, train_pos, d)
+        draft, draft_ids = _new_draft_config(cfg, source, folder, train_pos, d, memory and memory.draft)
         _check_fits(draft, d, device)
         _check_step(cfg, draft, [(len(b), max(source.lengths[p] for p in b)) for b in stream.batches], d,
                           device)
@@ -203,12 +215,17 @@ def _check_layer_ids(source) -> None:
                         f"{source.identity.hidden_size}.")
 
 
-def _new_draft_config(cfg: TrainConfig, source, folder: str, train_pos: list[int], d: distributed.Dist):
+def _new_draft_config(cfg: TrainConfig, source, folder: str | None, train_pos: list[int], d: distributed.Dist,
+                      given: DraftConfig | None = None) -> tuple[DraftConfig, torch.Tensor]:
+    """The drafter's config (`given`, or built for the target in `folder`) and its draft
+    vocabulary [Vd], the tokens most frequent in the training samples."""
     counter = TokenCounter(source.identity.vocab_size).update(source.tokens(p) for p in train_pos)
-    size = cfg.draft_vocab or default_draft_vocab_size(source.identity.vocab_size)
+    size = given.draft_vocab_size if given else cfg.draft_vocab or default_draft_vocab_size(source.identity.vocab_size)
     draft_ids = build_draft_vocab(counter, size)
     _log(d, f"draft vocabulary: {size} of {source.identity.vocab_size} tokens, covering "
             f"{100 * coverage(counter, draft_ids):.2f}% of the trained tokens in the data")
+    if given is not None:
+        return given, draft_ids
     width = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
     target_config = AutoConfig.from_pretrained(folder)
     draft = DraftConfig.for_target(target_config, source.identity, source.layer_ids, size,
