@@ -18,6 +18,7 @@ from eyas.data.prepared import PreparedData
 from eyas.data.template import ChatTemplate
 from eyas.draft import load_config
 from eyas.errors import EyasError
+from eyas.regenerate.config import RegenerateConfig
 from eyas.store import Store
 from eyas.train import TrainConfig, train
 from tiny import CHATML, LLAMA3
@@ -146,7 +147,8 @@ def test_regenerate_renders_and_records_the_recorded_template(prepared, tiny_lla
             pass
 
     monkeypatch.setattr(run, "make_generator", lambda *a, **k: Fixed())
-    run.regenerate(str(tiny_llama_dir), prep, tmp_path / "regen", progress=False)
+    run.regenerate(RegenerateConfig(model=str(tiny_llama_dir), data=str(prep), out=str(tmp_path / "regen")),
+                   progress=False)
     assert prompts and all(tokenizer.decode(p).startswith("<|begin_of_text|>") for p in prompts)
     regenerated = PreparedData(tmp_path / "regen")
     assert regenerated.chat_template == PreparedData(prep).chat_template
