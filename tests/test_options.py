@@ -57,7 +57,7 @@ def _sample(f, meta, tp: str) -> object:
     if meta.parse is not None:  # read from text, as on the command line
         return "max_model_len=512" if isinstance(default, dict) else ",".join(default)
     if meta.choices:
-        return meta.choices[-1]
+        return list(meta.choices)[-1]
     if default is not None and default != ():
         return default
     return {bool: True, int: 2, float: 0.5, str: "x"}.get(tp, ["x"])  # else a list option

@@ -177,7 +177,7 @@ def test_a_dflash_recipe_drafts_no_tree_and_refuses_other_formats_before_any_wor
     dflash = {"online": True, "steps": 3, "batch_tokens": 256, "drafter": "dflash", "block_size": 3, "draft_layers": 1,
               "draft_vocab": 512, "eval_fraction": 0.34, "lr": 0.001, "progress": False}
     bad = _recipe(tmp_path, str(tiny_llama_dir), name="bad.yaml", train=dflash, export={"to": ["vllm", "speculators"]})
-    with pytest.raises(EyasError, match=r"bad.yaml: `export: to` speculators: A dflash drafter exports only --to vllm"):
+    with pytest.raises(EyasError, match=r"bad.yaml: `export: to` speculators: A DFlash drafter exports only --to vllm"):
         run_recipe(bad, tmp_path / "bad")
     assert not (tmp_path / "bad").exists()
     work, recipe = tmp_path / "work", _recipe(tmp_path, str(tiny_llama_dir), train=dflash)

@@ -23,7 +23,7 @@ import os
 import types
 import typing
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any, Iterator, Mapping
+from typing import Any, Collection, Iterator, Mapping
 
 from eyas.device_flag import AUTO, DEVICE_HELP
 from eyas.errors import EyasError
@@ -38,7 +38,7 @@ class Option:
 
     help: str
     rule: Number | None = None  # a number option's accepted values
-    choices: tuple[str, ...] | None = None
+    choices: Collection[str] | None = None  # may be a live view (draft/kinds.py's registry: a kind added later counts)
     flag: str | None = None  # the flag if not --name (e.g. --no-progress for `progress: bool = True`)
     parse: Any = None  # text -> the field's value, where that is not the type's own (e.g. a comma list)
     metavar: str | None = None
@@ -59,7 +59,7 @@ class Nested:
 
 
 def option(help: str, default: Any = MISSING, *, default_factory: Any = MISSING, rule: Number | None = None,
-           choices: tuple[str, ...] | None = None, flag: str | None = None, parse: Any = None,
+           choices: Collection[str] | None = None, flag: str | None = None, parse: Any = None,
            metavar: str | None = None, positional: bool = False, required: bool = False, repeat: bool = False,
            negatable: bool = False, group: str | None = None, show_default: bool = True) -> Any:
     """A config field that is a command-line option: `help` is its doc, the rest as in Option."""

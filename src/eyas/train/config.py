@@ -43,7 +43,7 @@ class TrainConfig:
         group=DATA)
 
     drafter: str = option("; ".join(f"{k.name}: {k.summary}" for k in kinds.KINDS.values()), kinds.DEFAULT,
-                          metavar="{" + ",".join(kinds.KINDS) + "}", group=DRAFTER)  # checked by _check_kind
+                          choices=kinds.KINDS.keys(), group=DRAFTER)  # live: a kind registered later counts
     block_size: int | None = option(
         f"dflash: the last token plus the K drafted ones (default --ttt-steps + 1 = {DraftConfig.ttt_steps + 1}); at "
         "most a sample's length (--max-len)", None, rule=Number(lo=2, integer=True),
