@@ -35,8 +35,11 @@ def start_plain(model: str, dtype: str, engine_args: dict):
 def run(args) -> dict:
     from vllm import SamplingParams
 
+    from eyas.capture.config import CaptureConfig
     from eyas.capture.run import capture
+    from eyas.vllm import CaptureVLLMOptions
     from eyas.vllm.engine import parse_engine_args, stop_llm
+    from eyas.data.config import PrepareConfig
     from eyas.data.prepare import prepare
     from eyas.data.prepared import PreparedData
     from eyas.store import Store
@@ -44,7 +47,8 @@ def run(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="eyas-bench-"))
     data = args.data or str(work / "prepared")
     if not args.data:
-        prepare(args.model, "packaged:sharegpt", data, max_len=args.max_len, limit=args.limit, progress=False)
+        prepare(PrepareConfig(model=args.model, data=["packaged:sharegpt"], out=data, max_len=args.max_len,
+                              limit=args.limit), progress=False)
     tokens = PreparedData(data).offsets[-1].item()
     engine_args = parse_engine_args(args.engine_arg)
     plain = start_plain(args.model, args.model_dtype, engine_args)
@@ -59,8 +63,10 @@ def run(args) -> dict:
                        SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
         timing["plain"] += time.perf_counter() - t0
 
-    capture(args.model, data, work / "store", backend="vllm", dtype=args.store_dtype, model_dtype=args.model_dtype,
-            batch_tokens=args.batch_tokens, engine_args=engine_args, progress=False, on_batch=plain_first)
+    capture(CaptureConfig(model=args.model, data=data, out=str(work / "store"), backend="vllm", dtype=args.store_dtype,
+                          model_dtype=args.model_dtype, batch_tokens=args.batch_tokens,
+                          vllm=CaptureVLLMOptions(engine_args=engine_args)),
+            progress=False, on_batch=plain_first)
     timing["startup"] = first[0] - t if first else 0.0
     Store(work / "store").verify()
     eyas = time.perf_counter() - t - timing["startup"] - timing["plain"]

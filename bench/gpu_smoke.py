@@ -70,6 +70,7 @@ def compiled_loss(dev: str) -> bool:
 
 
 def train_and_eval(folder: Path, work: Path, dev: str, texts: list[str]) -> dict:
+    from eyas.data.config import PrepareConfig
     from eyas.data.prepare import prepare
     from eyas.evaluate.drafter import DrafterSession
     from eyas.prompts import EvalPrompt
@@ -85,7 +86,7 @@ def train_and_eval(folder: Path, work: Path, dev: str, texts: list[str]) -> dict
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": texts[i]},
                                                      {"role": "assistant", "content": texts[i + 1]}]}) + "\n"
                             for i in range(0, min(len(texts), 400) - 1)))
-    prepare(str(folder), str(data), work / "prepared", max_len=128, progress=False)
+    prepare(PrepareConfig(model=str(folder), data=[str(data)], out=str(work / "prepared"), max_len=128), progress=False)
     final = train(TrainConfig(out=str(work / "drafter"), online=True, model=str(folder), data=str(work / "prepared"),
                               steps=6, batch_tokens=1024, device=dev, progress=False, fc_norm=True, norm_output=True,
                               eval_every=3, save_every=100, log_every=2))

@@ -97,10 +97,13 @@ def main() -> None:
 def run(args, work: Path) -> None:
     from tiny import build_model
 
+    from eyas.capture.config import CaptureConfig
     from eyas.capture.run import capture
+    from eyas.data.config import PrepareConfig
     from eyas.data.prepare import prepare
     from eyas.draft.mla_config import kv_cache_bytes_per_token
     from eyas.paths import atomic_write_json
+    from eyas.regenerate.config import RegenerateConfig
     from eyas.regenerate.run import regenerate
     from eyas.store.reader import Store
     from eyas.train import TrainConfig, train
@@ -111,9 +114,12 @@ def run(args, work: Path) -> None:
     model = build_model(work / "target", "deepseek_v3")
     sharpen(model, args.embed_scale, args.lm_head_scale)
     model = str(model)
-    prepare(model, "packaged:chitchat", work / "prepared", max_len=256, limit=args.conversations, progress=False)
-    regenerate(model, work / "prepared", work / "regenerated", max_new_tokens=args.max_new_tokens, progress=False)
-    capture(model, work / "regenerated", work / "store", dtype="fp32", progress=False)
+    prepare(PrepareConfig(model=model, data=["packaged:chitchat"], out=str(work / "prepared"), max_len=256,
+                          limit=args.conversations), progress=False)
+    regenerate(RegenerateConfig(model=model, data=str(work / "prepared"), out=str(work / "regenerated"),
+                                max_new_tokens=args.max_new_tokens), progress=False)
+    capture(CaptureConfig(model=model, data=str(work / "regenerated"), out=str(work / "store"), dtype="fp32"),
+            progress=False)
     layer_ids = Store(work / "store").layer_ids
     configs, gqa_width = drafts(model, layer_ids, args.mlp)
     record = {"command": "python3 " + " ".join(sys.argv), "commit": git("rev-parse", "HEAD"),

@@ -115,15 +115,19 @@ def given_drafter(folder: Path) -> dict:
 def regenerate_set(args, work: Path, report: dict) -> None:
     """The first --conversations-limit two-user-turn windows of --conversations (MT-bench kept
     out), prepared and regenerated greedily."""
+    from eyas.data.config import PrepareConfig
     from eyas.data.prepare import prepare
+    from eyas.regenerate.config import RegenerateConfig
     from eyas.regenerate.run import regenerate
 
     t0 = time.monotonic()
     shutil.rmtree(work / "prepared", ignore_errors=True)
-    prepared = prepare(args.model, args.conversations, work / "prepared", max_len=args.max_len,
-                       limit=args.conversations_limit, window=2, exclude=[args.mt_bench], progress=False)
-    summary = regenerate(args.model, work / "prepared", work / "regen", max_new_tokens=args.regen_tokens,
-                         group_size=args.regen_group, device=args.device, progress=False, minutes=args.regen_minutes)
+    prepared = prepare(PrepareConfig(model=args.model, data=args.conversations, out=str(work / "prepared"),
+                                     max_len=args.max_len, limit=args.conversations_limit, window=2,
+                                     exclude_prompts=[args.mt_bench]), progress=False)
+    summary = regenerate(RegenerateConfig(model=args.model, data=str(work / "prepared"), out=str(work / "regen"),
+                                          max_new_tokens=args.regen_tokens, group_size=args.regen_group,
+                                          device=args.device, minutes=args.regen_minutes), progress=False)
     report["regenerate"] = {"prepared": prepared.get("kept"), "conversations": summary.get("kept"),
                             "tokens": summary.get("tokens"), "seconds": round(time.monotonic() - t0, 1)}
     print("regenerated:", json.dumps(report["regenerate"]), flush=True)

@@ -633,7 +633,9 @@ def load_ctx(work: Path, stages: list[str]) -> dict[str, Any]:
 
 def q_data(args, ctx) -> dict[str, Any]:
     """Prepare (+ regenerate with the target) and capture one bf16 store: every arm's data."""
+    from eyas.capture.config import CaptureConfig
     from eyas.capture.run import capture
+    from eyas.data.config import PrepareConfig
     from eyas.data.prepare import prepare
     from eyas.models import resolve_model
     from eyas.store import Store
@@ -644,17 +646,20 @@ def q_data(args, ctx) -> dict[str, Any]:
     for old in ("prepared", "regen", "store"):
         shutil.rmtree(work / old, ignore_errors=True)
     t0 = time.monotonic()
-    prepared = prepare(args.model, source, work / "prepared", max_len=args.max_len, limit=args.limit, progress=False)
+    prepared = prepare(PrepareConfig(model=args.model, data=source, out=str(work / "prepared"),
+                                     max_len=args.max_len, limit=args.limit), progress=False)
     data, regen = work / "prepared", None
     if args.regen_minutes > 0:
+        from eyas.regenerate.config import RegenerateConfig
         from eyas.regenerate.run import regenerate
 
-        regen = regenerate(args.model, work / "prepared", work / "regen", max_new_tokens=256, device=args.device,
-                           group_size=args.regen_group, progress=False, minutes=args.regen_minutes)
+        regen = regenerate(RegenerateConfig(model=args.model, data=str(work / "prepared"), out=str(work / "regen"),
+                                            max_new_tokens=256, device=args.device, group_size=args.regen_group,
+                                            minutes=args.regen_minutes), progress=False)
         data = work / "regen"
     t1 = time.monotonic()
-    capture(args.model, data, work / "store", dtype="bf16", device=args.device, progress=False,
-            batch_tokens=65536 if args.device.startswith("cuda") else 4096)
+    capture(CaptureConfig(model=args.model, data=str(data), out=str(work / "store"), dtype="bf16", device=args.device,
+                          batch_tokens=65536 if args.device.startswith("cuda") else 4096), progress=False)
     store = Store(work / "store")
     train_pos, held_pos = split(store.sample_indices().tolist(), 0.05, 0)  # eyas train's own split (seed 0)
     ctx.update(data=data, store=work / "store", train_pos=train_pos, held_pos=held_pos,

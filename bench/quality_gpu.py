@@ -85,19 +85,22 @@ def regen_stage(args, work: Path, report: dict) -> None:
     """Prepare the conversations in two-user-turn windows (as MT-bench asks; whole long
     conversations trained a worse drafter for the same regeneration time) with MT-bench kept
     out, then regenerate as many as --regen-minutes allow."""
+    from eyas.data.config import PrepareConfig
     from eyas.data.prepare import prepare
+    from eyas.regenerate.config import RegenerateConfig
     from eyas.regenerate.run import regenerate
 
     shutil.rmtree(work / "prepared", ignore_errors=True)
     t0 = time.monotonic()
-    report["prepare"] = prepare(args.model, args.conversations, work / "prepared", max_len=args.max_len,
-                                limit=args.limit, window=args.window, exclude=["mt-bench"], progress=False)
+    report["prepare"] = prepare(PrepareConfig(model=args.model, data=args.conversations,
+                                              out=str(work / "prepared"), max_len=args.max_len, limit=args.limit,
+                                              window=args.window, exclude_prompts=["mt-bench"]), progress=False)
     report["prepare"]["seconds"] = round(time.monotonic() - t0, 1)
     print(f"prepared {report['prepare']['kept']} conversations in {report['prepare']['seconds']} s", flush=True)
     t0 = time.monotonic()
-    summary = regenerate(args.model, work / "prepared", work / "regen", max_new_tokens=args.regen_tokens,
-                         group_size=args.regen_group, device=args.device, progress=False,
-                         minutes=args.regen_minutes)
+    summary = regenerate(RegenerateConfig(model=args.model, data=str(work / "prepared"), out=str(work / "regen"),
+                                          max_new_tokens=args.regen_tokens, group_size=args.regen_group,
+                                          device=args.device, minutes=args.regen_minutes), progress=False)
     seconds = time.monotonic() - t0
     answers = _answer_tokens(work / "regen")
     report["regenerate"] = {"seconds": round(seconds, 1), "conversations": summary.get("kept"),

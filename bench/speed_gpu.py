@@ -259,6 +259,7 @@ def part_forward(ctx: Context) -> dict[str, Any]:
 
 
 def part_capture(ctx: Context, dtype: str) -> dict[str, Any]:
+    from eyas.capture.config import CaptureConfig
     from eyas.capture.run import capture
     from eyas.store import Store
 
@@ -267,8 +268,8 @@ def part_capture(ctx: Context, dtype: str) -> dict[str, Any]:
     out, err = io.StringIO(), io.StringIO()
     start = time.monotonic()
     with contextlib.redirect_stdout(_Tee(sys.stdout, out)), contextlib.redirect_stderr(err):
-        capture(str(ctx.folder), str(ctx.prepared), str(store), dtype=dtype, device=str(ctx.device),
-                batch_tokens=ctx.args.batch_tokens)
+        capture(CaptureConfig(model=str(ctx.folder), data=str(ctx.prepared), out=str(store), dtype=dtype,
+                              device=str(ctx.device), batch_tokens=ctx.args.batch_tokens))
     wall = time.monotonic() - start
     rate, waited = capture_rate(out.getvalue())
     per_token = Store(store).bytes_per_token()

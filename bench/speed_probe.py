@@ -68,10 +68,12 @@ def profile_table(prof, limit: int = 18) -> dict:
 def prepare_sample(model_dir: Path, data: list[str], work: Path, n: int) -> dict:
     """The first `n` conversations of `data` with their original answers (training's sample
     lengths as they are), prepared for the random model."""
+    from eyas.data.config import PrepareConfig
     from eyas.data.prepare import prepare
 
     shutil.rmtree(work / "prepared", ignore_errors=True)
-    return prepare(str(model_dir), data, work / "prepared", max_len=1024, limit=n, progress=False)
+    return prepare(PrepareConfig(model=str(model_dir), data=data, out=str(work / "prepared"), max_len=1024,
+                                 limit=n), progress=False)
 
 
 def profile_decode(model_dir: Path, rows: int = 2048, prompt: int = 256, steps: int = 256) -> dict:

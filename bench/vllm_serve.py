@@ -164,7 +164,8 @@ def eyas_eval(args: argparse.Namespace, prompts: list, work: Path) -> dict[str, 
     """`eyas eval` (plain and chain, K steps, float32, no baselines) on `prompts`."""
     import torch
 
-    from eyas.evaluate.run import EvalConfig, evaluate
+    from eyas.evaluate.config import EvalConfig
+    from eyas.evaluate.run import evaluate
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -250,6 +251,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from eyas.errors import EyasError
     from eyas.evaluate.prompts import render
     from eyas.export import export_drafter
+    from eyas.export.config import ExportConfig
     from eyas.models import load_tokenizer, resolve_model
 
     K, seconds = args.steps, {}
@@ -269,7 +271,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="vllm-serve-") as tmp:
         work = Path(tmp)
         t0 = time.monotonic()
-        exported = export_drafter(args.drafter, "vllm", work / "vllm", target=args.model, num_speculative_tokens=K)
+        exported = export_drafter(ExportConfig(ckpt=args.drafter, to="vllm", out=str(work / "vllm"), target=args.model,
+                                               num_speculative_tokens=K))
         seconds["export"] = round(time.monotonic() - t0, 1)
         spec = {"method": "eagle3", "model": exported["out"], "num_speculative_tokens": K}
         print(f"serving {model_dir} plain, then with {json.dumps(spec)}", flush=True)
