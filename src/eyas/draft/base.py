@@ -9,14 +9,22 @@ import torch
 import torch.nn as nn
 
 from eyas.draft.config import DraftConfig
+from eyas.draft.layers import RMSNorm, RotaryEmbedding
 from eyas.draft.loss import Labels, ttt_loss
 
 
 class Drafter(nn.Module):
     config: DraftConfig
-    lm_head: nn.Linear
-    d2t: torch.Tensor  # [Vd] int64: target id = draft id + d2t[draft id]
-    t2d: torch.Tensor  # [V] bool: the target ids in the draft vocabulary
+
+    def add_head(self, cfg: DraftConfig) -> None:
+        """What follows every kind's layers, added last (parameters are created, hence drawn,
+        in this order): the final norm, `lm_head` over the draft vocabulary, the rotary
+        embedding, and the draft-to-target tables."""
+        self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_parameters, cfg.max_position_embeddings)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))  # target = draft + d2t[draft]
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # target ids in the draft vocab
 
     def set_vocab(self, draft_to_target: torch.Tensor) -> None:
         """draft_to_target [Vd] int64: the target id of each draft id (ascending)."""

@@ -29,7 +29,7 @@ from torch.nn.attention.flex_attention import create_block_mask
 from eyas.draft.base import Drafter
 from eyas.draft.config import DraftConfig
 from eyas.draft.flex import compiled
-from eyas.draft.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary_pos_emb
+from eyas.draft.layers import GatedMLP, RMSNorm, apply_rotary_pos_emb
 from eyas.draft.model import frozen_embedding
 
 
@@ -91,11 +91,7 @@ class DFlashDrafter(Drafter):
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * H, H, bias=False)
         self.hidden_norm = RMSNorm(H, eps=cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(H, eps=cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_parameters, cfg.max_position_embeddings)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))  # target = draft + d2t[draft]
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # target ids in the draft vocab
+        self.add_head(cfg)
 
     @property
     def block_size(self) -> int:

@@ -21,7 +21,7 @@ from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 from eyas.draft.base import Drafter
 from eyas.draft.config import DraftConfig
 from eyas.draft.flex import compiled, limited
-from eyas.draft.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary_pos_emb
+from eyas.draft.layers import GatedMLP, RMSNorm, apply_rotary_pos_emb
 from eyas.draft.mla import MLAAttention
 
 
@@ -98,11 +98,7 @@ class Eagle3Drafter(Drafter):
             self.input_norm = RMSNorm(len(cfg.aux_layer_ids) * H, eps=cfg.rms_norm_eps)
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * H, H, bias=False)
         self.midlayer = DraftLayer(cfg)
-        self.norm = RMSNorm(H, eps=cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(H, cfg.draft_vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_parameters, cfg.max_position_embeddings)
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))  # target = draft + d2t[draft]
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # target ids in the draft vocab
+        self.add_head(cfg)
 
     def rope(self, x: torch.Tensor, position_ids: torch.Tensor):
         """cos, sin for position_ids [B, T]."""
