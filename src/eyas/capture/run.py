@@ -18,7 +18,8 @@ from eyas.device import parse_device
 from eyas.distributed import all_reduce, barrier, init, shutdown
 from eyas.errors import EyasError
 from eyas.lock import output_lock
-from eyas.models.load import DTYPES, model_dtype
+from eyas.models.dtype import model_dtype
+from eyas.models.load import DTYPES
 from eyas.paths import check_confined
 from eyas.store import StoreWriter
 from eyas.store.format import manifest_header, read_manifest

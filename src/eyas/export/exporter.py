@@ -19,7 +19,8 @@ from eyas.export.config import ExportConfig
 from eyas.export.layouts import Layout, layout_for
 from eyas.export.weights import build_drafter, owned_out, read_tensors, write_folder
 from eyas.models import load_tokenizer, model_identity
-from eyas.models.load import ENGINE_DTYPE, parse_dtype
+from eyas.models.dtype import ENGINE_DTYPE
+from eyas.models.load import parse_dtype
 from eyas.models.resolve import MODEL_CONFIG, resolve_model
 from eyas.paths import check_confined
 from eyas.train.checkpoint import unfinished_note

@@ -22,7 +22,8 @@ __all__ = [
 __getattr__ = lazy_exports(__name__, {
     "eyas.models.identity": ("ModelIdentity", "model_identity"),
     "eyas.models.layers": ("DecoderParts", "decoder_parts", "resolve_layer_ids"),
-    "eyas.models.load": ("load_target", "load_tokenizer", "model_dtype"),
+    "eyas.models.dtype": ("model_dtype",),
+    "eyas.models.load": ("load_target", "load_tokenizer"),
     "eyas.models.resolve": ("resolve_model",),
     "eyas.models.states": ("TargetStates",),
     "eyas.models.target_head": ("TargetHead", "load_target_head"),

@@ -9,8 +9,6 @@ from eyas.errors import EyasError
 from eyas.models.identity import text_config
 from eyas.models.resolve import resolve_model
 
-# What vLLM runs a target in when --model-dtype is not given: the checkpoint's own dtype.
-ENGINE_DTYPE = "auto"
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -23,16 +21,6 @@ def parse_dtype(name: str) -> torch.dtype:
         return DTYPES[name]
     except KeyError:
         raise EyasError(f"Unknown dtype {name!r}; choose one of {', '.join(DTYPES)}.") from None
-
-
-def model_dtype(asked: str | None, device_type: str | None) -> str:
-    """The dtype a target runs in (every stage's --model-dtype): as asked, else the checkpoint's
-    own where vLLM places the model (`device_type` None), else float32 on the CPU and bf16 on a GPU."""
-    if asked:
-        return asked
-    if device_type is None:
-        return ENGINE_DTYPE
-    return "float32" if device_type == "cpu" else "bf16"
 
 
 def load_tokenizer(spec: str):

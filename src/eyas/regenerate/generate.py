@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from eyas.models.eos import cut_at_stop, eos_ids, saved_generation_config
-from eyas.models.load import ENGINE_DTYPE, load_target, load_tokenizer
+from eyas.models.dtype import ENGINE_DTYPE
+from eyas.models.load import load_target, load_tokenizer
 from eyas.models.resolve import resolve_model
 from eyas.regenerate.static import StaticGreedy, supports_static
 from eyas.vllm.engine import base_kwargs, check_vllm_version, start_llm, stop_llm

@@ -33,7 +33,7 @@ from eyas.device import parse_device, resolve_device
 from eyas.errors import EyasError
 from eyas.lock import LOCK_FILE, output_lock
 from eyas.models import load_tokenizer
-from eyas.models.load import model_dtype
+from eyas.models.dtype import model_dtype
 from eyas.paths import atomic_write_bytes, check_confined, remove_leftovers
 from eyas.regenerate.config import RegenerateConfig
 from eyas.regenerate.generate import HFGenerator, VLLMGenerator

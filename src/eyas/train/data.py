@@ -22,7 +22,7 @@ from eyas.data.batching import token_budget_batches
 from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
 from eyas.models.identity import ModelIdentity
-from eyas.models.load import model_dtype
+from eyas.models.dtype import model_dtype
 from eyas.models.states import TargetStates
 from eyas.store.format import dequantize
 from eyas.store.reader import Store

@@ -21,7 +21,7 @@ import torch
 from eyas.data.prepared import PreparedSample
 from eyas.errors import EyasError
 from eyas.options import AUTO_LAYERS
-from eyas.models.load import ENGINE_DTYPE
+from eyas.models.dtype import ENGINE_DTYPE
 from eyas.vllm.engine import check_vllm_version, engine_kwargs, start_llm, stop_llm, text_only
 from eyas.vllm.spool import PARAM_ERROR, PARAM_KEY, read_hidden, spool_file, wait_for
 from eyas.vllm.preflight import preflight

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from eyas.errors import EyasError
+from eyas.models.dtype import model_dtype
 from eyas.options import check_rules, option
 from eyas.validate import COUNT, Number
 from eyas.vllm.engine import parse_engine_args, text_only
@@ -85,7 +86,6 @@ class CaptureVLLMOptions(EngineOptions):
 def print_serve_command(model: str, layers: str, asked: str | None, options: CaptureVLLMOptions) -> None:
     """`--print-serve-command`: the `vllm serve` line a server for `--endpoint` needs, the target
     running in `asked` (--model-dtype) or its checkpoint's dtype, checked here first."""
-    from eyas.models.load import model_dtype
     from eyas.vllm.serve import serve_command
     from eyas.vllm.target import describe_target
 

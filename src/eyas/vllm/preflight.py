@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.errors import EyasError
+from eyas.models.dtype import ENGINE_DTYPE
 from eyas.vllm import engine
 
 # The --engine-arg model_impl values that run vLLM's own model class, the one these checks ask
@@ -148,8 +149,6 @@ def check_head_size(config: Any, model: str, dtype: str, instead: str, here: boo
     )
     from vllm.utils.import_utils import resolve_obj_by_qualname
     from vllm.v1.attention.selector import AttentionSelectorConfig
-
-    from eyas.models.load import ENGINE_DTYPE
 
     text = get_hf_text_config(config)
     convertor = MODEL_ARCH_CONFIG_CONVERTORS.get(config.model_type, ModelArchConfigConvertorBase)(config, text)

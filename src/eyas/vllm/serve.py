@@ -12,7 +12,7 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from eyas.models.load import ENGINE_DTYPE
+from eyas.models.dtype import ENGINE_DTYPE
 from eyas.vllm.engine import engine_kwargs
 from eyas.vllm.target import Target
 
