@@ -137,12 +137,13 @@ def _capture_cmd(prepared, out, *extra):
             "--dtype", "fp32", "--batch-tokens", "512", "--shard-mb", "0.5", *extra]
 
 
-def _torchrun(nproc: int, port: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", str(port)]
+def _torchrun(nproc: int) -> list[str]:
+    """torchrun on a free port of its own (--standalone): two suites on one machine never collide."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
 
 
-def _torchrun_capture_cmd(prepared, out, nproc: int, port: int):
-    return [*_torchrun(nproc, port), "-m", "eyas", *_capture_cmd(prepared, out)[3:]]
+def _torchrun_capture_cmd(prepared, out, nproc: int):
+    return [*_torchrun(nproc), "-m", "eyas", *_capture_cmd(prepared, out)[3:]]
 
 
 def test_sigkill_mid_capture_resumes_to_the_same_store(tmp_path, smollm2_prepared, smollm2_store):
@@ -296,10 +297,10 @@ def test_two_rank_capture_equals_one_process_and_resumes_after_a_kill(tmp_path, 
     run resumed by a second torchrun duplicates nothing."""
     out = tmp_path / "dp"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    cmd = _torchrun_capture_cmd(smollm2_prepared, out, 2, 29731)
+    cmd = _torchrun_capture_cmd(smollm2_prepared, out, 2)
     # torchrun and both ranks killed when the first rank to get there renames its second shard
     shard = child_argv(_capture_cmd(smollm2_prepared, out)[3:], match=r"shard-\d+\.safetensors$", nth=2, job=True)
-    proc = subprocess.run([*_torchrun(2, 29731), *shard], env=faults_env(), capture_output=True, text=True,
+    proc = subprocess.run([*_torchrun(2), *shard], env=faults_env(), capture_output=True, text=True,
                           start_new_session=True, timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     assert 0 < json.loads((out / "manifest.json").read_text())["num_samples"] < 16
@@ -318,7 +319,7 @@ def test_four_rank_capture_equals_one_process(tmp_path, smollm2_prepared, smollm
     of the samples, and together they write the one-process store (float32, up to batch shape)."""
     out = tmp_path / "dp4"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(_torchrun_capture_cmd(smollm2_prepared, out, 4, 29733), env=env, capture_output=True,
+    done = subprocess.run(_torchrun_capture_cmd(smollm2_prepared, out, 4), env=env, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "over 4 processes" in done.stdout
