@@ -52,20 +52,15 @@ def static_greedy(folder: Path, dev: str) -> bool:
 
 
 def compiled_loss(dev: str) -> bool:
-    from eyas.draft.loss import soft_cross_entropy, step_loss
+    from eyas.draft.loss import chunk_loss, fused_chunk_loss
 
     g = torch.Generator(device=dev).manual_seed(0)
-    base = torch.randn(4, 300, 2000, device=dev, generator=g).bfloat16()
-    probs = torch.softmax(3 * torch.randn(4, 300, 2000, device=dev, generator=g), -1)
-    mask = torch.rand(4, 299, device=dev, generator=g) > 0.3
-    out = []
-    for fn in (soft_cross_entropy, step_loss(True)):
-        logits = base.clone().requires_grad_(True)
-        ce = fn(logits[:, :299], probs[:, 1:], mask)
-        ce.sum().backward()
-        out.append((ce.detach(), logits.grad.float()))
-    torch.testing.assert_close(out[1][0], out[0][0], rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(out[1][1], out[0][1], rtol=1e-2, atol=1e-2)
+    logits = torch.randn(1200, 2000, device=dev, generator=g).bfloat16()
+    probs = torch.softmax(3 * torch.randn(1200, 2000, device=dev, generator=g), -1)
+    weight = torch.rand(1200, device=dev, generator=g)
+    eager, fused = chunk_loss(logits, probs, weight), fused_chunk_loss(True)(logits, probs, weight)
+    for a, b in zip(fused, eager):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     return True
 
 

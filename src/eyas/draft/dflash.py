@@ -30,6 +30,7 @@ from eyas.draft.base import Drafter
 from eyas.draft.config import DraftConfig
 from eyas.draft.flex import compiled
 from eyas.draft.layers import GatedMLP, RMSNorm, apply_rotary_pos_emb
+from eyas.draft.loss import LOSS_CHUNK
 from eyas.draft.model import frozen_embedding
 
 
@@ -146,17 +147,21 @@ class DFlashDrafter(Drafter):
         of `rows` samples of up to `length` tokens, each anchoring N = min(anchors, length)
         blocks of S slots, counting only these: every layer keeps, for the backward, about 6
         hidden-wide and 4 MLP-wide values per block token (rows x S x N; bf16 on CUDA, else
-        float32); every drafted slot its draft-vocab logits and their log-softmax in float32;
-        off CUDA, the dense block mask [rows, S*N, length + S*N] of one byte an entry, which each
-        layer's attention keeps again in float32 (a CPU step measured 1 + 4 bytes an entry with
-        one layer, 1 + 4 x 3 with three, within 20%; flex attention on CUDA builds no such mask)."""
+        float32); the slots' states scattered to [rows, length, K, H] and their gathered copy
+        and gradient; one loss chunk's draft-vocab logits and float32 temporaries (draft/loss.py
+        never holds more); off CUDA, the dense block mask [rows, S*N, length + S*N] of one byte
+        an entry, which each layer's attention keeps again in float32 (a CPU step measured 1 + 4
+        bytes an entry with one layer, 1 + 4 x 3 with three, within 20%; flex attention on CUDA
+        builds no such mask)."""
         slots, layers, blocks = cfg.ttt_steps + 1, cfg.num_hidden_layers, min(anchors or length, length)
         tokens = rows * slots * blocks  # block tokens
         width = 2 if device.type == "cuda" else 4
         activations = layers * tokens * (6 * cfg.hidden_size + 4 * cfg.intermediate_size) * width
-        logits = 2 * cfg.ttt_steps * rows * blocks * cfg.draft_vocab_size * 4
+        pairs = cfg.ttt_steps * rows * blocks
+        states = (rows * length * cfg.ttt_steps + 2 * pairs) * cfg.hidden_size * width
+        loss = 5 * 4 * min(pairs, max(1, LOSS_CHUNK // cfg.draft_vocab_size)) * cfg.draft_vocab_size
         mask = 0 if device.type == "cuda" else tokens * (length + slots * blocks) * (1 + 4 * layers)
-        return activations + logits + mask
+        return activations + states + loss + mask
 
 
 def anchor_table(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

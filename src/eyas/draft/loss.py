@@ -1,6 +1,6 @@
 """The training-time-test loss every kind trains with, computed by the drafter's own forward
-(draft/base.py): soft cross-entropy against the target's distribution, weighted decay^k per
-step, and per-step metric sums.
+(draft/base.py): soft cross-entropy against the target's distribution, weighted per step,
+and per-step metric sums.
 
 Alignment (position i of a sample, step k = 0..K-1): the drafter reads token i+1+k and
 predicts the target's next-token distribution at position j = i+1+k, i.e. the target's
@@ -10,27 +10,43 @@ positions whose target argmax lies outside it add no loss but count as misses, s
 reported accuracy is the share of trained positions where the drafter's top-1 token
 equals the target's (greedy) token. A kind drafting blocks (DFlash) is scored only at the
 rows [B, T] that anchor one: entry k of row i is its slot k+1, aligned the same way.
+
+Memory: neither the drafter's logits nor the target's distribution are ever held for all
+scored pairs at once. `soft_cross_entropy_chunked` runs the drafter's head, the target's head
+over the draft vocabulary and the loss a chunk of pairs at a time, and computes each chunk's
+gradient as it goes (the gradient of soft cross-entropy is softmax - target, known in the
+forward), keeping only the [N, H] input gradient and the head's: the memory of a step no
+longer grows with pairs x vocabulary, so a DFlash step can anchor densely.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 from eyas.draft.flex import limited
 
 # Columns of the per-step statistics: summed over trained positions.
 LOSS, CORRECT, COUNT, IN_VOCAB = range(4)
+LOSS_CHUNK = 1 << 27  # [pairs, Vd] logits a loss chunk holds (512 MiB a float32 temporary)
 
 
 @dataclass
 class Labels:
-    probs: torch.Tensor  # [B, T, Vd] the target's distribution over the draft vocab, at each position j
+    hidden: torch.Tensor  # [B, T, Ht] the target's last state (id N) at each position j
+    teacher: Callable[[torch.Tensor], torch.Tensor]  # [n, Ht] -> [n, Vd]: the target's logits over the draft vocab
     target_draft: torch.Tensor  # [B, T] long: draft id of the target's argmax at j, -1 if outside
     trained: torch.Tensor  # [B, T] bool: position j is trained (token j+1 is an assistant token)
+
+    def probs(self, *index) -> torch.Tensor:
+        """The target's distribution over the draft vocab [..., Vd] float32 at `hidden[index]`
+        (every position when no index is given)."""
+        return torch.softmax(self.teacher(self.hidden[index]).float(), -1)
 
 
 def trained_positions(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -53,10 +69,13 @@ def _at_rows(pairs: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
     return pairs if rows is None else pairs & rows[:, : pairs.shape[1]]
 
 
-def ttt_loss(lm_head: nn.Module, states: list[torch.Tensor], labels: Labels, weights: torch.Tensor,
-             rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def ttt_loss(lm_head: nn.Linear, states: list[torch.Tensor], labels: Labels, weights: torch.Tensor,
+             rows: torch.Tensor | None = None, dpace_alpha: float | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """states: K normed outputs [B, T, H] (a drafter's `forward_ttt_states`), weights [K]
-    (decay^k / normaliser_k), rows [B, T] bool: the rows anchoring a block, the only ones scored.
+    (each step's weight over its normaliser), rows [B, T] bool: the rows anchoring a block,
+    the only ones scored; with `dpace_alpha`, each pair's weight is further its D-PACE weight
+    (`dpace_weights`), from the drafter's own current probabilities.
 
     Returns the loss (sum_k weights[k] * summed soft CE of step k), per-step statistics
     [K, 4] (loss sum, correct, trained, target argmax in draft vocab) and the per-row
@@ -66,49 +85,154 @@ def ttt_loss(lm_head: nn.Module, states: list[torch.Tensor], labels: Labels, wei
     B, T = labels.trained.shape
     device = labels.trained.device
     # Step k at position i is scored iff its label position j = i+1+k is trained and the
-    # target's token there is in the draft vocabulary. Only scored positions go through
-    # lm_head and the loss (prompts, padding and the steps' overhang are ~30% of a batch);
-    # one nonzero for all steps keeps it to one host sync per micro-batch.
+    # target's token there is in the draft vocabulary. Only scored positions go through the
+    # heads and the loss (prompts, padding and the steps' overhang are ~30% of a batch); one
+    # nonzero for all steps keeps it to one host sync per micro-batch.
     scored = torch.zeros(K, B, T, dtype=torch.bool, device=device)
-    trained = torch.zeros(K, device=device)
+    pairs = torch.zeros(K, B, T, dtype=torch.bool, device=device)  # trained pairs, scored or not
     for k in range(min(K, T - 1)):
         target = labels.target_draft[:, 1 + k :]  # [B, T-1-k]
-        scored[k, :, : T - 1 - k] = _at_rows(labels.trained[:, 1 + k :] & (target >= 0), rows)
-        trained[k] = _at_rows(labels.trained[:, 1 + k :], rows).sum()
-    counts = scored.flatten(1).sum(1)  # [K]: scored positions per step
-    where = scored.nonzero().split(counts.tolist())  # K x [N_k, 3]: (k, b, i)
-    loss = states[0].new_zeros((), dtype=torch.float32)
-    row_loss = states[0].new_zeros(B, dtype=torch.float32)
-    stats = []
-    for k, (normed, idx) in enumerate(zip(states, where)):
-        if len(idx) == 0:  # an empty slice keeps every weight in the graph: backward and DDP need it
-            loss = loss + lm_head(normed.flatten(0, 1)[:0]).float().sum()
-            stats.append(torch.stack([loss.new_zeros(()), loss.new_zeros(()), trained[k], loss.new_zeros(())]))
-            continue
-        b, i = idx[:, 1], idx[:, 2]
-        logits = lm_head(normed[b, i])  # [N_k, Vd]
-        ce = step_loss(logits.is_cuda)(logits[None], labels.probs[b, i + 1 + k][None],
-                                       torch.ones_like(b, dtype=torch.bool)[None])[0]  # [N_k]
-        loss = loss + weights[k] * ce.sum()
-        row_loss = row_loss + row_loss.new_zeros(B).index_add(0, b, ce).detach()
-        with torch.no_grad():
-            correct = (logits.argmax(-1) == labels.target_draft[b, i + 1 + k]).sum()
-            stats.append(torch.stack([ce.sum().detach(), correct.float(), trained[k], counts[k].float()]))
-    return loss, torch.stack(stats), row_loss
+        pairs[k, :, : T - 1 - k] = _at_rows(labels.trained[:, 1 + k :], rows)
+        scored[k, :, : T - 1 - k] = pairs[k, :, : T - 1 - k] & (target >= 0)
+    trained = pairs.flatten(1).sum(1).float()  # [K]
+    where = scored.nonzero()  # [N, 3]: (k, b, i), ordered by step
+    # Gathering from each step's states, empty slices included, keeps every weight in the
+    # graph when nothing is scored: backward and DDP need a gradient for each.
+    counts = scored.flatten(1).sum(1)  # [K]
+    x = torch.cat([s[w[:, 1], w[:, 2]] for s, w in zip(states, where.split(counts.tolist()))])  # [N, H]
+    # The pairs sharing a label position (b, j) -- one per step (EAGLE-3), per anchor (DFlash)
+    # -- go next to each other, so that a chunk computes the target's distribution once per
+    # position it holds rather than once per pair.
+    key = where[:, 1] * T + where[:, 2] + 1 + where[:, 0]  # [N]: b * T + j
+    order = torch.argsort(key, stable=True)
+    x, (step, b, i), key = x[order], where[order].unbind(1), key[order]
+    positions, inverse = torch.unique_consecutive(key, return_inverse=True)  # [U], [N]
+    j = i + 1 + step  # label positions
+    target = labels.target_draft[b, j]  # [N]
+    bounds = chunk_bounds(len(key), lm_head.weight.shape[0])
+    edges = torch.tensor([e for lo, hi in bounds for e in (lo, hi - 1)], dtype=torch.long, device=device)
+    spans = inverse[edges].view(-1, 2).tolist()  # per chunk, its first and last position in `positions`
+
+    def probs(c: int) -> torch.Tensor:
+        """Chunk c's target distributions [n, Vd], computed once per label position."""
+        (lo, hi), (u0, u1) = bounds[c], spans[c]
+        at = positions[u0 : u1 + 1]
+        return labels.probs(at // T, at % T)[inverse[lo:hi] - u0]
+
+    row_weight = weights[step]  # [N]
+    if dpace_alpha is not None:
+        q = torch.zeros(K, B, T, device=device)
+        q[step, b, i] = target_probability(x.detach(), lm_head.weight, target, bounds)
+        row_weight = row_weight * dpace_weights(q, pairs, dpace_alpha)[step, b, i]
+    loss, ce, correct = soft_cross_entropy_chunked(x, lm_head.weight, row_weight, target, probs, bounds)
+    zeros = torch.zeros(K, device=device)
+    stats = torch.stack([zeros.index_add(0, step, ce), zeros.index_add(0, step, correct.float()), trained,
+                         counts.float()], dim=1)  # [K, 4]
+    return loss, stats, torch.zeros(B, device=device).index_add(0, b, ce)
 
 
-def soft_cross_entropy(logits: torch.Tensor, probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """logits [B, n, Vd] (any float dtype), probs [B, n, Vd] float32, mask [B, n] bool ->
-    per-position soft cross-entropy [B, n] float32, zero where masked."""
-    return -(probs * logits.float().log_softmax(-1)).sum(-1) * mask
+def chunk_bounds(pairs: int, vocab: int) -> list[tuple[int, int]]:
+    """The loss's chunks of `pairs` rows over a head of `vocab` outputs: LOSS_CHUNK logits each."""
+    size = max(1, LOSS_CHUNK // vocab)
+    return [(lo, min(pairs, lo + size)) for lo in range(0, pairs, size)]
+
+
+def dpace_weights(q: torch.Tensor, pairs: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE (arXiv 2605.18810; speculators' DFlash default): q [K, B, T] the drafter's
+    probability of the target's token at step k of row i (0 where that token is outside the
+    draft vocabulary), pairs [K, B, T] bool the trained pairs -> weights [K, B, T]. Step k
+    passes with s_k = (1 - alpha) q_k + alpha (1 where untrained), is reached and passed with
+    P_k = prod_{k' <= k} s_k', and weighs w_k = m_k sum_{k' >= k} m_k' P_k': what getting it
+    right is worth to the acceptance length of the steps from it on. Weights follow the
+    drafter as it learns and carry no gradient."""
+    m = pairs.float()
+    passed = torch.where(pairs, (1 - alpha) * q + alpha, torch.ones_like(q)).cumprod(0)  # P [K, B, T]
+    return m * (m * passed).flip(0).cumsum(0).flip(0)
+
+
+@torch.no_grad()
+def target_probability(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                       bounds: list[tuple[int, int]]) -> torch.Tensor:
+    """x [N, H], weight [Vd, H] (the drafter's lm_head), target [N] draft ids -> the drafter's
+    probability of each target [N] float32, a chunk of rows (`bounds`) at a time."""
+    out = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+    for _, (lo, hi), _, logits in _head_chunks(x, _head_weight(weight), bounds):
+        out[lo:hi] = logits.float().log_softmax(-1).gather(1, target[lo:hi, None])[:, 0].exp()
+    return out
+
+
+def _head_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The head's weight in the dtype its products run in: the autocast dtype under autocast
+    (cast once for every chunk, where autocast would cast it for each product)."""
+    device = weight.device.type
+    return weight.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else weight
+
+
+def _head_chunks(x: torch.Tensor, w: torch.Tensor, bounds: list[tuple[int, int]]):
+    """Yields (c, (lo, hi), x[lo:hi] in w's dtype [n, H], the head's logits there [n, Vd]) for
+    each chunk c of `bounds`."""
+    for c, (lo, hi) in enumerate(bounds):
+        xc = x[lo:hi].to(w.dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            yield c, (lo, hi), xc, F.linear(xc, w)
+
+
+def soft_cross_entropy_chunked(x: torch.Tensor, weight: torch.Tensor, row_weight: torch.Tensor, target: torch.Tensor,
+                               probs: Callable[[int], torch.Tensor], bounds: list[tuple[int, int]]
+                               ) -> tuple[torch.Tensor, ...]:
+    """x [N, H] (drafter states), weight [Vd, H] (its lm_head), row_weight [N], target [N] (the
+    target's argmax in draft ids), probs(c) -> [n, Vd] float32 (the target's distribution at
+    the rows of chunk c of `bounds`) -> loss = sum_n row_weight[n] * ce[n] (differentiable in x
+    and weight), ce [N] float32 and correct [N] bool (drafter's argmax == target), holding one
+    chunk's logits at a time."""
+    need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    return _SoftCrossEntropy.apply(x, weight, row_weight, target, probs, bounds, need_grad)
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, row_weight, target, probs, bounds, need_grad):
+        w = _head_weight(weight)  # [Vd, H]
+        ce = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+        correct = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
+        grad_x = torch.zeros_like(x) if need_grad else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
+        for c, (lo, hi), xc, logits in _head_chunks(x, w, bounds):
+            p = probs(c)  # [n, Vd] float32, under the caller's autocast as the target head expects
+            ce[lo:hi], g = fused_chunk_loss(logits.is_cuda)(logits, p, row_weight[lo:hi])
+            correct[lo:hi] = logits.argmax(-1) == target[lo:hi]
+            if need_grad:
+                g = g.to(w.dtype)  # [n, Vd]: d loss / d logits, in the logits' dtype, as autograd has it
+                with torch.autocast(x.device.type, enabled=False):
+                    grad_x[lo:hi] = (g @ w).to(x.dtype)
+                    grad_w += (g.T @ xc).float()
+        ctx.weight_dtype = weight.dtype
+        ctx.save_for_backward(grad_x, grad_w)
+        ctx.mark_non_differentiable(ce, correct)
+        return (row_weight * ce).sum(), ce, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, _ce, _correct):
+        grad_x, grad_w = ctx.saved_tensors
+        return (grad_x * grad_loss.to(grad_x.dtype), (grad_w * grad_loss).to(ctx.weight_dtype),
+                None, None, None, None, None)
+
+
+def chunk_loss(logits: torch.Tensor, probs: torch.Tensor, row_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n, Vd] (any float dtype), probs [n, Vd] float32, row_weight [n] -> the soft
+    cross-entropy [n] float32 and its gradient in the logits, row_weight x (softmax x sum(probs)
+    - probs) [n, Vd] float32."""
+    logp = logits.float().log_softmax(-1)
+    ce = -(probs * logp).sum(-1)
+    return ce, (logp.exp() * probs.sum(-1, keepdim=True) - probs) * row_weight[:, None]
 
 
 @functools.cache
-def step_loss(cuda: bool):
-    """The loss of one TTT step; on CUDA compiled, to fuse the float32 passes that eager makes
-    over [B, n, Vd] (cast, log-softmax, product, sum, and their backward): for a small head
-    they move more bytes than its matrix products."""
-    return limited(torch.compile(soft_cross_entropy, dynamic=True)) if cuda else soft_cross_entropy
+def fused_chunk_loss(cuda: bool):
+    """`chunk_loss`; on CUDA compiled, to fuse the float32 passes that eager makes over [n, Vd]
+    (cast, log-softmax, product, sums): for a small head they move more bytes than its matrix
+    products."""
+    return limited(torch.compile(chunk_loss, dynamic=True)) if cuda else chunk_loss
 
 
 def simulated_acceptance(acc: list[float]) -> float:

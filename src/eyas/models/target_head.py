@@ -24,6 +24,7 @@ import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -99,17 +100,26 @@ class TargetHead:
         return TargetHead(self.embed_weight, copy.deepcopy(self.norm).to(device),
                           self.lm_head_weight.to(device, dtype), bias, self.output)
 
-    @torch.no_grad()
     def logits(self, last_hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """last_hidden [..., H] (layer id N, pre-norm) -> the target's logits [..., V], exactly
         as its own forward computes them; with `rows` (target ids [Vd]) only those columns
         [..., Vd], from those rows of lm_head alone (the draft vocabulary's logits without the
         full [..., V] product). Restricting is exact where the family transforms each logit on
         its own, as every family tests/test_target_families.py builds does."""
+        return self.restricted(rows)(last_hidden)
+
+    def restricted(self, rows: torch.Tensor | None) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`logits(., rows)` with the rows of lm_head taken once, for a caller that asks many times
+        (the loss, a chunk of pairs at a time)."""
         weight = self.lm_head_weight if rows is None else self.lm_head_weight[rows]
         bias = self.lm_head_bias if rows is None or self.lm_head_bias is None else self.lm_head_bias[rows]
-        normed = self.norm(last_hidden)
-        return _linear(normed, weight, bias) if self.output is None else self.output(normed, weight, bias)
+
+        @torch.no_grad()
+        def logits(last_hidden: torch.Tensor) -> torch.Tensor:
+            normed = self.norm(last_hidden)
+            return _linear(normed, weight, bias) if self.output is None else self.output(normed, weight, bias)
+
+        return logits
 
 
 def _weight_files(folder: Path) -> dict[str, Path]:

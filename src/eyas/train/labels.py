@@ -1,8 +1,8 @@
 """The labels a drafter learns: the target's next-token distribution over the draft
 vocabulary at every position, from the stored last state through the target's own output
-head (models/target_head.py: the family's transforms included), computed in row chunks so
-the full-vocabulary logits of a batch are never held at once. What the drafter does with
-them is draft/loss.py's."""
+head (models/target_head.py: the family's transforms included). Only the argmax is computed
+here, in row chunks so the full-vocabulary logits of a batch are never held at once; the
+distribution is computed by the loss, chunk by chunk, at the pairs it scores (draft/loss.py)."""
 
 from __future__ import annotations
 
@@ -19,18 +19,15 @@ def make_labels(head: TargetHead, last_hidden: torch.Tensor, loss_mask: torch.Te
     B, T, _ = last_hidden.shape
     target_to_draft = torch.full((head.lm_head_weight.shape[0],), -1, dtype=torch.long, device=last_hidden.device)
     target_to_draft[draft_ids] = torch.arange(len(draft_ids), device=last_hidden.device)
-    # The draft vocabulary's logits come from its own rows of lm_head, contiguous, instead of a
-    # column gather out of a float32 copy of the full [rows, T, V] logits: for a small target
-    # those copies and gathers move more bytes than its matrix products. The full logits serve
-    # only the argmax, in the dtype they are computed in (a float32 copy changes no value).
-    # Both go through the family's own transform (head.logits: Granite's scale, Gemma-2's cap).
+    # The full logits serve only the argmax, in the dtype they are computed in (a float32 copy
+    # changes no value). The draft vocabulary's logits come from its own rows of lm_head,
+    # contiguous, instead of a column gather out of the full logits: for a small target those
+    # copies and gathers move more bytes than its matrix products. Both go through the
+    # family's own transform (head.logits: Granite's scale, Gemma-2's cap).
     rows = max(1, LABEL_CHUNK // (T * head.lm_head_weight.shape[0]))  # bounds the [rows, T, V] logits
-    probs, target_draft = [], []
-    for b in range(0, B, rows):
-        hidden = last_hidden[b : b + rows]  # [rows, T, H]
-        target_draft.append(target_to_draft[head.logits(hidden).argmax(-1)])  # [rows, T]
-        probs.append(torch.softmax(head.logits(hidden, draft_ids), -1, dtype=torch.float32))  # [rows, T, Vd]
-    return Labels(torch.cat(probs), torch.cat(target_draft), trained_positions(loss_mask))
+    target_draft = [target_to_draft[head.logits(last_hidden[b : b + rows]).argmax(-1)] for b in range(0, B, rows)]
+    return Labels(last_hidden, head.restricted(draft_ids), torch.cat(target_draft),
+                  trained_positions(loss_mask))
 
 
 LABEL_CHUNK = 1 << 28  # target logits computed at once (1 GiB in float32): rows, not the batch
