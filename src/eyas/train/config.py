@@ -20,11 +20,12 @@ ANCHORS = 512  # SpecForge's and speculators' default: bounds a sample's block t
 
 # Options added after runs were recorded, with the value such a run had (its drafter, restored
 # from the checkpoint, keeps the attention it was built with).
-ADDED = {"draft_attention": AUTO_ATTENTION, "optimizer": "adamw"}
+ADDED = {"draft_attention": AUTO_ATTENTION, "optimizer": "adamw", "position_weights": "decay", "dpace_alpha": 0.5}
 
 
 DATA, DRAFTER, SCHEDULE, RUN = "data", "drafter", "schedule", "run"  # the --help sections
 OPTIMIZERS = ("adamw", "muon")  # train/optim.py
+POSITION_WEIGHTS = ("decay", "dpace")  # draft/loss.py
 
 
 @dataclass(kw_only=True)
@@ -62,8 +63,17 @@ class TrainConfig:
     draft_vocab: int | None = option("draft vocabulary size (default min(32000, target vocab))", None, rule=COUNT,
                                      group=DRAFTER)
     ttt_steps: int = option("unrolled training-time-test steps", DraftConfig.ttt_steps, rule=COUNT, group=DRAFTER)
-    ttt_decay: float = option("loss weight decay^k of step k (dflash: of block slot k+1)", DraftConfig.ttt_decay,
-                              rule=Number(lo=0, hi=1, lo_open=True, required=True), group=DRAFTER)
+    ttt_decay: float = option("loss weight decay^k of step k (dflash: of block slot k+1); SpecForge's DFlash "
+                              "weight exp(-(k-1)/gamma) is --ttt-decay exp(-1/gamma) (gamma 7: 0.867)",
+                              DraftConfig.ttt_decay, rule=Number(lo=0, hi=1, lo_open=True, required=True), group=DRAFTER)
+    position_weights: str = option(
+        "how TTT steps (dflash: block slots) weigh in the loss: decay = --ttt-decay^k on each step's mean; dpace = "
+        "speculators' D-PACE: each pair weighs what it is worth to the acceptance length, from the drafter's own "
+        "current chance of reaching and passing it (--dpace-alpha), over the mean of all pairs",
+        "decay", choices=POSITION_WEIGHTS, group=DRAFTER)
+    dpace_alpha: float = option("dpace: each step passes with (1 - alpha) p + alpha, p the drafter's probability "
+                                "of the target's token", 0.5, rule=Number(lo=0, hi=1, lo_open=True, required=True),
+                                group=DRAFTER)
     intermediate_size: int | None = option(
         "the drafter's MLP width (default: the target's); vLLM and SGLang read it from the exported config", None,
         rule=COUNT, group=DRAFTER)
