@@ -52,11 +52,11 @@ def main() -> None:
     trained = dict(args.drafter)
     for kind, folder in args.drafter.items():  # trained in an earlier call: their own last held-out pass
         report["train"][kind] = given_drafter(folder)
-    for kind, options in arms(args).items():
+    for arm, options in arms(args).items():
         if "regenerate" in report["errors"]:
             break
-        if phase(report, out, kind, lambda: train_arm(args, work, report, kind, options)):
-            trained[kind] = work / kind
+        if phase(report, out, arm, lambda: train_arm(args, work, report, arm, options)):
+            trained[arm] = arm_folder(work, arm)
     if trained and args.eval_minutes > 0:
         phase(report, out, "decode",
               lambda: decode(args, report, trained, min(60 * args.eval_minutes, deadline - time.monotonic() - 30)))
@@ -70,12 +70,30 @@ KINDS = ("eagle3", "dflash", "peagle")
 
 def arms(args) -> dict[str, dict]:
     """The drafters trained (--arms, in order), each for --arm-minutes on the same regenerated data.
-    P-EAGLE is EAGLE-3's recipe drafting its CHAIN tokens in one pass (CHAIN = its TTT steps)."""
+    P-EAGLE is EAGLE-3's recipe drafting its CHAIN tokens in one pass (CHAIN = its TTT steps). An
+    arm `KIND:OPTION=VALUE:...` is that kind with `eyas train` options changed (e.g.
+    `dflash:anchors=512:position_weights=dpace`), trained into its own folder."""
     dflash = {"drafter": "dflash", "block_size": CHAIN + 1, "anchors": args.dflash_anchors}
     if args.dflash_layers:
         dflash["draft_layers"] = args.dflash_layers
     every = {"eagle3": RECIPE, "dflash": dflash, "peagle": {**RECIPE, "drafter": "peagle", "ttt_steps": CHAIN}}
-    return {kind: every[kind] for kind in args.arms}
+    out = {}
+    for arm in args.arms:
+        kind, *changes = arm.split(":")
+        options = dict(every[kind])
+        for change in changes:
+            key, _, value = change.partition("=")
+            options[key] = json.loads(value) if value[:1].isdigit() or value[:1] in "-[{" else value
+        out[arm] = options
+    return out
+
+
+def arm_kind(arm: str) -> str:
+    return arm.split(":")[0]
+
+
+def arm_folder(work: Path, arm: str) -> Path:
+    return work / "".join(c if c.isalnum() else "-" for c in arm)
 
 
 def phase(report: dict, out: Path, name: str, run) -> bool:
@@ -91,13 +109,13 @@ def phase(report: dict, out: Path, name: str, run) -> bool:
         dump(out / "parallel_gpu.json", report)
 
 
-def train_arm(args, work: Path, report: dict, kind: str, options: dict) -> None:
+def train_arm(args, work: Path, report: dict, arm: str, options: dict) -> None:
     data = None if args.store else Path(args.data) if args.data else work / "regen"
-    result = train_for(args, data, work / kind, 60 * args.arm_minutes, options, evals=max(700 // args.eval_every, 1),
-                       store=Path(args.store) if args.store else None)
-    report["train"][kind] = {"steps": result["steps"], "seconds": result["seconds"], "options": options,
+    result = train_for(args, data, arm_folder(work, arm), 60 * args.arm_minutes, options,
+                       evals=max(700 // args.eval_every, 1), store=Path(args.store) if args.store else None)
+    report["train"][arm] = {"steps": result["steps"], "seconds": result["seconds"], "options": options,
                              "heldout": result["final"].get("eval"), "train": result["final"].get("train")}
-    print(f"{kind}: {result['steps']} steps in {result['seconds']} s; "
+    print(f"{arm}: {result['steps']} steps in {result['seconds']} s; "
           f"held-out acc per position {(result['final'].get('eval') or {}).get('acc_per_step')}", flush=True)
 
 
@@ -121,11 +139,15 @@ def regenerate_set(args, work: Path, report: dict) -> None:
     from eyas.regenerate.run import regenerate
 
     t0 = time.monotonic()
-    shutil.rmtree(work / "prepared", ignore_errors=True)
-    prepared = prepare(PrepareConfig(model=args.model, data=args.conversations, out=str(work / "prepared"),
-                                     max_len=args.max_len, limit=args.conversations_limit, window=2,
-                                     exclude_prompts=[args.mt_bench]), progress=False)
-    summary = regenerate(RegenerateConfig(model=args.model, data=str(work / "prepared"), out=str(work / "regen"),
+    folder = Path(args.prepared) if args.prepared else work / "prepared"
+    if args.prepared:  # prepared elsewhere, e.g. where the conversations are (its windows, MT-bench kept out)
+        prepared = {"kept": None}
+    else:
+        shutil.rmtree(folder, ignore_errors=True)
+        prepared = prepare(PrepareConfig(model=args.model, data=args.conversations, out=str(folder),
+                                         max_len=args.max_len, limit=args.conversations_limit, window=2,
+                                         exclude_prompts=[args.mt_bench]), progress=False)
+    summary = regenerate(RegenerateConfig(model=args.model, data=str(folder), out=str(work / "regen"),
                                           max_new_tokens=args.regen_tokens, group_size=args.regen_group,
                                           device=args.device, minutes=args.regen_minutes), progress=False)
     report["regenerate"] = {"prepared": prepared.get("kept"), "conversations": summary.get("kept"),
@@ -141,7 +163,10 @@ def proposers_for(trained: dict[str, Path], model, identity):
     from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
     from eyas.evaluate.run import load_checked_drafter
 
-    drafters = {kind: load_checked_drafter(str(folder), model, identity) for kind, folder in trained.items()}
+    if len({arm_kind(a) for a in trained}) < len(trained):
+        raise SystemExit("decoding takes one drafter per kind: give --eval-minutes 0 to compare arms of one kind by "
+                         "their held-out accuracy, or decode them in separate calls")
+    drafters = {arm_kind(arm): load_checked_drafter(str(folder), model, identity) for arm, folder in trained.items()}
     if len({d.config.aux_layer_ids for d in drafters.values()}) > 1:
         raise SystemExit("the drafters must read the same aux layers (one target session serves them all)")
     make = {"eagle3": lambda d: Eagle3(DrafterSession(d), CHAIN), "dflash": lambda d: DFlash(DFlashSession(d), CHAIN),
@@ -298,7 +323,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--regen-minutes", type=float, default=0.75)
     p.add_argument("--regen-tokens", type=int, default=256)
     p.add_argument("--regen-group", type=int, default=4096)
-    p.add_argument("--arms", default=",".join(KINDS), help=f"drafters trained, in order (default {','.join(KINDS)})")
+    p.add_argument("--arms", default=",".join(KINDS),
+                   help=f"drafters trained, in order (default {','.join(KINDS)}); KIND:OPTION=VALUE:... changes "
+                        "`eyas train` options of that kind's arm (e.g. dflash:anchors=512:position_weights=dpace)")
+    p.add_argument("--prepared", help="an `eyas prepare` folder of such windows made elsewhere (e.g. where the "
+                   "--conversations sources are): regenerated as it is")
     p.add_argument("--data", help="a regenerated set from an earlier run (its --work/regen): no regeneration")
     p.add_argument("--store", help="a store captured from such a set: the arms train offline from it instead")
     p.add_argument("--drafter", action="append", default=[], metavar="KIND=FOLDER",
@@ -338,7 +367,7 @@ def parse_args() -> argparse.Namespace:
             p.error(f"--drafter takes KIND=FOLDER with KIND one of {','.join(KINDS)}; got {given!r}")
         drafters[kind] = Path(folder)
     args.drafter = drafters
-    if unknown := set(args.arms) - set(KINDS):
+    if unknown := {arm_kind(a) for a in args.arms} - set(KINDS):
         p.error(f"--arms: unknown {sorted(unknown)}; choose from {','.join(KINDS)}")
     if args.smoke:
         args.model = args.model or "packaged:smollm2-135m"
