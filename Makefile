@@ -41,9 +41,12 @@ $(STAMP): pyproject.toml Makefile
 
 setup: $(STAMP)
 
-# The full suite, as CI runs it (.ci/run).
+# The full suite, as CI runs it (.ci/run), on two workers (pytest-xdist): CI's two cores, each
+# worker's torch on its share of them (tests/conftest.py). A file is one unit, so its module
+# fixtures are built once; more workers would start more vLLM engines at once.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -ra --durations=15
+	$(PY) -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadfile
 
 # For development: leaves out the tests on the real SmolLM2 (`slow`) and those that need vLLM.
 test-fast: $(STAMP)

@@ -93,6 +93,19 @@ def one_thread():
         yield
 
 
+def pytest_configure(config):
+    """Under `pytest -n N` each worker takes its share of the cores for torch (and the CLI
+    processes tests start): N workers each running torch on every core would oversubscribe
+    them."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        threads = str(max(1, len(os.sched_getaffinity(0)) // workers))
+        os.environ["OMP_NUM_THREADS"] = threads
+        import torch
+
+        torch.set_num_threads(int(threads))
+
+
 def pytest_collection_modifyitems(items):
     """Every test on the real SmolLM2 (135M parameters, float32 on the CPU) is `slow`:
     `make test-fast` leaves those out, `make test` runs them."""
