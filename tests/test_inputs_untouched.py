@@ -169,6 +169,29 @@ def test_a_prepare_worker_that_dies_is_one_line_not_a_hang(tmp_path, capsys, tin
     assert first <= 20 <= last
 
 
+def test_a_pool_found_broken_at_the_next_submit_is_the_same_one_line(tmp_path, capsys, tiny_llama_dir, monkeypatch):
+    """On a loaded machine a worker's death can be seen first by the next submit, not by a
+    result: the same line, naming the records in flight and the chunk being submitted."""
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    real, calls = ProcessPoolExecutor.submit, []
+
+    def submit(self, fn, chunk):
+        calls.append(chunk[0][0])
+        if len(calls) == 3:
+            raise BrokenProcessPool("A child process terminated abruptly")
+        return real(self, fn, chunk)
+
+    monkeypatch.setattr(ProcessPoolExecutor, "submit", submit)
+    line = fails(capsys, tmp_path, tmp_path / "p", "prepare", "--model", tiny_llama_dir, "--data", "packaged:chitchat",
+                 "--limit", "80", "--workers", "2", "--out", tmp_path / "p",
+                 match=r"a prepare worker process died \(killed, or out of memory\) while records \d+\.\.\d+ were "
+                       r"being encoded; run again with --workers 1")
+    first, last = map(int, re.search(r"records (\d+)\.\.(\d+)", line).groups())
+    assert first <= calls[2] < last
+
+
 def test_messages_name_the_path(tmp_path, capsys, tiny_llama_dir, monkeypatch):
     """A full disk names the file being written (a write's error carries none); --prompts
     naming a folder says so."""

@@ -203,18 +203,18 @@ def _encoded(tokenizer, items: Iterable[Any], max_len: int, workers: int | None)
             pending: deque = deque()  # (first record, last record, future), in order
             while True:
                 chunk = list(itertools.islice(records, CHUNK))
-                if chunk:
-                    pending.append((chunk[0][0], chunk[-1][0], pool.submit(_encode_chunk, chunk)))
-                while pending and (not chunk or len(pending) >= IN_FLIGHT * workers):
-                    first, _, future = pending[0]
-                    try:
-                        results = future.result()
-                    except BrokenProcessPool:  # the pool is gone: which of the records in flight killed it is unknown
-                        raise EyasError(f"a prepare worker process died (killed, or out of memory) while records "
-                                        f"{first}..{pending[-1][1]} were being encoded; run again with --workers 1 "
-                                        f"to find the record, or with more memory.") from None
-                    pending.popleft()
-                    yield from results
+                try:  # a dead worker breaks the pool: the next submit raises, as does a result in flight
+                    if chunk:
+                        pending.append((chunk[0][0], chunk[-1][0], pool.submit(_encode_chunk, chunk)))
+                    while pending and (not chunk or len(pending) >= IN_FLIGHT * workers):
+                        results = pending[0][2].result()
+                        pending.popleft()
+                        yield from results
+                except BrokenProcessPool:  # which of the records in flight killed it is unknown
+                    spans = [(a, b) for a, b, _ in pending] + ([(chunk[0][0], chunk[-1][0])] if chunk else [])
+                    raise EyasError(f"a prepare worker process died (killed, or out of memory) while records "
+                                    f"{min(a for a, _ in spans)}..{max(b for _, b in spans)} were being encoded; "
+                                    f"run again with --workers 1 to find the record, or with more memory.") from None
                 if not chunk:
                     return
     finally:
