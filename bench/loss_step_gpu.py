@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import device_name, dump, git, say, sync  # noqa: E402
@@ -36,7 +35,6 @@ def whole_loss(head, lm_head, states, last, mask, draft_ids, weights) -> torch.T
         to_draft[draft_ids] = torch.arange(len(draft_ids), device=last.device)
         target = to_draft[head.logits(last).argmax(-1)]  # [B, T]
     trained = trained_positions(mask)
-    T = last.shape[1]
     loss = last.new_zeros((), dtype=torch.float32)
     for k, normed in enumerate(states):
         b, i = (trained[:, 1 + k :] & (target[:, 1 + k :] >= 0)).nonzero(as_tuple=True)
