@@ -87,7 +87,8 @@ def ttt_loss(lm_head: nn.Linear, states: list[torch.Tensor], labels: Labels, wei
     # Step k at position i is scored iff its label position j = i+1+k is trained and the
     # target's token there is in the draft vocabulary. Only scored positions go through the
     # heads and the loss (prompts, padding and the steps' overhang are ~30% of a batch); one
-    # nonzero for all steps keeps it to one host sync per micro-batch.
+    # nonzero for all steps, the per-step counts and the chunks' spans are the micro-batch's
+    # three host syncs.
     scored = torch.zeros(K, B, T, dtype=torch.bool, device=device)
     pairs = torch.zeros(K, B, T, dtype=torch.bool, device=device)  # trained pairs, scored or not
     for k in range(min(K, T - 1)):

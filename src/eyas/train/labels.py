@@ -20,10 +20,8 @@ def make_labels(head: TargetHead, last_hidden: torch.Tensor, loss_mask: torch.Te
     target_to_draft = torch.full((head.lm_head_weight.shape[0],), -1, dtype=torch.long, device=last_hidden.device)
     target_to_draft[draft_ids] = torch.arange(len(draft_ids), device=last_hidden.device)
     # The full logits serve only the argmax, in the dtype they are computed in (a float32 copy
-    # changes no value). The draft vocabulary's logits come from its own rows of lm_head,
-    # contiguous, instead of a column gather out of the full logits: for a small target those
-    # copies and gathers move more bytes than its matrix products. Both go through the
-    # family's own transform (head.logits: Granite's scale, Gemma-2's cap).
+    # changes no value), through the family's own transform (Granite's scale, Gemma-2's cap).
+    # The draft vocabulary's distribution is the restricted head's (`head.restricted`).
     rows = max(1, LABEL_CHUNK // (T * head.lm_head_weight.shape[0]))  # bounds the [rows, T, V] logits
     target_draft = [target_to_draft[head.logits(last_hidden[b : b + rows]).argmax(-1)] for b in range(0, B, rows)]
     return Labels(last_hidden, head.restricted(draft_ids), torch.cat(target_draft),
