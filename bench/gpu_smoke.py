@@ -52,15 +52,16 @@ def static_greedy(folder: Path, dev: str) -> bool:
 
 
 def compiled_loss(dev: str) -> bool:
-    from eyas.draft.loss import chunk_loss, fused_chunk_loss
+    from eyas.draft.loss import LOSSES, chunk_loss, fused_chunk_loss
 
     g = torch.Generator(device=dev).manual_seed(0)
     logits = torch.randn(1200, 2000, device=dev, generator=g).bfloat16()
     probs = torch.softmax(3 * torch.randn(1200, 2000, device=dev, generator=g), -1)
     weight = torch.rand(1200, device=dev, generator=g)
-    eager, fused = chunk_loss(logits, probs, weight), fused_chunk_loss(True)(logits, probs, weight)
-    for a, b in zip(fused, eager):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    for loss in LOSSES:  # each loss the compiled chunk computes equals its eager form
+        eager, fused = chunk_loss(logits, probs, weight, loss), fused_chunk_loss(True)(logits, probs, weight, loss, 3.0)
+        for a, b in zip(fused, eager):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     return True
 
 

@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from eyas.draft.loss import dpace_weights, step_counts
+from eyas.draft.loss import Objective, dpace_weights, step_counts
 from eyas.train.anchors import anchor_rows
 from eyas.train.labels import make_labels
 from test_adversarial import cli, train_args
@@ -75,7 +75,7 @@ def test_dpace_loss_equals_the_reference_values_and_gradients(kind):
     counts = step_counts(loss_mask, K, rows)
     weights = torch.full((K,), 1.0) / counts.sum()  # what training passes under D-PACE
     params = [p for p in drafter.parameters() if p.requires_grad]
-    loss, stats, _ = drafter(input_ids, hidden[:, :, :3], labels, weights, rows, ALPHA)
+    loss, stats, _ = drafter(input_ids, hidden[:, :, :3], labels, weights, rows, Objective(dpace_alpha=ALPHA))
     grads = torch.autograd.grad(loss, params)
     logits = drafter.forward_ttt(input_ids, hidden[:, :, :3], K, rows)
     ref = reference_dpace_loss(logits, labels, rows, ALPHA)

@@ -124,10 +124,17 @@ def reference_ttt(m: Eagle3Drafter, input_ids, hidden, labels, decay: float, hea
     return logits, reference_loss(logits, labels, decay)
 
 
-def reference_loss(logits: list[torch.Tensor], labels, decay: float, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Step k's logits at i [K][B, T, Vd] against the target's distribution at j = i+1+k: soft
-    cross-entropy, mean per step over its trained pairs (misses outside the draft vocab count
-    in the mean and add no loss), weighted decay^k; only rows i in `rows` [B, T] when given."""
+def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """One pair: logits [Vd], the target's distribution p [Vd] -> -sum p log softmax(logits)."""
+    return -(p * logits.log_softmax(-1)).sum()
+
+
+def reference_loss(logits: list[torch.Tensor], labels, decay: float, rows: torch.Tensor | None = None,
+                   pair=soft_cross_entropy) -> torch.Tensor:
+    """Step k's logits at i [K][B, T, Vd] against the target's distribution at j = i+1+k: the
+    `pair` loss (soft cross-entropy), mean per step over its trained pairs (misses outside the
+    draft vocab count in the mean and add no loss), weighted decay^k; only rows i in `rows`
+    [B, T] when given."""
     B, T = labels.trained.shape
     loss = torch.zeros(())
     for k in range(len(logits)):
@@ -138,7 +145,7 @@ def reference_loss(logits: list[torch.Tensor], labels, decay: float, rows: torch
                 if labels.trained[b, j] and (rows is None or rows[b, i]):
                     count += 1
                     if labels.target_draft[b, j] >= 0:
-                        total = total - (labels.probs(b, j) * logits[k][b, i].log_softmax(-1)).sum()
+                        total = total + pair(logits[k][b, i], labels.probs(b, j))
         if count:
             loss = loss + decay ** k * total / count
     return loss

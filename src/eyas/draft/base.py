@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from eyas.draft.config import DraftConfig
 from eyas.draft.layers import RMSNorm, RotaryEmbedding
-from eyas.draft.loss import Labels, ttt_loss
+from eyas.draft.loss import Labels, Objective, ttt_loss
 
 
 class Drafter(nn.Module):
@@ -46,13 +46,13 @@ class Drafter(nn.Module):
         return [self.lm_head(n) for n in self.forward_ttt_states(input_ids, aux_hidden, steps, rows)]
 
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, labels: Labels, weights: torch.Tensor,
-                rows: torch.Tensor | None = None, dpace_alpha: float | None = None
+                rows: torch.Tensor | None = None, objective: Objective = Objective()
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """input_ids [B, T], aux_hidden [B, T, L_aux, H], weights [K] -> (loss, statistics [K, 4],
         per-row loss [B]) of draft/loss.py `ttt_loss`; one call per micro-batch, so DDP and
         FSDP wrap the drafter itself."""
         states = self.forward_ttt_states(input_ids, aux_hidden, len(weights), rows)  # K x [B, T, H]
-        return ttt_loss(self.lm_head, states, labels, weights, rows, dpace_alpha)
+        return ttt_loss(self.lm_head, states, labels, weights, rows, objective)
 
     @classmethod
     def step_bytes(cls, cfg: DraftConfig, rows: int, length: int, anchors: int | None, device: torch.device) -> int | None:

@@ -1,6 +1,7 @@
 """The training-time-test loss every kind trains with, computed by the drafter's own forward
-(draft/base.py): soft cross-entropy against the target's distribution, weighted per step,
-and per-step metric sums.
+(draft/base.py): a distance from the drafter's distribution to the target's (soft
+cross-entropy, or one of the LK losses that aim at the acceptance rate itself), weighted per
+step, and per-step metric sums.
 
 Alignment (position i of a sample, step k = 0..K-1): the drafter reads token i+1+k and
 predicts the target's next-token distribution at position j = i+1+k, i.e. the target's
@@ -12,11 +13,21 @@ equals the target's (greedy) token. A kind drafting blocks (DFlash) is scored on
 rows [B, T] that anchor one: entry k of row i is its slot k+1, aligned the same way.
 
 Memory: neither the drafter's logits nor the target's distribution are ever held for all
-scored pairs at once. `soft_cross_entropy_chunked` runs the drafter's head, the target's head
-over the draft vocabulary and the loss a chunk of pairs at a time, and computes each chunk's
-gradient as it goes (the gradient of soft cross-entropy is softmax - target, known in the
-forward), keeping only the [N, H] input gradient and the head's: the memory of a step no
-longer grows with pairs x vocabulary, so a DFlash step can anchor densely.
+scored pairs at once. `chunked_loss` runs the drafter's head, the target's head over the
+draft vocabulary and the loss a chunk of pairs at a time, and computes each chunk's gradient
+as it goes (each loss's gradient in the logits has a closed form, known in the forward),
+keeping only the [N, H] input gradient and the head's: the memory of a step no longer grows
+with pairs x vocabulary, so a DFlash step can anchor densely.
+
+The losses (`LOSSES`), per pair, with p the target's distribution over the draft vocabulary,
+q the drafter's, and alpha = sum_v min(p_v, q_v) the chance that speculative sampling accepts
+the drafter's token (1 - alpha is their total variation):
+- soft-ce: -sum_v p_v log q_v (its gradient is KL's);
+- lk-hybrid (LK^lambda, arXiv 2602.23881): lambda KL(p || q) + (1 - lambda)(1 - alpha), with
+  lambda = exp(-eta alpha) computed without gradient: KL's strong pull while the two barely
+  overlap, the acceptance rate itself once they do;
+- lk-alpha (LK^alpha, same paper): -log(alpha + LK_EPS), the acceptance rate with TV's
+  gradient scaled by 1 / alpha; it is cross-entropy when p is one token.
 """
 
 from __future__ import annotations
@@ -34,6 +45,21 @@ from eyas.draft.flex import limited
 # Columns of the per-step statistics: summed over trained positions.
 LOSS, CORRECT, COUNT, IN_VOCAB = range(4)
 LOSS_CHUNK = 1 << 27  # [pairs, Vd] logits a loss chunk holds (512 MiB a float32 temporary)
+LOSSES = ("soft-ce", "lk-hybrid", "lk-alpha")
+LK_EPS = 1e-6  # keeps lk-alpha finite where the two distributions do not overlap at all
+
+
+@dataclass(frozen=True)
+class Objective:
+    """What a scored pair's loss is (`LOSSES`, eta for lk-hybrid) and, with `dpace_alpha`, that
+    each pair is further weighted by its D-PACE weight (`dpace_weights`)."""
+    loss: str = "soft-ce"
+    lk_eta: float = 3.0
+    dpace_alpha: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.loss not in LOSSES:
+            raise ValueError(f"unknown loss {self.loss!r}: one of {', '.join(LOSSES)}")
 
 
 @dataclass
@@ -70,14 +96,15 @@ def _at_rows(pairs: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
 
 
 def ttt_loss(lm_head: nn.Linear, states: list[torch.Tensor], labels: Labels, weights: torch.Tensor,
-             rows: torch.Tensor | None = None, dpace_alpha: float | None = None
+             rows: torch.Tensor | None = None, objective: Objective = Objective()
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """states: K normed outputs [B, T, H] (a drafter's `forward_ttt_states`), weights [K]
     (each step's weight over its normaliser), rows [B, T] bool: the rows anchoring a block,
-    the only ones scored; with `dpace_alpha`, each pair's weight is further its D-PACE weight
-    (`dpace_weights`), from the drafter's own current probabilities.
+    the only ones scored; `objective`: the pairs' loss, and with its `dpace_alpha` each pair's
+    weight is further its D-PACE weight (`dpace_weights`), from the drafter's own current
+    probabilities.
 
-    Returns the loss (sum_k weights[k] * summed soft CE of step k), per-step statistics
+    Returns the loss (sum_k weights[k] * summed pair loss of step k), per-step statistics
     [K, 4] (loss sum, correct, trained, target argmax in draft vocab) and the per-row
     loss [B] (to name a sample whose loss is not finite).
     """
@@ -121,15 +148,15 @@ def ttt_loss(lm_head: nn.Linear, states: list[torch.Tensor], labels: Labels, wei
         return labels.probs(at // T, at % T)[inverse[lo:hi] - u0]
 
     row_weight = weights[step]  # [N]
-    if dpace_alpha is not None:
+    if objective.dpace_alpha is not None:
         q = torch.zeros(K, B, T, device=device)
         q[step, b, i] = target_probability(x.detach(), lm_head.weight, target, bounds)
-        row_weight = row_weight * dpace_weights(q, pairs, dpace_alpha)[step, b, i]
-    loss, ce, correct = soft_cross_entropy_chunked(x, lm_head.weight, row_weight, target, probs, bounds)
+        row_weight = row_weight * dpace_weights(q, pairs, objective.dpace_alpha)[step, b, i]
+    loss, value, correct = chunked_loss(x, lm_head.weight, row_weight, target, probs, bounds, objective)
     zeros = torch.zeros(K, device=device)
-    stats = torch.stack([zeros.index_add(0, step, ce), zeros.index_add(0, step, correct.float()), trained,
+    stats = torch.stack([zeros.index_add(0, step, value), zeros.index_add(0, step, correct.float()), trained,
                          counts.float()], dim=1)  # [K, 4]
-    return loss, stats, torch.zeros(B, device=device).index_add(0, b, ce)
+    return loss, stats, torch.zeros(B, device=device).index_add(0, b, value)
 
 
 def chunk_bounds(pairs: int, vocab: int) -> list[tuple[int, int]]:
@@ -178,29 +205,30 @@ def _head_chunks(x: torch.Tensor, w: torch.Tensor, bounds: list[tuple[int, int]]
             yield c, (lo, hi), xc, F.linear(xc, w)
 
 
-def soft_cross_entropy_chunked(x: torch.Tensor, weight: torch.Tensor, row_weight: torch.Tensor, target: torch.Tensor,
-                               probs: Callable[[int], torch.Tensor], bounds: list[tuple[int, int]]
-                               ) -> tuple[torch.Tensor, ...]:
+def chunked_loss(x: torch.Tensor, weight: torch.Tensor, row_weight: torch.Tensor, target: torch.Tensor,
+                 probs: Callable[[int], torch.Tensor], bounds: list[tuple[int, int]], objective: Objective = Objective()
+                 ) -> tuple[torch.Tensor, ...]:
     """x [N, H] (drafter states), weight [Vd, H] (its lm_head), row_weight [N], target [N] (the
     target's argmax in draft ids), probs(c) -> [n, Vd] float32 (the target's distribution at
-    the rows of chunk c of `bounds`) -> loss = sum_n row_weight[n] * ce[n] (differentiable in x
-    and weight), ce [N] float32 and correct [N] bool (drafter's argmax == target), holding one
-    chunk's logits at a time."""
+    the rows of chunk c of `bounds`) -> loss = sum_n row_weight[n] * value[n] (differentiable in
+    x and weight), value [N] float32 (each pair's `objective.loss`) and correct [N] bool
+    (drafter's argmax == target), holding one chunk's logits at a time."""
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return _SoftCrossEntropy.apply(x, weight, row_weight, target, probs, bounds, need_grad)
+    return _ChunkedLoss.apply(x, weight, row_weight, target, probs, bounds, objective, need_grad)
 
 
-class _SoftCrossEntropy(torch.autograd.Function):
+class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, row_weight, target, probs, bounds, need_grad):
+    def forward(ctx, x, weight, row_weight, target, probs, bounds, objective, need_grad):
         w = _head_weight(weight)  # [Vd, H]
-        ce = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+        value = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
         correct = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
         grad_x = torch.zeros_like(x) if need_grad else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
+        pair_loss = fused_chunk_loss(x.is_cuda)
         for c, (lo, hi), xc, logits in _head_chunks(x, w, bounds):
             p = probs(c)  # [n, Vd] float32, under the caller's autocast as the target head expects
-            ce[lo:hi], g = fused_chunk_loss(logits.is_cuda)(logits, p, row_weight[lo:hi])
+            value[lo:hi], g = pair_loss(logits, p, row_weight[lo:hi], objective.loss, objective.lk_eta)
             correct[lo:hi] = logits.argmax(-1) == target[lo:hi]
             if need_grad:
                 g = g.to(w.dtype)  # [n, Vd]: d loss / d logits, in the logits' dtype, as autograd has it
@@ -209,23 +237,40 @@ class _SoftCrossEntropy(torch.autograd.Function):
                     grad_w += (g.T @ xc).float()
         ctx.weight_dtype = weight.dtype
         ctx.save_for_backward(grad_x, grad_w)
-        ctx.mark_non_differentiable(ce, correct)
-        return (row_weight * ce).sum(), ce, correct
+        ctx.mark_non_differentiable(value, correct)
+        return (row_weight * value).sum(), value, correct
 
     @staticmethod
-    def backward(ctx, grad_loss, _ce, _correct):
+    def backward(ctx, grad_loss, _value, _correct):
         grad_x, grad_w = ctx.saved_tensors
         return (grad_x * grad_loss.to(grad_x.dtype), (grad_w * grad_loss).to(ctx.weight_dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
-def chunk_loss(logits: torch.Tensor, probs: torch.Tensor, row_weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [n, Vd] (any float dtype), probs [n, Vd] float32, row_weight [n] -> the soft
-    cross-entropy [n] float32 and its gradient in the logits, row_weight x (softmax x sum(probs)
-    - probs) [n, Vd] float32."""
-    logp = logits.float().log_softmax(-1)
-    ce = -(probs * logp).sum(-1)
-    return ce, (logp.exp() * probs.sum(-1, keepdim=True) - probs) * row_weight[:, None]
+def chunk_loss(logits: torch.Tensor, probs: torch.Tensor, row_weight: torch.Tensor, loss: str = "soft-ce",
+               eta: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [n, Vd] (any float dtype), probs [n, Vd] float32, row_weight [n] -> each pair's
+    `loss` [n] float32 (the module docstring defines them) and its gradient in the logits times
+    row_weight [n, Vd] float32, in closed form: with q = softmax(logits), soft CE's (and KL's)
+    is q sum(p) - p, and alpha's is q (1[q < p] - sum_v 1[q_v < p_v] q_v) (torch.minimum's
+    subgradient; ties have measure zero)."""
+    logq = logits.float().log_softmax(-1)
+    q = logq.exp()
+    kl_grad = q * probs.sum(-1, keepdim=True) - probs
+    if loss == "soft-ce":
+        value, grad = -(probs * logq).sum(-1), kl_grad
+    else:
+        below = (q < probs).float()
+        alpha = torch.minimum(q, probs).sum(-1)  # [n]
+        alpha_grad = q * (below - (q * below).sum(-1, keepdim=True))
+        if loss == "lk-alpha":
+            value, grad = -torch.log(alpha + LK_EPS), -alpha_grad / (alpha + LK_EPS)[:, None]
+        else:  # lk-hybrid
+            lam = torch.exp(-eta * alpha)  # [n], held constant
+            kl = (torch.xlogy(probs, probs) - probs * logq).sum(-1)
+            value = lam * kl + (1 - lam) * (1 - alpha)
+            grad = lam[:, None] * kl_grad - (1 - lam)[:, None] * alpha_grad
+    return value, grad * row_weight[:, None]
 
 
 @functools.cache

@@ -11,6 +11,7 @@ from eyas.errors import EyasError
 from eyas.device_flag import TORCHRUN_NOTE
 from eyas.draft import kinds
 from eyas.draft.config import DraftConfig
+from eyas.draft.loss import LOSSES
 from eyas.draft.mla_config import ATTENTION_CHOICES, AUTO_ATTENTION
 from eyas.options import (batch_tokens_option, check_rules, crop_length, device_option, layers_option, option,
                           seed_option)
@@ -20,7 +21,8 @@ ANCHORS = 512  # SpecForge's and speculators' default: bounds a sample's block t
 
 # Options added after runs were recorded, with the value such a run had (its drafter, restored
 # from the checkpoint, keeps the attention it was built with).
-ADDED = {"draft_attention": AUTO_ATTENTION, "optimizer": "adamw", "position_weights": "decay", "dpace_alpha": 0.5}
+ADDED = {"draft_attention": AUTO_ATTENTION, "optimizer": "adamw", "position_weights": "decay", "dpace_alpha": 0.5,
+         "loss": "soft-ce", "lk_eta": 3.0}
 
 
 DATA, DRAFTER, SCHEDULE, RUN = "data", "drafter", "schedule", "run"  # the --help sections
@@ -74,6 +76,14 @@ class TrainConfig:
     dpace_alpha: float = option("dpace: each step passes with (1 - alpha) p + alpha, p the drafter's probability "
                                 "of the target's token", 0.5, rule=Number(lo=0, hi=1, lo_open=True, required=True),
                                 group=DRAFTER)
+    loss: str = option(
+        "what each scored pair's loss is, with p the target's distribution over the draft vocabulary, q the "
+        "drafter's and alpha = sum min(p, q) the chance speculative sampling accepts the drafter's token: soft-ce = "
+        "-sum p log q; lk-hybrid = lambda KL(p||q) + (1 - lambda)(1 - alpha), lambda = exp(-eta alpha) "
+        "(--lk-eta); lk-alpha = -log alpha (the LK losses, arXiv 2602.23881). Metrics' loss is this loss",
+        "soft-ce", choices=LOSSES, group=DRAFTER)
+    lk_eta: float = option("lk-hybrid: how soon the loss moves from KL to the acceptance rate as the two overlap",
+                           3.0, rule=Number(lo=0, required=True), group=DRAFTER)
     intermediate_size: int | None = option(
         "the drafter's MLP width (default: the target's); vLLM and SGLang read it from the exported config", None,
         rule=COUNT, group=DRAFTER)

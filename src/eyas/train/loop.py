@@ -24,7 +24,7 @@ from eyas.draft.base import Drafter
 from eyas.draft.build import drafter_class, new_drafter
 from eyas.draft.checkpoint import load_drafter
 from eyas.draft.config import DraftConfig
-from eyas.draft.loss import step_counts
+from eyas.draft.loss import Objective, step_counts
 from eyas.draft.vocab import TokenCounter, build_draft_vocab, coverage, default_draft_vocab_size
 from eyas.errors import EyasError
 from eyas.device import GIB, check_fits, free_bytes
@@ -352,7 +352,7 @@ def forward(run: Run, batch: Batch, weights: torch.Tensor, wrapped: bool = True,
         with timed(timer, "labels"):
             labels = make_labels(run.head, batch.hidden[:, :, -1], batch.loss_mask, _draft_ids(run))
         with timed(timer, "forward"):
-            return model(batch.input_ids, batch.hidden[:, :, :-1], labels, weights, rows, _dpace_alpha(run.cfg))
+            return model(batch.input_ids, batch.hidden[:, :, :-1], labels, weights, rows, objective(run.cfg))
 
 
 def _anchor_rows(source, positions: list[int], steps: int, anchors: int | None, seed: int, step: int,
@@ -369,8 +369,9 @@ def _draft_ids(run: Run) -> torch.Tensor:
     return torch.arange(len(drafter.d2t), device=drafter.d2t.device) + drafter.d2t
 
 
-def _dpace_alpha(cfg: TrainConfig) -> float | None:
-    return cfg.dpace_alpha if cfg.position_weights == "dpace" else None
+def objective(cfg: TrainConfig) -> Objective:
+    """The pairs' loss and, under D-PACE, its alpha."""
+    return Objective(cfg.loss, cfg.lk_eta, cfg.dpace_alpha if cfg.position_weights == "dpace" else None)
 
 
 def _weights(run: Run, positions: list[list[int]]) -> torch.Tensor:
@@ -386,7 +387,7 @@ def _weights(run: Run, positions: list[list[int]]) -> torch.Tensor:
             rows = batch_rows(run.source, batch, K, run.cfg.anchors, run.cfg.seed, run.step)
             counts += step_counts(loss_masks(run.source, batch), K, rows)
     counts = distributed.all_reduce(_to_device(counts, run.device), run.d)
-    if _dpace_alpha(run.cfg) is not None:
+    if objective(run.cfg).dpace_alpha is not None:
         return torch.where(counts > 0, run.d.world / counts.sum().clamp_min(1), torch.zeros_like(counts))
     decay = _to_device(torch.tensor([run.draft.ttt_decay ** k for k in range(K)]), run.device)
     return torch.where(counts > 0, decay * run.d.world / counts.clamp_min(1), torch.zeros_like(decay))
