@@ -90,6 +90,14 @@ class DraftConfig:
         return ModelIdentity.from_dict(self.target)
 
     @property
+    def depth(self) -> int:
+        """Draft tokens per step wherever this drafter drafts unless told otherwise (`eyas eval`'s
+        chain and tree, the exported serve command and speculators config): the depth it was
+        trained to draft, its TTT steps (a block drafter's block size - 1). One rule, so that what
+        eval measures is what the engines serve."""
+        return self.ttt_steps
+
+    @property
     def layer_ids(self) -> tuple[int, ...]:
         """Aux ids then the label id, exactly as a store records them."""
         return (*self.aux_layer_ids, self.label_layer_id)

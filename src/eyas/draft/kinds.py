@@ -70,10 +70,6 @@ class Kind:
         (eval refuses --tree, the recipe plans no tree stage)."""
         return self.drafting == STEPS
 
-    def default_speculative_tokens(self, cfg) -> int:
-        """Draft tokens an engine proposes per step unless told: 3 step by step, else the whole block trained."""
-        return 3 if self.drafting == STEPS else cfg.ttt_steps
-
     def a_title(self, capital: bool = False) -> str:
         """ "an EAGLE-3", "a DFlash": the title after its article, for messages."""
         article = "an" if self.title[0] in "AEIOU" else "a"

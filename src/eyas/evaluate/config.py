@@ -20,6 +20,9 @@ def parse_baselines(text: str) -> tuple[str, ...]:
     return tuple(b.strip() for b in text.split(",") if b.strip() and b.strip() != "none")
 
 
+LOOKUP_DEPTH = 7  # prompt lookup's tokens per step when no drafter sets the depth
+
+
 @dataclass(kw_only=True)
 class EvalConfig:
     model: str = option("the target: packaged:smollm2-135m, a .gguf, a folder or a hub id")
@@ -28,8 +31,10 @@ class EvalConfig:
                           "{'messages'} lines", "mt-bench")
     limit: int | None = option("use only the first N prompts", None, rule=COUNT)
     max_new_tokens: int = option("per answer", 256, rule=COUNT)
-    steps: int = option("draft tokens per step (chain), tree depth with --tree; also prompt lookup's length", 7,
-                        rule=COUNT)
+    steps: int | None = option(
+        "draft tokens per step (chain), tree depth with --tree; also prompt lookup's length (default: the depth the "
+        f"drafter was trained to draft, its --ttt-steps, which `eyas export` serves; {LOOKUP_DEPTH} without --draft)",
+        None, rule=COUNT)
     tree: bool = option("draft a dynamic tree instead of a chain", False)
     top_k: int = option("tree: children per expanded node", 10, rule=COUNT)
     draft_tokens: int = option("tree: drafted nodes verified per step", 60, rule=COUNT)

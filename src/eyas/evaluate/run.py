@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
@@ -33,7 +33,7 @@ from eyas.draft import load_config, load_drafter
 from eyas.draft.kinds import BLOCK, PARALLEL
 from eyas.errors import EyasError
 from eyas.evaluate.dflash import DFlash, DFlashSession
-from eyas.evaluate.config import EvalConfig
+from eyas.evaluate.config import LOOKUP_DEPTH, EvalConfig
 from eyas.evaluate.drafter import DrafterSession
 from eyas.evaluate.generate import generate
 from eyas.evaluate.peagle import PEagle
@@ -250,9 +250,23 @@ def _answer_in_workers(cfg: EvalConfig, prompts: list[EvalPrompt], workers: int)
     return [r for i in sorted(by_prompt) for r in by_prompt[i]], results[0][1]
 
 
+def draft_depth(cfg: EvalConfig) -> tuple[int, str]:
+    """Tokens drafted per step, and why: --steps, else the drafter's trained depth (what its
+    export serves, `DraftConfig.depth`), else prompt lookup's default."""
+    if cfg.steps is not None:
+        return cfg.steps, "--steps"
+    if cfg.draft:
+        return load_config(cfg.draft).depth, "the drafter's trained depth, its TTT steps, as its export serves"
+    return LOOKUP_DEPTH, "prompt lookup's default"
+
+
 def evaluate(cfg: EvalConfig) -> dict:
     cfg.check_paths()
     parse_device(cfg.device)
+    depth, why = draft_depth(cfg)
+    cfg = replace(cfg, steps=depth)
+    print(f"eyas eval: drafting {depth} tokens a step{' (tree depth)' if cfg.tree else ''}: {why}", file=sys.stderr,
+          flush=True)
     if cfg.draft and (note := unfinished_note(cfg.draft)):
         print(f"eyas eval: {note}", file=sys.stderr, flush=True)
     torch.manual_seed(cfg.seed)
@@ -270,7 +284,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     breakdown = {"category": tau_by(records, "category"), "turn": tau_by(records, "turn")}
     results = {
         "eyas_version": __version__, "tau_definition": TAU_DEFINITION, "acceptance_definition": RATE_DEFINITION,
-        "settings": asdict(cfg), "target": identity,
+        "settings": asdict(cfg), "draft_depth": {"tokens": depth, "rule": why}, "target": identity,
         "summary": {k: s.to_dict() for k, s in summaries.items()}, "tau_by": breakdown, "records": records,
     }
     out = Path(cfg.output)

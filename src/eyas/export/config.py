@@ -20,8 +20,9 @@ class ExportConfig:
     target: str | None = option("the target to serve, if not the one recorded in the drafter (checked to be the "
                                 "same model and tokenizer)", None)
     num_speculative_tokens: int | None = option(
-        "draft tokens per step in the serve command and the speculators config (default 3; a DFlash drafter's "
-        "block size - 1)", None, rule=COUNT, metavar="K")
+        "draft tokens per step in the serve command and the speculators config (default: the depth the drafter "
+        "was trained to draft, its --ttt-steps, a DFlash drafter's block size - 1; the depth `eyas eval` measures "
+        "by default)", None, rule=COUNT, metavar="K")
     serve_command: bool = option("only print the command that serves the target with the drafter at --out; write "
                                  "nothing", False)
     force: bool = option("replace the drafter files in a non-empty --out", False)

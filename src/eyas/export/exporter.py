@@ -71,8 +71,9 @@ def planned_serve_command(export: ExportConfig, check: bool = True) -> str:
 
 
 def speculative_tokens(cfg: DraftConfig, asked: int | None) -> int:
-    """Draft tokens per step: as asked, else the kind's default (3 step by step, a block drafter's whole block)."""
-    k = asked if asked is not None else cfg.kind.default_speculative_tokens(cfg)
+    """Draft tokens per step: as asked, else the drafter's trained depth (`DraftConfig.depth`), the
+    depth `eyas eval` measures unless told otherwise."""
+    k = asked if asked is not None else cfg.depth
     if k < 1:
         raise EyasError("--num-speculative-tokens must be at least 1.")
     return k

@@ -46,8 +46,10 @@ def write_report(recipe: dict[str, Any], work: Path, stages, where: str) -> Path
                   + f"; tau_sim {heldout['tau_sim']:.3f}", ""]
     if summary:
         settings = chain.get("settings") or tree.get("settings") or {}
+        depth = chain.get("draft_depth") or tree.get("draft_depth")
         lines += [f"## Acceptance length on {settings.get('prompts', '?')}", "",
                   "tau = 1 + accepted draft tokens per verification step", "", SAME_DEFINITION, "",
+                  *([f"Drafted {depth['tokens']} tokens a step ({depth['rule']}).", ""] if depth else []),
                   "| method | tau | speed-up | answers | = plain |", "|---|---|---|---|---|"]
         for m, s in summary.items():
             speed = f"{s['speedup']:.2f}x" if s.get("speedup") else "-"
