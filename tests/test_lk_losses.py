@@ -11,11 +11,12 @@ import pytest
 import torch
 
 import eyas.draft.loss as loss_module
-from eyas.draft.loss import LK_EPS, LOSSES, Objective, chunk_loss
+from eyas.draft.loss import ACCEPT, COUNT, IN_VOCAB, LK_EPS, LOSSES, Objective, chunk_loss, step_counts
+from eyas.train.labels import make_labels
 from test_adversarial import cli, train_args
 from test_chunked_loss import DECAY, _setup
 from test_store_damage import tiny_prepared, tiny_store  # noqa: F401
-from test_ttt import K, VD, reference_loss, soft_cross_entropy
+from test_ttt import K, VD, make_setup, reference_loss, soft_cross_entropy
 
 ETA = 3.0
 
@@ -37,6 +38,12 @@ def reference_pair(loss: str, eta: float = ETA):
     return pair
 
 
+def _loss(logits: torch.Tensor, probs: torch.Tensor, weight: torch.Tensor, loss: str, eta: float = ETA):
+    """chunk_loss's value and gradient (the acceptance it also returns is tested below)."""
+    value, _, grad = chunk_loss(logits, probs, weight, torch.ones(len(probs)), loss, eta)
+    return value, grad
+
+
 def _draw(n: int = 9, v: int = 48, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, v, generator=g) * 2
@@ -49,7 +56,7 @@ def _draw(n: int = 9, v: int = 48, seed: int = 0):
 def test_each_loss_and_its_gradient_equal_the_reference(loss):
     """Per pair (float32, 1e-5): the value, and the logits' gradient times the pair's weight."""
     logits, probs, weight = _draw()
-    value, grad = chunk_loss(logits, probs, weight, loss, ETA)
+    value, grad = _loss(logits, probs, weight, loss, ETA)
     leaf = logits.clone().requires_grad_(True)
     ref = torch.stack([reference_pair(loss)(leaf[n], probs[n]) for n in range(len(probs))])
     (ref_grad,) = torch.autograd.grad((ref * weight).sum(), leaf)
@@ -63,27 +70,27 @@ def test_the_losses_meet_their_limits():
     total variation (1 - acceptance) when eta is large."""
     logits, probs, weight = _draw()
     one_hot = torch.nn.functional.one_hot(probs.argmax(-1), probs.shape[-1]).float()
-    alpha_value, alpha_grad = chunk_loss(logits, one_hot, weight, "lk-alpha")
-    ce_value, ce_grad = chunk_loss(logits, one_hot, weight, "soft-ce")
+    alpha_value, alpha_grad = _loss(logits, one_hot, weight, "lk-alpha")
+    ce_value, ce_grad = _loss(logits, one_hot, weight, "soft-ce")
     q = torch.exp(-ce_value)  # the drafter's probability of the one token, = alpha
     torch.testing.assert_close(alpha_value, -torch.log(q + LK_EPS), rtol=1e-5, atol=1e-6)  # CE but for LK_EPS
     torch.testing.assert_close(alpha_grad, ce_grad * (q / (q + LK_EPS))[:, None], rtol=1e-5, atol=1e-7)
 
     kl = (probs * (probs.log() - logits.log_softmax(-1))).sum(-1)
-    value, grad = chunk_loss(logits, probs, weight, "lk-hybrid", 0.0)
+    value, grad = _loss(logits, probs, weight, "lk-hybrid", 0.0)
     torch.testing.assert_close(value, kl, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(grad, chunk_loss(logits, probs, weight, "soft-ce")[1], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grad, _loss(logits, probs, weight, "soft-ce")[1], rtol=1e-5, atol=1e-7)
     tv = 1 - torch.minimum(probs, logits.softmax(-1)).sum(-1)
-    torch.testing.assert_close(chunk_loss(logits, probs, weight, "lk-hybrid", 1e4)[0], tv, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(_loss(logits, probs, weight, "lk-hybrid", 1e4)[0], tv, rtol=1e-5, atol=1e-6)
 
     # Where the drafter's distribution is the target's, the LK losses are at their minimum (the
     # acceptance rate is 1), and nowhere lower.
-    at_target = {loss: chunk_loss(probs.log(), probs, weight, loss, ETA)[0] for loss in ("lk-hybrid", "lk-alpha")}
+    at_target = {loss: _loss(probs.log(), probs, weight, loss, ETA)[0] for loss in ("lk-hybrid", "lk-alpha")}
     torch.testing.assert_close(at_target["lk-hybrid"], torch.zeros(len(probs)), rtol=0, atol=1e-5)
     torch.testing.assert_close(at_target["lk-alpha"], torch.full((len(probs),), -torch.log(torch.tensor(1 + LK_EPS)).item()),
                                rtol=0, atol=1e-5)
     for loss, best in at_target.items():
-        assert (chunk_loss(logits, probs, weight, loss, ETA)[0] > best).all(), loss
+        assert (_loss(logits, probs, weight, loss, ETA)[0] > best).all(), loss
 
 
 @pytest.mark.parametrize("loss", ["lk-hybrid", "lk-alpha"])
@@ -105,6 +112,34 @@ def test_the_whole_objective_equals_the_reference(kind, loss, monkeypatch):
             torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
     soft = reference_loss(logits, labels, DECAY, rows)
     assert abs(ref.item() - soft.item()) > 1e-3  # the loss chosen is not soft CE under another name
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_acceptance_at_temperature_1_is_the_overlap_with_the_targets_full_distribution(loss, monkeypatch):
+    """Statistics column ACCEPT: per step, the sum over trained pairs of sum_v min(p_v, q_v),
+    p the target's probabilities of the draft tokens under its full-vocabulary softmax (the
+    mass outside the draft vocabulary is out of reach), q the drafter's; pairs whose target
+    token lies outside the draft vocabulary included. The same for every loss, chunked or not."""
+    drafter, head, draft_ids, input_ids, hidden, loss_mask = make_setup()
+    labels = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids)
+    assert (labels.inside < 0.99).all() and (labels.inside > 0).all()  # the draft vocabulary misses mass
+    weights = torch.ones(K) / step_counts(loss_mask, K).clamp_min(1)
+    full = head.logits(hidden[:, :, -1]).float().softmax(-1)[..., draft_ids]  # [B, T, Vd]
+    with torch.no_grad():
+        logits = drafter.forward_ttt(input_ids, hidden[:, :, :3], K)
+    B, T = input_ids.shape
+    expected = torch.zeros(K)
+    for k in range(K):
+        for b in range(B):
+            for i in range(T - 1 - k):
+                if labels.trained[b, i + 1 + k]:
+                    expected[k] += torch.minimum(full[b, i + 1 + k], logits[k][b, i].softmax(-1)).sum()
+    for pairs in (2, None):
+        monkeypatch.setattr(loss_module, "LOSS_CHUNK", VD * pairs if pairs else 1 << 26)
+        _, stats, _ = drafter(input_ids, hidden[:, :, :3], labels, weights, None, Objective(loss))
+        torch.testing.assert_close(stats[:, ACCEPT], expected, rtol=1e-5, atol=1e-5)
+    assert (stats[:, IN_VOCAB] < stats[:, COUNT]).any()  # out-of-vocabulary pairs were among them
+    assert ((stats[:, ACCEPT] > 0) & (stats[:, ACCEPT] < stats[:, COUNT])).all()
 
 
 def test_an_unknown_loss_is_refused():

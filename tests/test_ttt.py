@@ -250,15 +250,17 @@ def test_compiled_chunk_loss_equals_eager():
     base = torch.randn(21, 64, generator=g).to(torch.bfloat16)
     probs = torch.softmax(torch.randn(21, 64, generator=g) * 3, -1)
     weight = torch.rand(21, generator=g)
+    inside = torch.rand(21, generator=g) * 0.5 + 0.5
     compiled = torch.compile(chunk_loss, dynamic=True)
     for n in (21, 13):
         logits = base[:n].float().requires_grad_(True)
-        ce, grad = chunk_loss(logits.detach(), probs[:n], weight[:n])
+        ce, accept, grad = chunk_loss(logits.detach(), probs[:n], weight[:n], inside[:n])
         (auto,) = torch.autograd.grad((-(probs[:n] * logits.log_softmax(-1)).sum(-1) * weight[:n]).sum(), logits)
         torch.testing.assert_close(grad, auto, rtol=1e-5, atol=1e-6)
         assert (ce > 0).all() and grad.abs().sum() > 0
-        c_ce, c_grad = compiled(base[:n], probs[:n], weight[:n])
+        c_ce, c_accept, c_grad = compiled(base[:n], probs[:n], weight[:n], inside[:n])
         torch.testing.assert_close(c_ce, ce, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c_accept, accept, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(c_grad, grad, rtol=1e-5, atol=1e-6)
 
 

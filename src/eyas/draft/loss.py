@@ -9,7 +9,10 @@ guess for token j+1. The pair counts ("is trained") iff token j+1 exists and is 
 assistant token. Labels are the target's softmax restricted to the draft vocabulary;
 positions whose target argmax lies outside it add no loss but count as misses, so the
 reported accuracy is the share of trained positions where the drafter's top-1 token
-equals the target's (greedy) token. A kind drafting blocks (DFlash) is scored only at the
+equals the target's (greedy) token. Beside it, each trained pair's acceptance at
+temperature 1: sum_v min(p_v, q_v) with p the target's full-vocabulary distribution (its
+mass outside the draft vocabulary is out of the drafter's reach), the chance that
+speculative sampling accepts the drafter's sampled token. A kind drafting blocks (DFlash) is scored only at the
 rows [B, T] that anchor one: entry k of row i is its slot k+1, aligned the same way.
 
 Memory: neither the drafter's logits nor the target's distribution are ever held for all
@@ -43,7 +46,8 @@ import torch.nn.functional as F
 from eyas.draft.flex import limited
 
 # Columns of the per-step statistics: summed over trained positions.
-LOSS, CORRECT, COUNT, IN_VOCAB = range(4)
+LOSS, CORRECT, COUNT, IN_VOCAB, ACCEPT = range(5)
+STATS = 5
 LOSS_CHUNK = 1 << 27  # [pairs, Vd] logits a loss chunk holds (512 MiB a float32 temporary)
 LOSSES = ("soft-ce", "lk-hybrid", "lk-alpha")
 LK_EPS = 1e-6  # keeps lk-alpha finite where the two distributions do not overlap at all
@@ -68,6 +72,7 @@ class Labels:
     teacher: Callable[[torch.Tensor], torch.Tensor]  # [n, Ht] -> [n, Vd]: the target's logits over the draft vocab
     target_draft: torch.Tensor  # [B, T] long: draft id of the target's argmax at j, -1 if outside
     trained: torch.Tensor  # [B, T] bool: position j is trained (token j+1 is an assistant token)
+    inside: torch.Tensor  # [B, T] float32: the target's probability mass inside the draft vocabulary at j
 
     def probs(self, *index) -> torch.Tensor:
         """The target's distribution over the draft vocab [..., Vd] float32 at `hidden[index]`
@@ -105,28 +110,24 @@ def ttt_loss(lm_head: nn.Linear, states: list[torch.Tensor], labels: Labels, wei
     probabilities.
 
     Returns the loss (sum_k weights[k] * summed pair loss of step k), per-step statistics
-    [K, 4] (loss sum, correct, trained, target argmax in draft vocab) and the per-row
-    loss [B] (to name a sample whose loss is not finite).
+    [K, STATS] (loss sum, correct, trained, target argmax in draft vocab, acceptance at T=1)
+    and the per-row loss [B] (to name a sample whose loss is not finite).
     """
     K = len(weights)
     B, T = labels.trained.shape
     device = labels.trained.device
-    # Step k at position i is scored iff its label position j = i+1+k is trained and the
-    # target's token there is in the draft vocabulary. Only scored positions go through the
-    # heads and the loss (prompts, padding and the steps' overhang are ~30% of a batch); one
-    # nonzero for all steps, the per-step counts and the chunks' spans are the micro-batch's
-    # three host syncs.
-    scored = torch.zeros(K, B, T, dtype=torch.bool, device=device)
-    pairs = torch.zeros(K, B, T, dtype=torch.bool, device=device)  # trained pairs, scored or not
+    # Step k at position i is scored iff its label position j = i+1+k is trained. Only those
+    # pairs go through the heads and the loss (prompts, padding and the steps' overhang are
+    # ~30% of a batch); a pair whose target token lies outside the draft vocabulary weighs 0
+    # in the loss and still has its acceptance measured. One nonzero for all steps, the
+    # per-step counts and the chunks' spans are the micro-batch's three host syncs.
+    pairs = torch.zeros(K, B, T, dtype=torch.bool, device=device)
     for k in range(min(K, T - 1)):
-        target = labels.target_draft[:, 1 + k :]  # [B, T-1-k]
         pairs[k, :, : T - 1 - k] = _at_rows(labels.trained[:, 1 + k :], rows)
-        scored[k, :, : T - 1 - k] = pairs[k, :, : T - 1 - k] & (target >= 0)
-    trained = pairs.flatten(1).sum(1).float()  # [K]
-    where = scored.nonzero()  # [N, 3]: (k, b, i), ordered by step
+    where = pairs.nonzero()  # [N, 3]: (k, b, i), ordered by step
     # Gathering from each step's states, empty slices included, keeps every weight in the
     # graph when nothing is scored: backward and DDP need a gradient for each.
-    counts = scored.flatten(1).sum(1)  # [K]
+    counts = pairs.flatten(1).sum(1)  # [K]
     x = torch.cat([s[w[:, 1], w[:, 2]] for s, w in zip(states, where.split(counts.tolist()))])  # [N, H]
     # The pairs sharing a label position (b, j) -- one per step (EAGLE-3), per anchor (DFlash)
     # -- go next to each other, so that a chunk computes the target's distribution once per
@@ -136,7 +137,8 @@ def ttt_loss(lm_head: nn.Linear, states: list[torch.Tensor], labels: Labels, wei
     x, (step, b, i), key = x[order], where[order].unbind(1), key[order]
     positions, inverse = torch.unique_consecutive(key, return_inverse=True)  # [U], [N]
     j = i + 1 + step  # label positions
-    target = labels.target_draft[b, j]  # [N]
+    target = labels.target_draft[b, j]  # [N], -1 outside the draft vocabulary
+    in_vocab = target >= 0
     bounds = chunk_bounds(len(key), lm_head.weight.shape[0])
     edges = torch.tensor([e for lo, hi in bounds for e in (lo, hi - 1)], dtype=torch.long, device=device)
     spans = inverse[edges].view(-1, 2).tolist()  # per chunk, its first and last position in `positions`
@@ -147,15 +149,17 @@ def ttt_loss(lm_head: nn.Linear, states: list[torch.Tensor], labels: Labels, wei
         at = positions[u0 : u1 + 1]
         return labels.probs(at // T, at % T)[inverse[lo:hi] - u0]
 
-    row_weight = weights[step]  # [N]
+    row_weight = weights[step] * in_vocab  # [N]
     if objective.dpace_alpha is not None:
         q = torch.zeros(K, B, T, device=device)
         q[step, b, i] = target_probability(x.detach(), lm_head.weight, target, bounds)
         row_weight = row_weight * dpace_weights(q, pairs, objective.dpace_alpha)[step, b, i]
-    loss, value, correct = chunked_loss(x, lm_head.weight, row_weight, target, probs, bounds, objective)
+    loss, value, correct, accept = chunked_loss(x, lm_head.weight, row_weight, target, probs, bounds, objective,
+                                                labels.inside[b, j])
+    value = torch.where(in_vocab, value, 0.0)  # a pair out of the drafter's reach adds no loss
     zeros = torch.zeros(K, device=device)
-    stats = torch.stack([zeros.index_add(0, step, value), zeros.index_add(0, step, correct.float()), trained,
-                         counts.float()], dim=1)  # [K, 4]
+    stats = torch.stack([zeros.index_add(0, step, value), zeros.index_add(0, step, correct.float()), counts.float(),
+                         zeros.index_add(0, step, in_vocab.float()), zeros.index_add(0, step, accept)], dim=1)
     return loss, stats, torch.zeros(B, device=device).index_add(0, b, value)
 
 
@@ -181,11 +185,13 @@ def dpace_weights(q: torch.Tensor, pairs: torch.Tensor, alpha: float) -> torch.T
 @torch.no_grad()
 def target_probability(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                        bounds: list[tuple[int, int]]) -> torch.Tensor:
-    """x [N, H], weight [Vd, H] (the drafter's lm_head), target [N] draft ids -> the drafter's
-    probability of each target [N] float32, a chunk of rows (`bounds`) at a time."""
+    """x [N, H], weight [Vd, H] (the drafter's lm_head), target [N] draft ids (-1: outside the
+    draft vocabulary) -> the drafter's probability of each target [N] float32 (0 for -1), a
+    chunk of rows (`bounds`) at a time."""
     out = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
     for _, (lo, hi), _, logits in _head_chunks(x, _head_weight(weight), bounds):
-        out[lo:hi] = logits.float().log_softmax(-1).gather(1, target[lo:hi, None])[:, 0].exp()
+        t = target[lo:hi, None]
+        out[lo:hi] = logits.float().log_softmax(-1).gather(1, t.clamp_min(0))[:, 0].exp() * (t[:, 0] >= 0)
     return out
 
 
@@ -206,29 +212,33 @@ def _head_chunks(x: torch.Tensor, w: torch.Tensor, bounds: list[tuple[int, int]]
 
 
 def chunked_loss(x: torch.Tensor, weight: torch.Tensor, row_weight: torch.Tensor, target: torch.Tensor,
-                 probs: Callable[[int], torch.Tensor], bounds: list[tuple[int, int]], objective: Objective = Objective()
-                 ) -> tuple[torch.Tensor, ...]:
+                 probs: Callable[[int], torch.Tensor], bounds: list[tuple[int, int]], objective: Objective,
+                 inside: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """x [N, H] (drafter states), weight [Vd, H] (its lm_head), row_weight [N], target [N] (the
-    target's argmax in draft ids), probs(c) -> [n, Vd] float32 (the target's distribution at
-    the rows of chunk c of `bounds`) -> loss = sum_n row_weight[n] * value[n] (differentiable in
-    x and weight), value [N] float32 (each pair's `objective.loss`) and correct [N] bool
-    (drafter's argmax == target), holding one chunk's logits at a time."""
+    target's argmax in draft ids), probs(c) -> [n, Vd] float32 (the target's distribution over
+    the draft vocabulary at the rows of chunk c of `bounds`), inside [N] (the target's mass in
+    the draft vocabulary there) -> loss = sum_n row_weight[n] * value[n] (differentiable in x
+    and weight), value [N] float32 (each pair's `objective.loss`), correct [N] bool (drafter's
+    argmax == target) and accept [N] float32 (acceptance at T=1), holding one chunk's logits at
+    a time."""
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return _ChunkedLoss.apply(x, weight, row_weight, target, probs, bounds, objective, need_grad)
+    return _ChunkedLoss.apply(x, weight, row_weight, target, probs, bounds, objective, inside, need_grad)
 
 
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, row_weight, target, probs, bounds, objective, need_grad):
+    def forward(ctx, x, weight, row_weight, target, probs, bounds, objective, inside, need_grad):
         w = _head_weight(weight)  # [Vd, H]
         value = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
+        accept = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
         correct = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
         grad_x = torch.zeros_like(x) if need_grad else None
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
         pair_loss = fused_chunk_loss(x.is_cuda)
         for c, (lo, hi), xc, logits in _head_chunks(x, w, bounds):
             p = probs(c)  # [n, Vd] float32, under the caller's autocast as the target head expects
-            value[lo:hi], g = pair_loss(logits, p, row_weight[lo:hi], objective.loss, objective.lk_eta)
+            value[lo:hi], accept[lo:hi], g = pair_loss(logits, p, row_weight[lo:hi], inside[lo:hi], objective.loss,
+                                                       objective.lk_eta)
             correct[lo:hi] = logits.argmax(-1) == target[lo:hi]
             if need_grad:
                 g = g.to(w.dtype)  # [n, Vd]: d loss / d logits, in the logits' dtype, as autograd has it
@@ -237,25 +247,27 @@ class _ChunkedLoss(torch.autograd.Function):
                     grad_w += (g.T @ xc).float()
         ctx.weight_dtype = weight.dtype
         ctx.save_for_backward(grad_x, grad_w)
-        ctx.mark_non_differentiable(value, correct)
-        return (row_weight * value).sum(), value, correct
+        ctx.mark_non_differentiable(value, correct, accept)
+        return (row_weight * value).sum(), value, correct, accept
 
     @staticmethod
-    def backward(ctx, grad_loss, _value, _correct):
+    def backward(ctx, grad_loss, _value, _correct, _accept):
         grad_x, grad_w = ctx.saved_tensors
         return (grad_x * grad_loss.to(grad_x.dtype), (grad_w * grad_loss).to(ctx.weight_dtype),
-                None, None, None, None, None, None)
+                None, None, None, None, None, None, None)
 
 
-def chunk_loss(logits: torch.Tensor, probs: torch.Tensor, row_weight: torch.Tensor, loss: str = "soft-ce",
-               eta: float = 3.0) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [n, Vd] (any float dtype), probs [n, Vd] float32, row_weight [n] -> each pair's
-    `loss` [n] float32 (the module docstring defines them) and its gradient in the logits times
-    row_weight [n, Vd] float32, in closed form: with q = softmax(logits), soft CE's (and KL's)
-    is q sum(p) - p, and alpha's is q (1[q < p] - sum_v 1[q_v < p_v] q_v) (torch.minimum's
-    subgradient; ties have measure zero)."""
+def chunk_loss(logits: torch.Tensor, probs: torch.Tensor, row_weight: torch.Tensor, inside: torch.Tensor,
+               loss: str = "soft-ce", eta: float = 3.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [n, Vd] (any float dtype), probs [n, Vd] float32, row_weight [n], inside [n] (the
+    target's mass in the draft vocabulary) -> each pair's `loss` [n] float32 (the module
+    docstring defines them), its acceptance at T=1 [n] (sum_v min(inside p_v, q_v)), and the
+    loss's gradient in the logits times row_weight [n, Vd] float32, in closed form: with q =
+    softmax(logits), soft CE's (and KL's) is q sum(p) - p, and alpha's is q (1[q < p] - sum_v
+    1[q_v < p_v] q_v) (torch.minimum's subgradient; ties have measure zero)."""
     logq = logits.float().log_softmax(-1)
     q = logq.exp()
+    accept = torch.minimum(q, probs * inside[:, None]).sum(-1)
     kl_grad = q * probs.sum(-1, keepdim=True) - probs
     if loss == "soft-ce":
         value, grad = -(probs * logq).sum(-1), kl_grad
@@ -270,7 +282,7 @@ def chunk_loss(logits: torch.Tensor, probs: torch.Tensor, row_weight: torch.Tens
             kl = (torch.xlogy(probs, probs) - probs * logq).sum(-1)
             value = lam * kl + (1 - lam) * (1 - alpha)
             grad = lam[:, None] * kl_grad - (1 - lam)[:, None] * alpha_grad
-    return value, grad * row_weight[:, None]
+    return value, accept, grad * row_weight[:, None]
 
 
 @functools.cache

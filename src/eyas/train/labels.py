@@ -20,12 +20,18 @@ def make_labels(head: TargetHead, last_hidden: torch.Tensor, loss_mask: torch.Te
     target_to_draft = torch.full((head.lm_head_weight.shape[0],), -1, dtype=torch.long, device=last_hidden.device)
     target_to_draft[draft_ids] = torch.arange(len(draft_ids), device=last_hidden.device)
     # The full logits serve only the argmax, in the dtype they are computed in (a float32 copy
-    # changes no value), through the family's own transform (Granite's scale, Gemma-2's cap).
-    # The draft vocabulary's distribution is the restricted head's (`head.restricted`).
+    # changes no value), and the share of the target's mass that the draft vocabulary holds,
+    # through the family's own transform (Granite's scale, Gemma-2's cap). The draft
+    # vocabulary's distribution is the restricted head's (`head.restricted`).
     rows = max(1, LABEL_CHUNK // (T * head.lm_head_weight.shape[0]))  # bounds the [rows, T, V] logits
-    target_draft = [target_to_draft[head.logits(last_hidden[b : b + rows]).argmax(-1)] for b in range(0, B, rows)]
-    return Labels(last_hidden, head.restricted(draft_ids), torch.cat(target_draft),
-                  trained_positions(loss_mask))
+    target_draft, inside = [], []
+    for b in range(0, B, rows):
+        logits = head.logits(last_hidden[b : b + rows])  # [rows, T, V]
+        target_draft.append(target_to_draft[logits.argmax(-1)])
+        full = torch.logsumexp(logits.float(), -1)  # [rows, T]
+        inside.append(torch.exp(torch.logsumexp(logits[..., draft_ids].float(), -1) - full).clamp_max(1.0))
+    return Labels(last_hidden, head.restricted(draft_ids), torch.cat(target_draft), trained_positions(loss_mask),
+                  torch.cat(inside))
 
 
 LABEL_CHUNK = 1 << 28  # target logits computed at once (1 GiB in float32): rows, not the batch

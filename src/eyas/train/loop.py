@@ -24,7 +24,7 @@ from eyas.draft.base import Drafter
 from eyas.draft.build import drafter_class, new_drafter
 from eyas.draft.checkpoint import load_drafter
 from eyas.draft.config import DraftConfig
-from eyas.draft.loss import Objective, step_counts
+from eyas.draft.loss import STATS, Objective, step_counts
 from eyas.draft.vocab import TokenCounter, build_draft_vocab, coverage, default_draft_vocab_size
 from eyas.errors import EyasError
 from eyas.device import GIB, check_fits, free_bytes
@@ -406,14 +406,14 @@ def _upcoming(run: Run) -> Iterator[list[int]]:
 def accumulate(run: Run, timer: StepTimer | None = None
                ) -> tuple[torch.Tensor, list[tuple[list[int], torch.Tensor, torch.Tensor]]]:
     """Forward and backward over this process's micro-batches of the current step, leaving
-    the step's gradient in `.grad`; returns the statistics [K, 4] and, per micro-batch, its
+    the step's gradient in `.grad`; returns the statistics [K, STATS] and, per micro-batch, its
     prepared indices with [B] device flags: NaN/inf hidden states, a loss that is not finite.
     The flags are read on the host once per step (`train_step`), so nothing here waits for the GPU."""
     run.source.read_ahead(_upcoming(run), run.device)  # a store's next batches, read on the host in a thread
     micro = run.train_stream.for_step(run.step, run.group, run.d.rank, run.d.world)
     with timed(timer, "weights"):
         weights = _weights(run, micro)
-    stats, checks = torch.zeros(run.draft.ttt_steps, 4, device=run.device), []
+    stats, checks = torch.zeros(run.draft.ttt_steps, STATS, device=run.device), []
     for i, positions in enumerate(micro):
         with timed(timer, "load"):
             batch = run.source.load(positions, run.device)
@@ -429,7 +429,7 @@ def accumulate(run: Run, timer: StepTimer | None = None
 
 
 def train_step(run: Run, timer: StepTimer | None = None) -> torch.Tensor:
-    """One optimizer step; returns the summed statistics [K, 4] of its micro-batches.
+    """One optimizer step; returns the summed statistics [K, STATS] of its micro-batches.
     `timer`, if given, records the seconds of each part of the step (see StepTimer)."""
     lr = lr_at(run.cfg, run.step, run.total_steps)
     for opt in run.optimizers:
@@ -496,7 +496,7 @@ def score(source, head: TargetHead, model: torch.nn.Module, draft_ids: torch.Ten
     if not positions:
         return None
     stream = BatchStream(positions, source.lengths, source.sample_index, batch_tokens, seed)
-    stats = torch.zeros(K, 4, device=device)
+    stats = torch.zeros(K, STATS, device=device)
     weights = torch.zeros(K, device=device)
     rounds = math.ceil(len(stream) / d.world)
     for i in range(d.rank, rounds * d.world, d.world):
@@ -560,7 +560,7 @@ def fit(run: Run, stop_at: int | None = None) -> dict[str, Any]:
     _log(d, f"{len(run.train_stream)} batches of <= {cfg.batch_tokens} tokens per epoch, {run.total_steps} steps, "
             f"{d.world} process(es) on {run.device}" + (", FSDP" if cfg.fsdp else ""))
     bar = tqdm(total=run.total_steps, initial=run.step, desc="train", unit="step", disable=not (cfg.progress and d.main))
-    window = torch.zeros(run.draft.ttt_steps, 4, device=run.device)
+    window = torch.zeros(run.draft.ttt_steps, STATS, device=run.device)
     window_start, tokens, last = time.monotonic(), 0, {}
     plan = budget.Budget(cfg.minutes, run.started, run.cap) if cfg.minutes else None
     eval_batches = len(BatchStream(run.eval_positions, run.source.lengths, run.source.sample_index,

@@ -11,23 +11,30 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.paths import atomic_write_bytes
-from eyas.draft.loss import CORRECT, COUNT, IN_VOCAB, LOSS, simulated_acceptance
+from eyas.draft.loss import ACCEPT, CORRECT, COUNT, IN_VOCAB, LOSS, simulated_acceptance
 
 METRICS_FILE = "metrics.jsonl"
 TAU_DEFINITION = "tau_sim = 1 + sum_k prod_{j<=k} acc_j (acceptance length if step k is accepted with prob. acc_k)"
+ACCEPT_DEFINITION = ("accept_t1 = sum_v min(p_v, q_v): the chance speculative sampling at temperature 1 accepts the "
+                     "drafter's token (p the target's full distribution, q the drafter's); tau_sim_t1 the same "
+                     "product over steps")
 
 
 def summarize(stats: torch.Tensor) -> dict[str, Any]:
-    """stats [K, 4] summed over positions (and processes) -> per-step loss/accuracy, tau_sim."""
+    """stats [K, STATS] summed over positions (and processes) -> per-step loss, accuracy and
+    acceptance at T=1, and the simulated acceptance lengths."""
     s = stats.double().cpu()
     count = s[:, COUNT].clamp_min(1)
     loss = (s[:, LOSS] / count).tolist()
     acc = (s[:, CORRECT] / count).tolist()
+    accept = (s[:, ACCEPT] / count).tolist()
     return {
         "loss": sum(loss) / len(loss),
         "loss_per_step": [round(x, 5) for x in loss],
         "acc_per_step": [round(x, 5) for x in acc],
         "tau_sim": round(simulated_acceptance(acc), 4),
+        "accept_t1_per_step": [round(x, 5) for x in accept],
+        "tau_sim_t1": round(simulated_acceptance(accept), 4),
         "vocab_coverage": round(float(s[0, IN_VOCAB] / count[0]), 5),
         "positions": int(s[0, COUNT]),
     }
@@ -98,8 +105,11 @@ def format_table(rows: dict[str, dict[str, Any]]) -> str:
     for split, r in rows.items():
         lines.append(f"{split + ' acc':10}" + "".join(f"{a:9.3f}" for a in r["acc_per_step"])
                      + f"{r['tau_sim']:10.3f}{r['loss']:9.3f}")
+        if "accept_t1_per_step" in r:  # rows written before it was measured have none
+            lines.append(f"{split + ' T=1':10}" + "".join(f"{a:9.3f}" for a in r["accept_t1_per_step"])
+                         + f"{r['tau_sim_t1']:10.3f}")
     coverage = ", ".join(f"{split} {r['vocab_coverage']:.3f}" for split, r in rows.items())
     lines += [f"acc = top-1 agreement with the target's greedy token on trained positions (at most the share of "
-              f"those tokens inside the draft vocab: {coverage})", TAU_DEFINITION,
+              f"those tokens inside the draft vocab: {coverage})", TAU_DEFINITION, ACCEPT_DEFINITION,
               "train = the batches of the last logged steps, as they were trained; eval = the held-out samples"]
     return "\n".join(lines)
