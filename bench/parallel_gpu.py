@@ -156,23 +156,29 @@ def regenerate_set(args, work: Path, report: dict) -> None:
 
 
 def proposers_for(trained: dict[str, Path], model, identity):
-    """plain, prompt lookup and each trained drafter (the EAGLE-3 chain, DFlash, P-EAGLE), all drafting CHAIN tokens."""
+    """plain, prompt lookup and each trained drafter (the EAGLE-3 chain, DFlash, P-EAGLE), all drafting CHAIN tokens.
+    The first arm of a kind keeps the method's own name (eagle3-chain, dflash, peagle); a further arm of that
+    kind is named after its changes (eagle3-chain[loss=lk-hybrid])."""
     from eyas.evaluate.dflash import DFlash, DFlashSession
     from eyas.evaluate.drafter import DrafterSession
     from eyas.evaluate.peagle import PEagle
     from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
     from eyas.evaluate.run import load_checked_drafter
 
-    if len({arm_kind(a) for a in trained}) < len(trained):
-        raise SystemExit("decoding takes one drafter per kind: give --eval-minutes 0 to compare arms of one kind by "
-                         "their held-out accuracy, or decode them in separate calls")
-    drafters = {arm_kind(arm): load_checked_drafter(str(folder), model, identity) for arm, folder in trained.items()}
+    drafters = {arm: load_checked_drafter(str(folder), model, identity) for arm, folder in trained.items()}
     if len({d.config.aux_layer_ids for d in drafters.values()}) > 1:
         raise SystemExit("the drafters must read the same aux layers (one target session serves them all)")
     make = {"eagle3": lambda d: Eagle3(DrafterSession(d), CHAIN), "dflash": lambda d: DFlash(DFlashSession(d), CHAIN),
             "peagle": lambda d: PEagle(DrafterSession(d), CHAIN)}
     aux = next(iter(drafters.values())).config.aux_layer_ids
-    return [Proposer(), PromptLookup(CHAIN), *(make[kind](d) for kind, d in drafters.items())], aux
+    proposers, kinds_seen = [Proposer(), PromptLookup(CHAIN)], set()
+    for arm, drafter in drafters.items():
+        proposer = make[arm_kind(arm)](drafter)
+        if arm_kind(arm) in kinds_seen:
+            proposer.name = f"{proposer.name}[{arm.partition(':')[2]}]"
+        kinds_seen.add(arm_kind(arm))
+        proposers.append(proposer)
+    return proposers, aux
 
 
 def decode(args, report: dict, trained: dict[str, Path], seconds: float) -> None:
@@ -225,6 +231,14 @@ def decode(args, report: dict, trained: dict[str, Path], seconds: float) -> None
                               "tau_over_chain": _ratio(par.tau, chain and chain.tau),
                               "speedup_over_prompt_lookup": _ratio(par.speedup, lookup and lookup.speedup)}
     second_summary = summarize(second_records, positions) if second_records else {}
+    drafted = [m for m in summaries if m not in ("plain", "prompt-lookup")]
+    report["arms_decoded"] = {m: {"tau_mt_bench": round(summaries[m].tau, 4),
+                                  "tau_second": round(second_summary[m].tau, 4) if m in second_summary else None,
+                                  "tau_both": round(summarize(records, positions)[m].tau, 4)} for m in drafted}
+    if chain is not None:  # each further EAGLE-3 arm's tau gain over the first (the same run without its change)
+        report["gain_over_first_eagle3_arm"] = {
+            m: round(v["tau_both"] - report["arms_decoded"]["eagle3-chain"]["tau_both"], 4)
+            for m, v in report["arms_decoded"].items() if m.startswith("eagle3-chain[")}
     best = max(parallel, key=lambda k: summaries[k].speedup, default=None)  # the issue's keys: the best kind's
     report.update({
         "parallel_kind": best,
@@ -282,7 +296,12 @@ def print_summary(report: dict) -> None:
         print(f"\nsecond set ({second['prompts']}, {second['questions']} prompts):")
         print(format_table({k: Summary(**v) for k, v in second["summary"].items()}))
     print(f"identical to plain (answers equal / answers): {report.get('identical_to_plain')}")
-    print(f"held-out accuracy per block position: {json.dumps(report.get('heldout_acc_per_position'))}")
+    for arm, t in report.get("train", {}).items():
+        held = t.get("heldout") or {}
+        print(f"held-out {arm}: acc {held.get('acc_per_step')} tau_sim {held.get('tau_sim')}; "
+              f"T=1 accept {held.get('accept_t1_per_step')} tau_sim_t1 {held.get('tau_sim_t1')}")
+    for m, gain in (report.get("gain_over_first_eagle3_arm") or {}).items():
+        print(f"{m}: tau {gain:+.3f} over eagle3-chain (MT-bench and the second set)")
     for m, t in (report.get("draft_vs_verify") or {}).items():
         print(f"  {m:<15} draft {t['draft_ms_per_step']:.2f} ms/step, verify {t['verify_ms_per_step']:.2f} ms/step, "
               f"wall {t['wall_ms_per_step']:.2f} ms/step")
@@ -330,15 +349,16 @@ def parse_args() -> argparse.Namespace:
                    "--conversations sources are): regenerated as it is")
     p.add_argument("--data", help="a regenerated set from an earlier run (its --work/regen): no regeneration")
     p.add_argument("--store", help="a store captured from such a set: the arms train offline from it instead")
-    p.add_argument("--drafter", action="append", default=[], metavar="KIND=FOLDER",
-                   help="a drafter trained elsewhere on the same data (e.g. eagle3=DIR), decoded beside the arms")
+    p.add_argument("--drafter", action="append", default=[], metavar="ARM=FOLDER",
+                   help="a drafter trained elsewhere on the same data (e.g. eagle3=DIR, eagle3:loss=lk-alpha=DIR), "
+                        "decoded beside the arms")
     p.add_argument("--arm-minutes", type=float, default=1.25, help="training minutes per drafter (equal for all)")
     p.add_argument("--eval-every", type=int, default=350,
                    help="an arm's held-out pass every N steps (default 350; the SmolLM2 recipe's EAGLE-3 runs one "
                         "every 100, which an arm matches with 100 when it is compared with that drafter)")
     p.add_argument("--eval-minutes", type=float, default=4.0,
                    help="MT-bench decoding at most, timing pass included; 0: train only, and decode in a later call "
-                        "(--arms '' --drafter KIND=WORK/KIND ...), when training and decoding do not fit one call")
+                        "(--arms '' --drafter ARM=WORK/ARM ...), when training and decoding do not fit one call")
     p.add_argument("--questions", type=int, default=80)
     p.add_argument("--second-prompts", help="a second prompt file (any file `eyas eval --prompts` reads) kept out of "
                    "training, e.g. conversations past --conversations-limit; decoded interleaved with MT-bench")
@@ -362,10 +382,10 @@ def parse_args() -> argparse.Namespace:
     args.arms = [a for a in args.arms.split(",") if a]
     drafters = {}
     for given in args.drafter:
-        kind, _, folder = given.partition("=")
-        if kind not in KINDS or not folder:
-            p.error(f"--drafter takes KIND=FOLDER with KIND one of {','.join(KINDS)}; got {given!r}")
-        drafters[kind] = Path(folder)
+        arm, _, folder = given.rpartition("=")
+        if arm_kind(arm) not in KINDS or not folder:
+            p.error(f"--drafter takes ARM=FOLDER with ARM's kind one of {','.join(KINDS)}; got {given!r}")
+        drafters[arm] = Path(folder)
     args.drafter = drafters
     if unknown := {arm_kind(a) for a in args.arms} - set(KINDS):
         p.error(f"--arms: unknown {sorted(unknown)}; choose from {','.join(KINDS)}")
