@@ -112,7 +112,8 @@ def phase(report: dict, out: Path, name: str, run) -> bool:
 def train_arm(args, work: Path, report: dict, arm: str, options: dict) -> None:
     data = None if args.store else Path(args.data) if args.data else work / "regen"
     result = train_for(args, data, arm_folder(work, arm), 60 * args.arm_minutes, options,
-                       evals=max(700 // args.eval_every, 1), store=Path(args.store) if args.store else None)
+                       evals=max(700 // args.eval_every, 1), store=Path(args.store) if args.store else None,
+                       warm_up=True)
     report["train"][arm] = {"steps": result["steps"], "seconds": result["seconds"], "options": options,
                              "heldout": result["final"].get("eval"), "train": result["final"].get("train")}
     print(f"{arm}: {result['steps']} steps in {result['seconds']} s; "

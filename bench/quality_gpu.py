@@ -127,17 +127,29 @@ def _best_arm(arms: dict) -> str:
     return max(arms, key=lambda a: arms[a]["final"].get("eval", {}).get("tau_sim", 0.0))
 
 
+WARM_UP_STEPS = 4  # an untimed run that compiles the step and the held-out pass before an arm's minutes
+
+
 def train_for(args, data: Path | None, folder: Path, seconds: float, options: dict, evals: int = 8,
-              profile: bool = False, store: Path | None = None) -> dict:
+              profile: bool = False, store: Path | None = None, warm_up: bool = False) -> dict:
     """Train online on `data` (or offline from a captured `store`) for about `seconds`: `eyas train --minutes` sizes the whole cosine schedule
     to the budget from the run's own steady-state rate (a probe on a cold compile cache once
-    planned 205 steps instead of ~740). With `profile`, a short run after it goes under
-    torch.profiler (CUDA activity only) and its top kernels go into the result."""
+    planned 205 steps instead of ~740). With `warm_up`, a short untimed run with the same
+    options first compiles what the arm runs, so that arms compared at equal minutes all spend
+    them training (the first of three arms once lost two thirds of its steps to compiling).
+    With `profile`, a short run after it goes under torch.profiler (CUDA activity only) and its
+    top kernels go into the result."""
     from eyas.train import TrainConfig, train
 
     source = dict(store=str(store)) if store else dict(online=True, model=args.model, data=str(data))
     common = dict(**source, batch_tokens=args.batch_tokens, lr=args.lr,
                   max_len=args.max_len, device=args.device, progress=False, save_every=10**6, **options)
+    if warm_up:
+        scratch = folder.with_name(folder.name + "-warm-up")
+        shutil.rmtree(scratch, ignore_errors=True)
+        train(TrainConfig(out=str(scratch), steps=WARM_UP_STEPS, eval_every=WARM_UP_STEPS // 2,
+                          log_every=WARM_UP_STEPS, **common))
+        shutil.rmtree(scratch, ignore_errors=True)
     shutil.rmtree(folder, ignore_errors=True)
     t0 = time.monotonic()
     final = train(TrainConfig(out=str(folder), minutes=seconds / 60, eval_every=max(700 // evals, 1), log_every=10,
