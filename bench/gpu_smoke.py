@@ -52,7 +52,8 @@ def static_greedy(folder: Path, dev: str) -> bool:
 
 
 def compiled_loss(dev: str) -> bool:
-    from eyas.draft.loss import LOSSES, chunk_loss, fused_chunk_loss
+    from eyas.draft.loss import chunk_loss, fused_chunk_loss
+    from eyas.draft.objective import LOSSES
 
     g = torch.Generator(device=dev).manual_seed(0)
     logits = torch.randn(1200, 2000, device=dev, generator=g).bfloat16()

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import eyas.draft.loss as loss_module
-from eyas.draft.loss import ACCEPT, COUNT, IN_VOCAB, LK_EPS, LOSSES, Objective, chunk_loss, step_counts
+from eyas.draft.loss import ACCEPT, COUNT, IN_VOCAB, LK_EPS, chunk_loss, step_counts
+from eyas.draft.objective import LOSSES, Objective
 from eyas.train.labels import make_labels
 from test_adversarial import cli, train_args
 from test_chunked_loss import DECAY, _setup

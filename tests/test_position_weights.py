@@ -11,7 +11,8 @@ import math
 import pytest
 import torch
 
-from eyas.draft.loss import Objective, dpace_weights, step_counts
+from eyas.draft.loss import dpace_weights, step_counts
+from eyas.draft.objective import Objective
 from eyas.train.anchors import anchor_rows
 from eyas.train.labels import make_labels
 from test_adversarial import cli, train_args

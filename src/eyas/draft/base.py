@@ -10,7 +10,8 @@ import torch.nn as nn
 
 from eyas.draft.config import DraftConfig
 from eyas.draft.layers import RMSNorm, RotaryEmbedding
-from eyas.draft.loss import Labels, Objective, ttt_loss
+from eyas.draft.loss import Labels, ttt_loss
+from eyas.draft.objective import Objective
 
 
 class Drafter(nn.Module):

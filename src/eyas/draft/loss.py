@@ -22,7 +22,7 @@ as it goes (each loss's gradient in the logits has a closed form, known in the f
 keeping only the [N, H] input gradient and the head's: the memory of a step no longer grows
 with pairs x vocabulary, so a DFlash step can anchor densely.
 
-The losses (`LOSSES`), per pair, with p the target's distribution over the draft vocabulary,
+The losses (draft/objective.py `LOSSES`), per pair, with p the target's distribution over the draft vocabulary,
 q the drafter's, and alpha = sum_v min(p_v, q_v) the chance that speculative sampling accepts
 the drafter's token (1 - alpha is their total variation):
 - soft-ce: -sum_v p_v log q_v (its gradient is KL's);
@@ -44,26 +44,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from eyas.draft.flex import limited
+from eyas.draft.objective import Objective
 
 # Columns of the per-step statistics: summed over trained positions.
 LOSS, CORRECT, COUNT, IN_VOCAB, ACCEPT = range(5)
 STATS = 5
 LOSS_CHUNK = 1 << 27  # [pairs, Vd] logits a loss chunk holds (512 MiB a float32 temporary)
-LOSSES = ("soft-ce", "lk-hybrid", "lk-alpha")
 LK_EPS = 1e-6  # keeps lk-alpha finite where the two distributions do not overlap at all
-
-
-@dataclass(frozen=True)
-class Objective:
-    """What a scored pair's loss is (`LOSSES`, eta for lk-hybrid) and, with `dpace_alpha`, that
-    each pair is further weighted by its D-PACE weight (`dpace_weights`)."""
-    loss: str = "soft-ce"
-    lk_eta: float = 3.0
-    dpace_alpha: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.loss not in LOSSES:
-            raise ValueError(f"unknown loss {self.loss!r}: one of {', '.join(LOSSES)}")
 
 
 @dataclass

@@ -11,7 +11,7 @@ from eyas.errors import EyasError
 from eyas.device_flag import TORCHRUN_NOTE
 from eyas.draft import kinds
 from eyas.draft.config import DraftConfig
-from eyas.draft.loss import LOSSES
+from eyas.draft.objective import LOSSES
 from eyas.draft.mla_config import ATTENTION_CHOICES, AUTO_ATTENTION
 from eyas.options import (batch_tokens_option, check_rules, crop_length, device_option, layers_option, option,
                           seed_option)

@@ -24,7 +24,8 @@ from eyas.draft.base import Drafter
 from eyas.draft.build import drafter_class, new_drafter
 from eyas.draft.checkpoint import load_drafter
 from eyas.draft.config import DraftConfig
-from eyas.draft.loss import STATS, Objective, step_counts
+from eyas.draft.loss import STATS, step_counts
+from eyas.draft.objective import Objective
 from eyas.draft.vocab import TokenCounter, build_draft_vocab, coverage, default_draft_vocab_size
 from eyas.errors import EyasError
 from eyas.device import GIB, check_fits, free_bytes
