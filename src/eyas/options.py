@@ -418,7 +418,22 @@ def _check_value(f: dataclasses.Field, meta: Option, value: Any) -> None:
 
 AUTO_LAYERS = "auto"
 AUTO_LAYERS_MEANS = "(2, N//2, N-3)"  # models/layers.py default_aux_ids, for an N-layer target
-LAYERS_HELP = f"aux layer ids, e.g. 2,15,27; {AUTO_LAYERS} = {AUTO_LAYERS_MEANS}. Id N is always added"
+SPREAD_LAYERS = "spread:"  # spread:K, K ids evenly from 2 to N-2 (models/layers.py spread_aux_ids)
+LAYERS_HELP = (f"aux layer ids, e.g. 2,15,27; {AUTO_LAYERS} = {AUTO_LAYERS_MEANS}; {SPREAD_LAYERS}K = K ids spread "
+               "evenly from 2 to N-2 (SpecForge's DFlash reads 5 of Qwen3-8B's 36 layers so: spread:5). Id N is "
+               "always added")
+
+
+def aux_layer_count(spec: str) -> int | None:
+    """How many aux states `--layers` asks for, known before the target is (None: unreadable;
+    the stage that resolves it says why)."""
+    if spec == AUTO_LAYERS:
+        return 3
+    text = str(spec)
+    if text.startswith(SPREAD_LAYERS):
+        count = text[len(SPREAD_LAYERS):]
+        return int(count) if count.isdigit() else None
+    return len(text.split(","))
 BATCH_TOKENS = 8192
 # A micro-batch holds at least one sample of two tokens (one next-token pair).
 BATCH_TOKENS_RULE = Number(lo=2, integer=True, required=True)

@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from eyas.errors import EyasError
 from eyas.models.identity import text_config
-from eyas.options import AUTO_LAYERS
+from eyas.options import AUTO_LAYERS, SPREAD_LAYERS
 
 _NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm", "norm_f")
 
@@ -60,15 +60,34 @@ def default_aux_ids(num_layers: int) -> tuple[int, ...]:
     return ids
 
 
+def spread_aux_ids(count: int, num_layers: int) -> tuple[int, ...]:
+    """`count` ids spread evenly from 2 to N-2, rounded: the peers' DFlash heads read target
+    layers over the whole depth (SpecForge's Qwen3-8B recipe: outputs of layers 1, 9, 17, 25,
+    33 of 36, which are ids 2, 10, 18, 26, 34 here)."""
+    lo, hi = 2, num_layers - 2
+    if count < 1 or hi < lo or count > hi - lo + 1:
+        raise EyasError(f"--layers {SPREAD_LAYERS}{count}: a {num_layers}-layer model has "
+                        f"{max(hi - lo + 1, 0)} ids from 2 to N-2 to spread over; ask for 1 to that many.")
+    if count == 1:
+        return (num_layers // 2,)
+    return tuple(int(lo + i * (hi - lo) / (count - 1) + 0.5) for i in range(count))
+
+
 def resolve_layer_ids(spec: str | list[int] | tuple[int, ...], num_layers: int) -> tuple[int, ...]:
-    """Aux ids from `--layers` ("auto" or "2,15,27"), followed by id N, the label source."""
+    """Aux ids from `--layers` ("auto", "spread:K" or "2,15,27"), followed by id N, the label source."""
     if spec == AUTO_LAYERS:
         aux = default_aux_ids(num_layers)
+    elif isinstance(spec, str) and spec.startswith(SPREAD_LAYERS):
+        count = spec[len(SPREAD_LAYERS):]
+        if not count.isdigit():
+            raise EyasError(f"--layers {spec!r}: write {SPREAD_LAYERS}K with K a whole number of layers.")
+        aux = spread_aux_ids(int(count), num_layers)
     else:
         try:
             aux = tuple(int(x) for x in spec.split(",")) if isinstance(spec, str) else tuple(int(x) for x in spec)
         except ValueError:
-            raise EyasError(f"--layers must be '{AUTO_LAYERS}' or comma-separated integers, not {spec!r}.") from None
+            raise EyasError(f"--layers must be '{AUTO_LAYERS}', '{SPREAD_LAYERS}K' or comma-separated integers, "
+                            f"not {spec!r}.") from None
     if not aux:
         raise EyasError("--layers names no layer.")
     bad = [k for k in aux if not 0 <= k < num_layers]

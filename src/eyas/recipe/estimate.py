@@ -15,7 +15,7 @@ from typing import Any
 
 from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
-from eyas.options import AUTO_LAYERS
+from eyas.options import AUTO_LAYERS, aux_layer_count
 
 MIB = 2**20
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
@@ -76,7 +76,7 @@ def _store(recipe: dict[str, Any], data: Data) -> str:
     capture = _options(recipe, "capture")
     dtype = capture.get("dtype", "bf16")
     layers = capture.get("layers", AUTO_LAYERS)
-    states = 4 if layers == AUTO_LAYERS else len(str(layers).split(",")) + 1  # the aux ids and the label state
+    states = (aux_layer_count(layers) or 3) + 1  # the aux ids and the label state
     per_value = DTYPE_BYTES.get(dtype, 2)
     fixed = 5 + (4 * states if dtype == "fp8" else 0)  # token id and mask; fp8's float32 scale per state
     if data.hidden_size is None:
