@@ -253,7 +253,7 @@ def test_a_dflash_config_refuses_what_it_cannot_hold():
     with pytest.raises(EyasError, match="EAGLE-3 options"):
         tiny_config(drafter="dflash", mask_token_id=3, fc_norm=True)
     with pytest.raises(EyasError, match="exactly one layer"):
-        tiny_config(num_hidden_layers=2)
+        tiny_config(drafter="peagle", mask_token_id=3, num_hidden_layers=2)
 
 
 def toy_dflash(draft_std: float):
@@ -352,8 +352,7 @@ def test_train_dflash_offline_equals_online_and_reloads(tiny_llama_dir, tiny_lla
     assert config["num_hidden_layers"] == 2 and config["dflash_config"]["mask_token_id"] == config["vocab_size"] - 1
     drafter = load_drafter(tmp_path / "off")
     assert type(drafter).__name__ == "DFlashDrafter" and drafter.block_size == 4
-    for flag, option in (("--block-size", {"block_size": 4}), ("--anchors", {"anchors": 5}),
-                         ("--draft-layers", {"draft_layers": 2})):
+    for flag, option in (("--block-size", {"block_size": 4}), ("--anchors", {"anchors": 5})):
         with pytest.raises(EyasError, match=f"^{flag} is for --drafter dflash, not eagle3"):
             TrainConfig(out="x", store=str(store), **option)
 

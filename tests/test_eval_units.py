@@ -71,12 +71,15 @@ def toy_drafter(target: LlamaForCausalLM, **options) -> Eagle3Drafter:
     return drafter
 
 
-@pytest.fixture(scope="module", params=["plain", "fc_norm+norm_output"])
+@pytest.fixture(scope="module", params=["plain", "fc_norm+norm_output", "3 layers"])
 def drafter(request, toy) -> Eagle3Drafter:
-    """The toy drafter, and one with both drafter options (fc_norm weights random too)."""
+    """The toy drafter, one with both drafter options (fc_norm weights random too), and one of
+    three layers (--draft-layers 3: two plain Llama layers after the first)."""
     if request.param == "plain":
         return toy[1]
     torch.manual_seed(5)
+    if request.param == "3 layers":
+        return toy_drafter(toy[0], num_hidden_layers=3, norm_output=True)
     return toy_drafter(toy[0], fc_norm=True, norm_output=True)
 
 

@@ -381,9 +381,12 @@ def test_cli_export_prints_the_serve_command(drafter, tiny_llama_dir, tmp_path, 
     assert run_cli("export", drafter, "--to", "sglang", "--out", tmp_path / "sglang") == 0
     out = capsys.readouterr().out
     assert "output of layer k): [1, 3, 4]" in out
+    from eyas.draft import load_config
+
+    depth = load_config(str(drafter)).ttt_steps  # by default the depth it was trained to draft
     assert (f"python -m sglang.launch_server --model-path {tiny_llama_dir} --speculative-algorithm EAGLE3 "
-            f"--speculative-draft-model-path {tmp_path / 'sglang'} --speculative-num-steps 3 "
-            "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4") in out
+            f"--speculative-draft-model-path {tmp_path / 'sglang'} --speculative-num-steps {depth} "
+            f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {depth + 1}") in out
 
     assert run_cli("export", drafter, "--to", "vllm", "--out", tmp_path / "later", "--serve-command",
                    "--num-speculative-tokens", "5") == 0

@@ -82,7 +82,7 @@ def test_a_registered_kind_trains_evaluates_losslessly_and_is_refused_export(toy
 def test_a_kind_refuses_what_its_record_does_not_take(toy):
     from eyas.train.config import TrainConfig
 
-    with pytest.raises(EyasError, match="--draft-layers is for --drafter dflash, not toy"):
+    with pytest.raises(EyasError, match="--draft-layers is for --drafter eagle3 or dflash, not toy"):
         TrainConfig(store="s", out="o", drafter="toy", draft_layers=2)
     with pytest.raises(EyasError, match="--draft-attention mla is for --drafter eagle3 or peagle"):
         TrainConfig(store="s", out="o", drafter="toy", draft_attention="mla")

@@ -49,10 +49,11 @@ def _loss_and_grads(options: dict):
 def test_compiled_step_parts_give_the_eager_loss_and_gradients(monkeypatch):
     """CUDA runs the parts around attention through torch.compile; here the same trace and the
     same min-cut partition of forward and backward (what decides what is kept for backward and
-    what is recomputed) run on the CPU, with every drafter option."""
-    compiled = (torch.compile(dm._pre_attention, backend="aot_eager_decomp_partition", dynamic=True),
-                torch.compile(dm._post_attention, backend="aot_eager_decomp_partition", dynamic=True))
-    for options in ({}, {"fc_norm": True, "norm_output": True, "norm_before_residual": True}):
+    what is recomputed) run on the CPU, with every drafter option and stacked layers."""
+    compiled = tuple(torch.compile(part, backend="aot_eager_decomp_partition", dynamic=True)
+                     for part in (dm._pre_attention, dm._stacked_pre_attention, dm._mid_attention, dm._post_attention))
+    for options in ({}, {"fc_norm": True, "norm_output": True, "norm_before_residual": True},
+                    {"num_hidden_layers": 3, "norm_output": True}):
         loss, stats, grads = _loss_and_grads(options)
         with monkeypatch.context() as m:
             calls = []

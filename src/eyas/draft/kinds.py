@@ -34,9 +34,14 @@ MAX_LAYERS = 256
 
 
 def default_num_layers(target_layers: int) -> int:
-    """A deep kind's layers when none are asked for: DFlash's published heads use a few; a
-    small target gets at least one and no more than a tenth of its own depth, rounded up."""
+    """DFlash's layers when none are asked for: its published heads use a few; a small target
+    gets at least one and no more than a tenth of its own depth, rounded up."""
     return max(1, math.ceil(target_layers / 10))
+
+
+def one_layer(target_layers: int) -> int:
+    """EAGLE-3's layers when none are asked for: its published heads have one."""
+    return 1
 
 
 def _no_check(cfg) -> None:
@@ -55,7 +60,8 @@ class Kind:
     # What `--draft-attention auto` means: None picks by the target (MLA for an MLA target);
     # else (attention, the note said when that differs from the target's own).
     auto_attention: tuple[str, str] | None = None
-    deep: bool = False  # takes --draft-layers (default `default_num_layers`); else exactly one layer
+    deep: bool = False  # takes --draft-layers (default `default_layers`); else exactly one layer
+    default_layers: Callable[[int], int] = one_layer  # a deep kind's layers for a target of N, unless asked
     mask_token: bool = False  # has a mask token marking the slots to fill (--mask-token-id)
     eagle_options: bool = True  # takes EAGLE 3.1's fc_norm / norm_output and norm_before_residual
     anchored: bool = False  # trained on blocks anchored at sampled rows (--block-size, --anchors)
@@ -132,6 +138,12 @@ def names(where: Callable[[Kind], bool] = lambda kind: True) -> str:
     return " or ".join(k.name for k in KINDS.values() if where(k))
 
 
+def _eagle3_check(cfg) -> None:
+    if cfg.num_hidden_layers > 1 and cfg.attention == MLA:
+        raise EyasError("An MLA EAGLE-3 drafter has one layer (vLLM's Eagle3DeepseekV3ForCausalLM builds one); "
+                        "train --draft-layers with --draft-attention gqa.")
+
+
 def _peagle_served(cfg) -> None:
     if cfg.attention == MLA:  # deepseek_eagle3.py has no `mask_hidden`, which the proposer reads
         raise EyasError("vLLM 0.32 serves parallel drafting (P-EAGLE) only with its Llama EAGLE-3 head, not "
@@ -141,12 +153,12 @@ def _peagle_served(cfg) -> None:
 
 register(Kind(
     name="eagle3", title="EAGLE-3", summary="K tokens, one forward pass each (a chain or a tree)",
-    module="eyas.draft.model:Eagle3Drafter", vllm_config=vllm_config.eagle3))
+    module="eyas.draft.model:Eagle3Drafter", vllm_config=vllm_config.eagle3, deep=True, check=_eagle3_check))
 register(Kind(
     name="dflash", title="DFlash", summary="a block of K in one pass of a few layers",
     module="eyas.draft.dflash:DFlashDrafter", vllm_config=vllm_config.dflash, drafting=BLOCK,
-    attentions=(GQA,), deep=True, mask_token=True, eagle_options=False, anchored=True, formats=("vllm",),
-    vllm_method={"method": "dflash"}))
+    attentions=(GQA,), deep=True, default_layers=default_num_layers, mask_token=True, eagle_options=False,
+    anchored=True, formats=("vllm",), vllm_method={"method": "dflash"}))
 register(Kind(
     name="peagle", title="P-EAGLE", summary="EAGLE-3 drafting its K in one pass (vLLM's parallel_drafting)",
     module="eyas.draft.peagle:PEagleDrafter", vllm_config=vllm_config.peagle, drafting=PARALLEL,

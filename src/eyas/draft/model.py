@@ -1,7 +1,9 @@
 """The EAGLE-3 drafter: `fc` fuses the target's aux states, one Llama-style decoder layer
-whose attention reads `cat([embed(token), hidden])` (2H), a final norm, and `lm_head` over
-the draft vocabulary. Weight names are vLLM's (`midlayer.*`, `fc`, `norm`, `lm_head`,
-`d2t`, `t2d`); the embeddings are the target's, frozen, and never saved.
+whose attention reads `cat([embed(token), hidden])` (2H), optionally further plain Llama
+layers after it (`stack`, `--draft-layers`; vLLM's llama_eagle3 builds the same: layer 0 reads
+2H, the others H), a final norm, and `lm_head` over the draft vocabulary. Weight names are
+vLLM's (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`; `stack.i.*` is its `layers.{i+1}.*`);
+the embeddings are the target's, frozen, and never saved.
 
 The layer is split into `pre_attention` / `attn.qkv` / `post_attention` so that training
 (training-time test over whole sequences) and decoding (KV cache, trees) share every
@@ -27,17 +29,19 @@ from eyas.draft.mla import MLAAttention
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, cfg: DraftConfig):
+    def __init__(self, cfg: DraftConfig, width: int | None = None):
+        """`width`: the input's, 2H for the first layer (`cat([embed, hidden])`), H after it."""
         super().__init__()
+        width = 2 * cfg.hidden_size if width is None else width
         self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
-        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(width, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(width, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """x [B, T, 2H] -> q [B, nH, T, d], k and v [B, nKV, T, d]. The kv heads are not repeated:
+        """x [B, T, width] -> q [B, nH, T, d], k and v [B, nKV, T, d]. The kv heads are not repeated:
         attention maps query head h to kv head h // (nH / nKV) itself (GQA), so training keeps
         nKV-head keys for backward instead of nH-head copies (4x less at Llama-3's 32/8)."""
         B, T, _ = x.shape
@@ -55,26 +59,41 @@ class DraftAttention(nn.Module):
     cache_qkv, merge_cached = qkv, merge_heads
 
 
-class DraftLayer(nn.Module):
-    def __init__(self, cfg: DraftConfig):
+class StackedLayer(nn.Module):
+    """A plain pre-norm Llama decoder layer: a layer after the first (`--draft-layers`), as
+    vLLM's llama_eagle3 runs its layers 1.. (the input norm over the residual stream, attention
+    over H)."""
+
+    def __init__(self, cfg: DraftConfig, attention: nn.Module | None = None):
         super().__init__()
-        self.norm_before_residual = cfg.norm_before_residual
         self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.hidden_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.self_attn = MLAAttention(cfg) if cfg.attention == "mla" else DraftAttention(cfg)
+        self.self_attn = DraftAttention(cfg, cfg.hidden_size) if attention is None else attention
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+
+    def pre_attention(self, hidden: torch.Tensor):
+        """hidden [B, T, H] (the residual stream) -> attention input [B, T, H] and the residual."""
+        return self.input_layernorm(hidden), hidden
+
+    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """attn_out [B, T, nH*d] -> the layer's pre-norm output [B, T, H] (next step's hidden)."""
+        h = self.self_attn.o_proj(attn_out) + residual
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DraftLayer(StackedLayer):
+    """The first layer: its attention reads cat([input_layernorm(embed), hidden_norm(hidden)])."""
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__(cfg, MLAAttention(cfg) if cfg.attention == "mla" else DraftAttention(cfg))
+        self.norm_before_residual = cfg.norm_before_residual
+        self.hidden_norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
 
     def pre_attention(self, embeds: torch.Tensor, hidden: torch.Tensor):
         """embeds, hidden [B, T, H] -> attention input [B, T, 2H] and the residual [B, T, H]."""
         h = self.hidden_norm(hidden)
         residual = h if self.norm_before_residual else hidden
         return torch.cat([self.input_layernorm(embeds), h], dim=-1), residual
-
-    def post_attention(self, attn_out: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        """attn_out [B, T, nH*d] -> the layer's pre-norm output [B, T, H] (next step's hidden)."""
-        h = self.self_attn.o_proj(attn_out) + residual
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 def frozen_embedding(cfg: DraftConfig, embed_weight: torch.Tensor | None) -> nn.Embedding:
@@ -98,6 +117,7 @@ class Eagle3Drafter(Drafter):
             self.input_norm = RMSNorm(len(cfg.aux_layer_ids) * H, eps=cfg.rms_norm_eps)
         self.fc = nn.Linear(len(cfg.aux_layer_ids) * H, H, bias=False)
         self.midlayer = DraftLayer(cfg)
+        self.stack = nn.ModuleList(StackedLayer(cfg) for _ in range(cfg.num_hidden_layers - 1))
         self.add_head(cfg)
 
     def rope(self, x: torch.Tensor, position_ids: torch.Tensor):
@@ -146,21 +166,24 @@ class Eagle3Drafter(Drafter):
         hidden = self.combine(aux_hidden)  # [B, T, H]
         padded = F.pad(input_ids, (0, steps))  # [B, T + steps]
         base_pos = torch.arange(T, device=input_ids.device).expand(B, T)
-        k0 = v0 = None
-        extra: list[tuple[torch.Tensor, torch.Tensor]] = []
+        layers = [self.midlayer, *self.stack]
+        # Per layer: its step-0 keys and values, then the later steps' (same-position) ones.
+        seen: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in layers]
         states = []
-        pre, post = _step_parts(input_ids.is_cuda and COMPILE_STEP_PARTS)
+        pre, stacked_pre, mid, post = _step_parts(input_ids.is_cuda and COMPILE_STEP_PARTS)
         for k in range(steps):
             x, residual = pre(self.midlayer, *self.step_inputs(k, padded[:, 1 + k : 1 + k + T], hidden))
             cos, sin = self.rope(x, base_pos + k)
-            q, kk, vv = self.midlayer.self_attn.qkv(x, cos, sin)  # q [B, nH, T, d], k/v [B, nKV, T, d(_v)]
-            if k == 0:
-                k0, v0 = kk, vv
-            else:
-                extra.append((kk, vv))
-            attn = self.midlayer.self_attn
-            out = ttt_attention(q, k0, v0, extra, attn.scale)  # [B, nH, T, d_v]
-            normed, hidden = post(self, attn.merge_heads(out), residual)
+            for n, layer in enumerate(layers):
+                attn = layer.self_attn
+                q, kk, vv = attn.qkv(x, cos, sin)  # q [B, nH, T, d], k/v [B, nKV, T, d(_v)]
+                seen[n].append((kk, vv))
+                (k0, v0), *extra = seen[n]
+                out = attn.merge_heads(ttt_attention(q, k0, v0, extra, attn.scale))  # [B, T, nH*d_v]
+                if n + 1 < len(layers):  # the residual stream [B, T, H] into the next layer
+                    x, residual = stacked_pre(layers[n + 1], mid(layer, out, residual))
+                else:
+                    normed, hidden = post(self, layer, out, residual)
             states.append(normed)
         return states
 
@@ -169,8 +192,16 @@ def _pre_attention(layer: DraftLayer, embeds: torch.Tensor, hidden: torch.Tensor
     return layer.pre_attention(embeds, hidden)
 
 
-def _post_attention(drafter: Eagle3Drafter, attn_out: torch.Tensor, residual: torch.Tensor):
-    return drafter.normed_outputs(drafter.midlayer.post_attention(attn_out, residual))
+def _stacked_pre_attention(layer: StackedLayer, hidden: torch.Tensor):
+    return layer.pre_attention(hidden)
+
+
+def _mid_attention(layer: StackedLayer, attn_out: torch.Tensor, residual: torch.Tensor):
+    return layer.post_attention(attn_out, residual)
+
+
+def _post_attention(drafter: Eagle3Drafter, layer: StackedLayer, attn_out: torch.Tensor, residual: torch.Tensor):
+    return drafter.normed_outputs(layer.post_attention(attn_out, residual))
 
 
 # On CUDA the parts of a TTT step around attention (norms, concatenation, o_proj, MLP, final
@@ -185,9 +216,10 @@ COMPILE_STEP_PARTS = True
 
 @functools.cache
 def _step_parts(compiled: bool):
-    if not compiled:
-        return _pre_attention, _post_attention
-    return limited(torch.compile(_pre_attention, dynamic=True)), limited(torch.compile(_post_attention, dynamic=True))
+    """The parts around attention: the first layer's pre-attention, a stacked layer's, a layer's
+    post-attention that feeds the next layer, and the last layer's with the final norm."""
+    parts = (_pre_attention, _stacked_pre_attention, _mid_attention, _post_attention)
+    return tuple(limited(torch.compile(part, dynamic=True)) for part in parts) if compiled else parts
 
 
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,

@@ -42,7 +42,7 @@ def layer_fields(cfg: DraftConfig) -> dict[str, Any]:
         "num_attention_heads": cfg.num_attention_heads,
         "num_key_value_heads": cfg.num_key_value_heads,
         "head_dim": cfg.head_dim,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": cfg.num_hidden_layers,
         "hidden_act": cfg.hidden_act,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": rope.get("rope_theta", 10000.0),

@@ -18,40 +18,48 @@ from eyas.draft import Eagle3Drafter
 from eyas.evaluate.tree import DraftTree
 
 
+Cache = list[tuple[torch.Tensor, torch.Tensor]]  # per decoder layer: keys, values [1, nH, S, d]
+
+
 class DrafterSession:
     def __init__(self, drafter: Eagle3Drafter):
         self.m = drafter
-        self.keys: torch.Tensor | None = None  # [1, nH, S, d] committed context (MLA: [1, 1, S, latent])
-        self.values: torch.Tensor | None = None
+        self.cache: Cache | None = None  # per layer, the committed context's keys and values (MLA: its latent)
         self.hidden: torch.Tensor | None = None  # [H] output of the last context entry
         self.logits: torch.Tensor | None = None  # [Vd] its draft-vocabulary logits
 
     @property
     def length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
+        return 0 if self.cache is None else self.cache[0][0].shape[-2]
 
     def reset(self) -> None:
-        self.keys = self.values = self.hidden = self.logits = None
+        self.cache = self.hidden = self.logits = None
 
-    def _layer(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-               keys: torch.Tensor | None, values: torch.Tensor | None, visible: torch.Tensor):
-        """One pass of the decoder layer for new entries.
+    def _layer(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: Cache | None,
+               visible: torch.Tensor) -> tuple[torch.Tensor, Cache]:
+        """One pass of the decoder layers for new entries.
 
-        tokens [n], hidden [n, H], positions [n]; keys/values [1, nH, S, d] already cached;
-        visible [n, S + n] bool. Returns outputs [n, H], new keys and values [1, nH, n, d].
+        tokens [n], hidden [n, H], positions [n]; cache: per layer, keys/values [1, nH, S, d]
+        already cached; visible [n, S + n] bool. Returns outputs [n, H] and the cache with the
+        new entries appended.
         """
         m = self.m
         device = m.fc.weight.device
         x, residual = m.midlayer.pre_attention(m.embed_tokens(tokens.to(device))[None], hidden[None])
         cos, sin = m.rope(x, positions[None].to(device))
-        attn = m.midlayer.self_attn
-        q, k, v = attn.cache_qkv(x, cos, sin)  # q [1, nH, n, d]; k, v [1, nH or 1 (MLA's latent), n, d]
-        all_k = k if keys is None else torch.cat([keys, k], dim=-2)
-        all_v = v if values is None else torch.cat([values, v], dim=-2)
-        out = F.scaled_dot_product_attention(q, all_k, all_v, attn_mask=visible.to(device), scale=attn.scale,
-                                             enable_gqa=True)
-        h = m.midlayer.post_attention(attn.merge_cached(out), residual)  # [1, n, H]
-        return h[0], k, v
+        grown, layers = [], [m.midlayer, *m.stack]
+        for n, layer in enumerate(layers):
+            attn = layer.self_attn
+            q, k, v = attn.cache_qkv(x, cos, sin)  # q [1, nH, n, d]; k, v [1, nH or 1 (MLA's latent), n, d]
+            if cache is not None:
+                k, v = torch.cat([cache[n][0], k], dim=-2), torch.cat([cache[n][1], v], dim=-2)
+            grown.append((k, v))
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible.to(device), scale=attn.scale,
+                                                 enable_gqa=True)
+            h = layer.post_attention(attn.merge_cached(out), residual)  # [1, n, H]
+            if n + 1 < len(layers):
+                x, residual = layers[n + 1].pre_attention(h)
+        return h[0], grown
 
     @torch.inference_mode()
     def extend(self, tokens: torch.Tensor, aux: torch.Tensor) -> None:
@@ -60,9 +68,7 @@ class DrafterSession:
         S, n = self.length, len(tokens)
         hidden = self.m.combine(aux.to(self.m.fc.weight.dtype))  # [n, H]
         visible = torch.ones(n, S + n, dtype=torch.bool).tril(S)
-        h, k, v = self._layer(tokens, hidden, torch.arange(S, S + n), self.keys, self.values, visible)
-        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=-2)
-        self.values = v if self.values is None else torch.cat([self.values, v], dim=-2)
+        h, self.cache = self._layer(tokens, hidden, torch.arange(S, S + n), self.cache, visible)
         logits, hidden = self.m.outputs(h[-1])
         self.logits, self.hidden = logits, hidden
 
@@ -75,8 +81,8 @@ class DrafterSession:
         if n == 0:
             return self.logits[None]
         visible = torch.ones(n, S + n, dtype=torch.bool).tril(S)
-        h, _, _ = self._layer(torch.full((n,), m.config.mask_token_id), m.mask_state().expand(n, -1),
-                              torch.arange(S, S + n), self.keys, self.values, visible)
+        h, _ = self._layer(torch.full((n,), m.config.mask_token_id), m.mask_state().expand(n, -1),
+                           torch.arange(S, S + n), self.cache, visible)
         return torch.cat([self.logits[None], m.outputs(h)[0]])
 
     def _to_target(self, draft_ids: torch.Tensor) -> list[int]:
@@ -87,18 +93,16 @@ class DrafterSession:
         """`depth` tokens, each the argmax (temperature 0) or a sample of the drafter's
         distribution at `temperature`; sampled nodes carry that distribution."""
         tree = DraftTree()
-        logits, hidden = self.logits, self.hidden
-        keys, values = self.keys, self.values
+        logits, hidden, cache = self.logits, self.hidden, self.cache
         S = self.length
         for d in range(1, depth + 1):
             draft_id, dense = pick(self.m, logits, temperature, generator)
             tree.add(self._to_target(draft_id)[0], d - 2, dense)
             if d == depth:
                 break
-            visible = torch.ones(1, keys.shape[-2] + 1, dtype=torch.bool)
-            h, k, v = self._layer(self.m.draft_to_target(draft_id), hidden[None], torch.tensor([S - 1 + d]),
-                                  keys, values, visible)
-            keys, values = torch.cat([keys, k], dim=-2), torch.cat([values, v], dim=-2)
+            visible = torch.ones(1, S + d, dtype=torch.bool)
+            h, cache = self._layer(self.m.draft_to_target(draft_id), hidden[None], torch.tensor([S - 1 + d]),
+                                   cache, visible)
             logits, hidden = self.m.outputs(h[0])
         return tree
 
@@ -115,7 +119,7 @@ class DrafterSession:
         frontier = list(range(k_eff))  # nodes to feed next
         hidden_of: dict[int, torch.Tensor] = {-1: self.hidden}
         fed: list[int] = []  # node per drafted cache entry
-        keys, values = self.keys, self.values
+        cache = self.cache
         for d in range(1, depth):
             visible = torch.zeros(len(frontier), S + len(fed) + len(frontier), dtype=torch.bool)
             visible[:, :S] = True
@@ -124,9 +128,8 @@ class DrafterSession:
                 visible[r, [S + j for j, f in enumerate(fed) if f in anc]] = True
                 visible[r, S + len(fed) + r] = True
             hid = torch.stack([hidden_of[parents[n]] for n in frontier])  # [F, H]
-            h, k, v = self._layer(torch.tensor([tokens[n] for n in frontier]), hid,
-                                  torch.full((len(frontier),), S - 1 + d), keys, values, visible)
-            keys, values = torch.cat([keys, k], dim=-2), torch.cat([values, v], dim=-2)
+            h, cache = self._layer(torch.tensor([tokens[n] for n in frontier]), hid,
+                                   torch.full((len(frontier),), S - 1 + d), cache, visible)
             fed += frontier
             logits, fed_back = self.m.outputs(h)  # [F, Vd], [F, H]
             for r, node in enumerate(frontier):

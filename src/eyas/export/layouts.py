@@ -51,6 +51,7 @@ if TYPE_CHECKING:  # annotations only: `eyas export --help` lists the layouts wi
     from eyas.draft.config import DraftConfig
 
 EYAS_PREFIX = "midlayer."  # eyas's (and vLLM's, SGLang's, EAGLE's) name for the EAGLE-3 decoder layer
+STACK_PREFIX = "stack."  # eyas's layers after it (--draft-layers): stack.i is vLLM's layers.{i+1}
 
 
 @dataclass(frozen=True)
@@ -63,7 +64,12 @@ class Layout:
     check: Callable[[DraftConfig], None]
 
     def export_name(self, name: str) -> str:
-        return self.layer_prefix + name.removeprefix(EYAS_PREFIX) if name.startswith(EYAS_PREFIX) else name
+        if name.startswith(EYAS_PREFIX):
+            return self.layer_prefix + name.removeprefix(EYAS_PREFIX)
+        if name.startswith(STACK_PREFIX):
+            index, _, rest = name.removeprefix(STACK_PREFIX).partition(".")
+            return f"layers.{int(index) + 1}.{rest}"
+        return name
 
 
 def _needs_silu(cfg: DraftConfig) -> None:
@@ -72,8 +78,15 @@ def _needs_silu(cfg: DraftConfig) -> None:
         raise EyasError(f"hidden_act is {cfg.hidden_act!r}; vLLM and SGLang serve EAGLE-3 heads only with 'silu'.")
 
 
+def _one_layer(cfg: DraftConfig, engine: str) -> None:
+    if cfg.num_hidden_layers > 1:
+        raise EyasError(f"{engine} reads one EAGLE-3 layer; this drafter has {cfg.num_hidden_layers} "
+                        f"(--draft-layers). Export it --to vllm, whose llama_eagle3 builds them all.")
+
+
 def _sglang_check(cfg: DraftConfig) -> None:
     _needs_silu(cfg)
+    _one_layer(cfg, "SGLang's EAGLE-3 head")
     if len(cfg.aux_layer_ids) != 3:
         raise EyasError(f"SGLang's EAGLE-3 head fuses exactly three aux layers (fc is 3H wide); this drafter uses "
                         f"{len(cfg.aux_layer_ids)} ({list(cfg.aux_layer_ids)}). Export it --to vllm instead.")
@@ -132,6 +145,7 @@ def speculators_config(cfg: DraftConfig, serving: dict[str, Any]) -> dict[str, A
 
 def _speculators_check(cfg: DraftConfig) -> None:
     _needs_silu(cfg)
+    _one_layer(cfg, "The speculators format as eyas writes it")
     if cfg.attention == "mla":
         raise EyasError("vLLM's speculators format describes a Llama layer; export this MLA drafter --to vllm "
                         "(Eagle3DeepseekV3ForCausalLM).")

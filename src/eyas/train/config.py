@@ -51,9 +51,11 @@ class TrainConfig:
         f"dflash: the last token plus the K drafted ones (default --ttt-steps + 1 = {DraftConfig.ttt_steps + 1}); at "
         "most a sample's length (--max-len)", None, rule=Number(lo=2, integer=True),
         group=DRAFTER)  # sets ttt_steps = block_size - 1
-    draft_layers: int | None = option("dflash: decoder layers (default: a tenth of the target's, >= 1; at most the "
-                                      "target's)", None, rule=Number(lo=1, hi=kinds.MAX_LAYERS, integer=True),
-                                      group=DRAFTER)
+    draft_layers: int | None = option(
+        "decoder layers, at most the target's: eagle3: the first reads [token embedding, hidden state] as EAGLE-3's "
+        "one layer does, the others are plain Llama layers after it, as vLLM builds them (default 1); dflash: "
+        "default a tenth of the target's, >= 1", None, rule=Number(lo=1, hi=kinds.MAX_LAYERS, integer=True),
+        group=DRAFTER)
     mask_token_id: int | None = option(
         "dflash, peagle: the token whose (frozen) embedding marks the slots to fill (default: the last id)", None,
         group=DRAFTER)
@@ -191,9 +193,9 @@ class TrainConfig:
         """Once the target is known, before any drafter is built: a deep kind's layers are a few
         beside its target, never more than it has."""
         if self.draft_layers is not None and self.draft_layers > num_layers:
+            kind = kinds.get(self.drafter)
             raise EyasError(f"--draft-layers {self.draft_layers} is more than the target's {num_layers} layers; "
-                            f"{kinds.get(self.drafter).a_title()} drafter takes a few (default "
-                            f"{kinds.default_num_layers(num_layers)}).")
+                            f"{kind.a_title()} drafter takes a few (default {kind.default_layers(num_layers)}).")
 
     def kind_options(self, identity) -> dict[str, Any]:
         """The DraftConfig fields of the kind, given the target's identity."""
@@ -202,7 +204,7 @@ class TrainConfig:
         if kind.mask_token:
             options["mask_token_id"] = identity.vocab_size - 1 if self.mask_token_id is None else self.mask_token_id
         if kind.deep:
-            options["num_hidden_layers"] = self.draft_layers or kinds.default_num_layers(identity.num_layers)
+            options["num_hidden_layers"] = self.draft_layers or kind.default_layers(identity.num_layers)
         return options
 
     @property
