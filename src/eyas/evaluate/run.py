@@ -265,8 +265,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     parse_device(cfg.device)
     depth, why = draft_depth(cfg)
     cfg = replace(cfg, steps=depth)
-    print(f"eyas eval: drafting {depth} tokens a step{' (tree depth)' if cfg.tree else ''}: {why}", file=sys.stderr,
-          flush=True)
+    print(f"eyas eval: drafting {depth} tokens a step{' (tree depth)' if cfg.tree else ''}: {why}", flush=True)
     if cfg.draft and (note := unfinished_note(cfg.draft)):
         print(f"eyas eval: {note}", file=sys.stderr, flush=True)
     torch.manual_seed(cfg.seed)
