@@ -101,10 +101,9 @@ def fit_drafter(captured: dict, out: Path, steps: int = 30, **options) -> Path:
     return out
 
 
-def changed_drafts(ckpt: Path, captured: dict) -> dict[str, float]:
-    """Share of the drafter's TTT argmax drafts on its own data (all K steps) that change if an
-    engine silently dropped each option: its fc_norm weights left at 1, or the pre-norm output
-    fed back (which changes steps 1..K-1 only)."""
+def _drafts_changed(ckpt: Path, captured: dict, changes: dict) -> dict[str, float]:
+    """Share of the drafter's TTT argmax drafts on its own data (all K steps) that change under
+    each of `changes` (name -> a function that alters the loaded drafter, applied in turn)."""
     drafter = load_drafter(ckpt, captured["embed"])
     T = captured["ids"].shape[1]
     counted = torch.stack([F.pad(captured["valid"], (0, k + 2))[:, 2 + k : 2 + k + T] for k in range(K)])
@@ -113,36 +112,39 @@ def changed_drafts(ckpt: Path, captured: dict) -> dict[str, float]:
         with torch.no_grad():
             return torch.stack([lg.argmax(-1) for lg in drafter.forward_ttt(captured["ids"], captured["aux"], K)])
 
-    served = drafts()
-    drafter.config.norm_output = False
-    pre_norm_fed_back = drafts()
-    drafter.config.norm_output = True
-    with torch.no_grad():
+    served, shares = drafts(), {}
+    for name, change in changes.items():
+        with torch.no_grad():
+            undo = change(drafter)
+        shares[name] = ((drafts() != served) & counted).sum().item() / counted.sum().item()
+        if undo:
+            undo()
+    return shares
+
+
+def changed_drafts(ckpt: Path, captured: dict) -> dict[str, float]:
+    """The drafts that change if an engine silently dropped each option: the pre-norm output fed
+    back (which changes steps 1..K-1 only), or its fc_norm weights left at 1."""
+    def pre_norm(drafter):
+        drafter.config.norm_output = False
+        return lambda: setattr(drafter.config, "norm_output", True)
+
+    def unit_fc_norm(drafter):
         for norm in drafter.fc_norm:
             norm.weight.fill_(1.0)
-    unit_fc_norm = drafts()
-    return {name: ((d != served) & counted).sum().item() / counted.sum().item()
-            for name, d in (("norm_output", pre_norm_fed_back), ("fc_norm", unit_fc_norm))}
+
+    return _drafts_changed(ckpt, captured, {"norm_output": pre_norm, "fc_norm": unit_fc_norm})
 
 
 def stack_changes_drafts(ckpt: Path, captured: dict) -> float:
-    """Share of a stacked drafter's TTT argmax drafts on its own data that change when its
-    layers after the first add nothing (their o_proj and down_proj zeroed): an engine that ran
-    only the first layer would draft those differently."""
-    drafter = load_drafter(ckpt, captured["embed"])
-    T = captured["ids"].shape[1]
-    counted = torch.stack([F.pad(captured["valid"], (0, k + 2))[:, 2 + k : 2 + k + T] for k in range(K)])
-
-    def drafts() -> torch.Tensor:  # [K, B, T]
-        with torch.no_grad():
-            return torch.stack([lg.argmax(-1) for lg in drafter.forward_ttt(captured["ids"], captured["aux"], K)])
-
-    served = drafts()
-    with torch.no_grad():
+    """The drafts of a stacked drafter that change when its layers after the first add nothing
+    (their o_proj and down_proj zeroed): an engine that ran only the first layer would draft those."""
+    def first_layer_only(drafter):
         for layer in drafter.stack:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
-    return ((drafts() != served) & counted).sum().item() / counted.sum().item()
+
+    return _drafts_changed(ckpt, captured, {"stack": first_layer_only})["stack"]
 
 
 def generate(llm, prompt_ids: list[list[int]]) -> list:
