@@ -200,7 +200,8 @@ def _check_supported(foreign: Foreign, where: str) -> None:
                         f"eyas imports {' or '.join(kinds)} layers for {foreign.raw.get('architectures')}.")
     if foreign.layer.get("num_hidden_layers", 1) != 1:
         raise EyasError(f"{where}: num_hidden_layers is {foreign.layer['num_hidden_layers']}; "
-                        "eyas's EAGLE-3 drafter has exactly one decoder layer.")
+                        "eyas imports one-layer EAGLE-3 heads (it trains deeper ones with --draft-layers, but "
+                        "does not read them back).")
     hidden, target_hidden = foreign.layer.get("hidden_size"), foreign.raw.get("target_hidden_size")
     if target_hidden is not None and hidden is not None and target_hidden != hidden:
         raise EyasError(f"{where}: target_hidden_size {target_hidden} differs from hidden_size {hidden}; "
