@@ -79,7 +79,13 @@ def arms(args) -> dict[str, dict]:
     every = {"eagle3": RECIPE, "dflash": dflash, "peagle": {**RECIPE, "drafter": "peagle", "ttt_steps": CHAIN}}
     out = {}
     for arm in args.arms:
-        kind, *changes = arm.split(":")
+        kind, *pieces = arm.split(":")
+        changes: list[str] = []
+        for piece in pieces:  # a value may hold ':' itself (layers=spread:5)
+            if "=" in piece or not changes:
+                changes.append(piece)
+            else:
+                changes[-1] += ":" + piece
         options = dict(every[kind])
         for change in changes:
             key, _, value = change.partition("=")
