@@ -59,12 +59,23 @@ class Labels:
     teacher: Callable[[torch.Tensor], torch.Tensor]  # [n, Ht] -> [n, Vd]: the target's logits over the draft vocab
     target_draft: torch.Tensor  # [B, T] long: draft id of the target's argmax at j, -1 if outside
     trained: torch.Tensor  # [B, T] bool: position j is trained (token j+1 is an assistant token)
-    inside: torch.Tensor  # [B, T] float32: the target's probability mass inside the draft vocabulary at j
+    full_lse: torch.Tensor  # [B, T] float32: log-sum-exp of the target's logits over its whole vocabulary at j
+
+    def distribution(self, *index) -> tuple[torch.Tensor, torch.Tensor]:
+        """At `hidden[index]` (every position when no index is given): the target's distribution
+        over the draft vocab [..., Vd] float32, and the share of its whole mass that the draft
+        vocab holds [...], both from the draft vocabulary's own logits."""
+        logits = self.teacher(self.hidden[index]).float()
+        lse = torch.logsumexp(logits, -1)
+        return torch.exp(logits - lse[..., None]), torch.exp(lse - self.full_lse[index]).clamp_max(1.0)
 
     def probs(self, *index) -> torch.Tensor:
-        """The target's distribution over the draft vocab [..., Vd] float32 at `hidden[index]`
-        (every position when no index is given)."""
-        return torch.softmax(self.teacher(self.hidden[index]).float(), -1)
+        return self.distribution(*index)[0]
+
+    @property
+    def inside(self) -> torch.Tensor:
+        """[B, T]: the target's mass inside the draft vocabulary at every position."""
+        return self.distribution()[1]
 
 
 def trained_positions(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -130,19 +141,20 @@ def ttt_loss(lm_head: nn.Linear, states: list[torch.Tensor], labels: Labels, wei
     edges = torch.tensor([e for lo, hi in bounds for e in (lo, hi - 1)], dtype=torch.long, device=device)
     spans = inverse[edges].view(-1, 2).tolist()  # per chunk, its first and last position in `positions`
 
-    def probs(c: int) -> torch.Tensor:
-        """Chunk c's target distributions [n, Vd], computed once per label position."""
+    def probs(c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chunk c's target distributions [n, Vd] and their mass inside the draft vocab [n],
+        computed once per label position."""
         (lo, hi), (u0, u1) = bounds[c], spans[c]
         at = positions[u0 : u1 + 1]
-        return labels.probs(at // T, at % T)[inverse[lo:hi] - u0]
+        p, inside = labels.distribution(at // T, at % T)
+        return p[inverse[lo:hi] - u0], inside[inverse[lo:hi] - u0]
 
     row_weight = weights[step] * in_vocab  # [N]
     if objective.dpace_alpha is not None:
         q = torch.zeros(K, B, T, device=device)
         q[step, b, i] = target_probability(x.detach(), lm_head.weight, target, bounds)
         row_weight = row_weight * dpace_weights(q, pairs, objective.dpace_alpha)[step, b, i]
-    loss, value, correct, accept = chunked_loss(x, lm_head.weight, row_weight, target, probs, bounds, objective,
-                                                labels.inside[b, j])
+    loss, value, correct, accept = chunked_loss(x, lm_head.weight, row_weight, target, probs, bounds, objective)
     value = torch.where(in_vocab, value, 0.0)  # a pair out of the drafter's reach adds no loss
     zeros = torch.zeros(K, device=device)
     stats = torch.stack([zeros.index_add(0, step, value), zeros.index_add(0, step, correct.float()), counts.float(),
@@ -199,22 +211,22 @@ def _head_chunks(x: torch.Tensor, w: torch.Tensor, bounds: list[tuple[int, int]]
 
 
 def chunked_loss(x: torch.Tensor, weight: torch.Tensor, row_weight: torch.Tensor, target: torch.Tensor,
-                 probs: Callable[[int], torch.Tensor], bounds: list[tuple[int, int]], objective: Objective,
-                 inside: torch.Tensor) -> tuple[torch.Tensor, ...]:
+                 probs: Callable[[int], tuple[torch.Tensor, torch.Tensor]], bounds: list[tuple[int, int]],
+                 objective: Objective) -> tuple[torch.Tensor, ...]:
     """x [N, H] (drafter states), weight [Vd, H] (its lm_head), row_weight [N], target [N] (the
-    target's argmax in draft ids), probs(c) -> [n, Vd] float32 (the target's distribution over
-    the draft vocabulary at the rows of chunk c of `bounds`), inside [N] (the target's mass in
-    the draft vocabulary there) -> loss = sum_n row_weight[n] * value[n] (differentiable in x
+    target's argmax in draft ids), probs(c) -> [n, Vd] float32 and [n] (the target's
+    distribution over the draft vocabulary at the rows of chunk c of `bounds`, and the share of
+    its mass the draft vocabulary holds there) -> loss = sum_n row_weight[n] * value[n] (differentiable in x
     and weight), value [N] float32 (each pair's `objective.loss`), correct [N] bool (drafter's
     argmax == target) and accept [N] float32 (acceptance at T=1), holding one chunk's logits at
     a time."""
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return _ChunkedLoss.apply(x, weight, row_weight, target, probs, bounds, objective, inside, need_grad)
+    return _ChunkedLoss.apply(x, weight, row_weight, target, probs, bounds, objective, need_grad)
 
 
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, row_weight, target, probs, bounds, objective, inside, need_grad):
+    def forward(ctx, x, weight, row_weight, target, probs, bounds, objective, need_grad):
         w = _head_weight(weight)  # [Vd, H]
         value = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
         accept = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
@@ -223,8 +235,8 @@ class _ChunkedLoss(torch.autograd.Function):
         grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_grad else None
         pair_loss = fused_chunk_loss(x.is_cuda)
         for c, (lo, hi), xc, logits in _head_chunks(x, w, bounds):
-            p = probs(c)  # [n, Vd] float32, under the caller's autocast as the target head expects
-            value[lo:hi], accept[lo:hi], g = pair_loss(logits, p, row_weight[lo:hi], inside[lo:hi], objective.loss,
+            p, inside = probs(c)  # [n, Vd] float32, [n], under the caller's autocast as the target head expects
+            value[lo:hi], accept[lo:hi], g = pair_loss(logits, p, row_weight[lo:hi], inside, objective.loss,
                                                        objective.lk_eta)
             correct[lo:hi] = logits.argmax(-1) == target[lo:hi]
             if need_grad:
@@ -241,7 +253,7 @@ class _ChunkedLoss(torch.autograd.Function):
     def backward(ctx, grad_loss, _value, _correct, _accept):
         grad_x, grad_w = ctx.saved_tensors
         return (grad_x * grad_loss.to(grad_x.dtype), (grad_w * grad_loss).to(ctx.weight_dtype),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def chunk_loss(logits: torch.Tensor, probs: torch.Tensor, row_weight: torch.Tensor, inside: torch.Tensor,

@@ -1,8 +1,9 @@
 """The labels a drafter learns: the target's next-token distribution over the draft
 vocabulary at every position, from the stored last state through the target's own output
-head (models/target_head.py: the family's transforms included). Only the argmax is computed
-here, in row chunks so the full-vocabulary logits of a batch are never held at once; the
-distribution is computed by the loss, chunk by chunk, at the pairs it scores (draft/loss.py)."""
+head (models/target_head.py: the family's transforms included). Only the argmax and the
+full distribution's normaliser are computed here, in row chunks so the full-vocabulary logits
+of a batch are never held at once; the distribution is computed by the loss, chunk by chunk,
+at the pairs it scores (draft/loss.py)."""
 
 from __future__ import annotations
 
@@ -20,18 +21,19 @@ def make_labels(head: TargetHead, last_hidden: torch.Tensor, loss_mask: torch.Te
     target_to_draft = torch.full((head.lm_head_weight.shape[0],), -1, dtype=torch.long, device=last_hidden.device)
     target_to_draft[draft_ids] = torch.arange(len(draft_ids), device=last_hidden.device)
     # The full logits serve only the argmax, in the dtype they are computed in (a float32 copy
-    # changes no value), and the share of the target's mass that the draft vocabulary holds,
-    # through the family's own transform (Granite's scale, Gemma-2's cap). The draft
-    # vocabulary's distribution is the restricted head's (`head.restricted`).
+    # changes no value), and their log-sum-exp, the normaliser of the target's whole
+    # distribution. The draft vocabulary's logits come from its own rows of lm_head,
+    # contiguous, in the loss (`head.restricted`), instead of a column gather out of the full
+    # logits: for a small target those copies and gathers move more bytes than its matrix
+    # products. Both go through the family's own transform (Granite's scale, Gemma-2's cap).
     rows = max(1, LABEL_CHUNK // (T * head.lm_head_weight.shape[0]))  # bounds the [rows, T, V] logits
-    target_draft, inside = [], []
+    target_draft, full_lse = [], []
     for b in range(0, B, rows):
         logits = head.logits(last_hidden[b : b + rows])  # [rows, T, V]
         target_draft.append(target_to_draft[logits.argmax(-1)])
-        full = torch.logsumexp(logits.float(), -1)  # [rows, T]
-        inside.append(torch.exp(torch.logsumexp(logits[..., draft_ids].float(), -1) - full).clamp_max(1.0))
+        full_lse.append(torch.logsumexp(logits.float(), -1))  # [rows, T]
     return Labels(last_hidden, head.restricted(draft_ids), torch.cat(target_draft), trained_positions(loss_mask),
-                  torch.cat(inside))
+                  torch.cat(full_lse))
 
 
 LABEL_CHUNK = 1 << 28  # target logits computed at once (1 GiB in float32): rows, not the batch
