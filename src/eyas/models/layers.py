@@ -14,7 +14,7 @@ import torch.nn as nn
 
 from eyas.errors import EyasError
 from eyas.models.identity import text_config
-from eyas.options import AUTO_LAYERS, SPREAD_LAYERS
+from eyas.options import AUTO_LAYERS, SPREAD_LAYERS, aux_layer_count
 
 _NORM_NAMES = ("norm", "final_layernorm", "ln_f", "final_norm", "norm_f")
 
@@ -78,10 +78,10 @@ def resolve_layer_ids(spec: str | list[int] | tuple[int, ...], num_layers: int) 
     if spec == AUTO_LAYERS:
         aux = default_aux_ids(num_layers)
     elif isinstance(spec, str) and spec.startswith(SPREAD_LAYERS):
-        count = spec[len(SPREAD_LAYERS):]
-        if not count.isdigit():
+        count = aux_layer_count(spec)
+        if count is None:
             raise EyasError(f"--layers {spec!r}: write {SPREAD_LAYERS}K with K a whole number of layers.")
-        aux = spread_aux_ids(int(count), num_layers)
+        aux = spread_aux_ids(count, num_layers)
     else:
         try:
             aux = tuple(int(x) for x in spec.split(",")) if isinstance(spec, str) else tuple(int(x) for x in spec)
