@@ -72,7 +72,9 @@ def arms(args) -> dict[str, dict]:
     """The drafters trained (--arms, in order), each for --arm-minutes on the same regenerated data.
     P-EAGLE is EAGLE-3's recipe drafting its CHAIN tokens in one pass (CHAIN = its TTT steps). An
     arm `KIND:OPTION=VALUE:...` is that kind with `eyas train` options changed (e.g.
-    `dflash:anchors=512:position_weights=dpace`), trained into its own folder."""
+    `dflash:anchors=512:position_weights=dpace`), trained into its own folder; `minutes=M` trains
+    it for M minutes instead of --arm-minutes, and `init=N` starts it from the drafter of the N-th
+    arm (from 0) trained before it (`eagle3:init=0:position_weights=on-policy`)."""
     dflash = {"drafter": "dflash", "block_size": CHAIN + 1, "anchors": args.dflash_anchors}
     if args.dflash_layers:
         dflash["draft_layers"] = args.dflash_layers
@@ -117,7 +119,11 @@ def phase(report: dict, out: Path, name: str, run) -> bool:
 
 def train_arm(args, work: Path, report: dict, arm: str, options: dict) -> None:
     data = None if args.store else Path(args.data) if args.data else work / "regen"
-    result = train_for(args, data, arm_folder(work, arm), 60 * args.arm_minutes, options,
+    options = dict(options)
+    minutes = options.pop("minutes", args.arm_minutes)
+    if "init" in options:
+        options["init"] = str(arm_folder(work, args.arms[options["init"]]))
+    result = train_for(args, data, arm_folder(work, arm), 60 * minutes, options,
                        evals=max(700 // args.eval_every, 1), store=Path(args.store) if args.store else None,
                        warm_up=True)
     report["train"][arm] = {"steps": result["steps"], "seconds": result["seconds"], "options": options,
@@ -163,9 +169,10 @@ def regenerate_set(args, work: Path, report: dict) -> None:
 
 
 def proposers_for(trained: dict[str, Path], model, identity):
-    """plain, prompt lookup and each trained drafter (the EAGLE-3 chain, DFlash, P-EAGLE), all drafting CHAIN tokens.
-    The first arm of a kind keeps the method's own name (eagle3-chain, dflash, peagle); a further arm of that
-    kind is named after its changes (eagle3-chain[loss=lk-hybrid])."""
+    """plain, prompt lookup (CHAIN tokens) and each trained drafter (the EAGLE-3 chain, DFlash, P-EAGLE), each
+    drafting the depth it was trained to draft (eval's rule), with {method: depth}. The first arm of a kind keeps
+    the method's own name (eagle3-chain, dflash, peagle); a further arm of that kind is named after its changes
+    (eagle3-chain[loss=lk-hybrid])."""
     from eyas.evaluate.dflash import DFlash, DFlashSession
     from eyas.evaluate.drafter import DrafterSession
     from eyas.evaluate.peagle import PEagle
@@ -175,17 +182,20 @@ def proposers_for(trained: dict[str, Path], model, identity):
     drafters = {arm: load_checked_drafter(str(folder), model, identity) for arm, folder in trained.items()}
     if len({d.config.aux_layer_ids for d in drafters.values()}) > 1:
         raise SystemExit("the drafters must read the same aux layers (one target session serves them all)")
-    make = {"eagle3": lambda d: Eagle3(DrafterSession(d), CHAIN), "dflash": lambda d: DFlash(DFlashSession(d), CHAIN),
-            "peagle": lambda d: PEagle(DrafterSession(d), CHAIN)}
+    make = {"eagle3": lambda d: Eagle3(DrafterSession(d), d.config.depth),
+            "dflash": lambda d: DFlash(DFlashSession(d), d.config.depth),
+            "peagle": lambda d: PEagle(DrafterSession(d), d.config.depth)}
     aux = next(iter(drafters.values())).config.aux_layer_ids
     proposers, kinds_seen = [Proposer(), PromptLookup(CHAIN)], set()
+    depths = {proposers[1].name: CHAIN}
     for arm, drafter in drafters.items():
         proposer = make[arm_kind(arm)](drafter)
         if arm_kind(arm) in kinds_seen:
             proposer.name = f"{proposer.name}[{arm.partition(':')[2]}]"
         kinds_seen.add(arm_kind(arm))
         proposers.append(proposer)
-    return proposers, aux
+        depths[proposer.name] = drafter.config.depth
+    return proposers, aux, depths
 
 
 def decode(args, report: dict, trained: dict[str, Path], seconds: float) -> None:
@@ -202,7 +212,7 @@ def decode(args, report: dict, trained: dict[str, Path], seconds: float) -> None
     t0 = time.monotonic()
     model, tok = load_target(args.model, dtype="float32", device=args.device)
     identity = model_identity(args.model, model.config, tok)
-    proposers, aux_ids = proposers_for(trained, model, identity)
+    proposers, aux_ids, positions = proposers_for(trained, model, identity)
     target = TargetSession(model, aux_ids)
     eos = set(eos_ids(model.generation_config, tok))
     prompts = load_prompts(args.mt_bench)
@@ -221,7 +231,6 @@ def decode(args, report: dict, trained: dict[str, Path], seconds: float) -> None
                                warmup=i == 0)
         per_question = max(per_question, time.monotonic() - q0)
         print(f"question {prompt.id}: {time.monotonic() - q0:.1f} s", flush=True)
-    positions = {p.name: CHAIN for p in proposers[1:]}
     mt_records = [r for r in records if not r["prompt_id"].startswith("second-")]
     summaries = summarize(mt_records, positions)
     second_records = [r for r in records if r["prompt_id"].startswith("second-")]

@@ -142,8 +142,8 @@ def train_for(args, data: Path | None, folder: Path, seconds: float, options: di
     from eyas.train import TrainConfig, train
 
     source = dict(store=str(store)) if store else dict(online=True, model=args.model, data=str(data))
-    common = dict(**source, batch_tokens=args.batch_tokens, lr=args.lr,
-                  max_len=args.max_len, device=args.device, progress=False, save_every=10**6, **options)
+    common = {**dict(**source, batch_tokens=args.batch_tokens, lr=args.lr, max_len=args.max_len, device=args.device,
+                     progress=False, save_every=10**6), **options}  # an arm's options win (its own lr)
     if warm_up:
         scratch = folder.with_name(folder.name + "-warm-up")
         shutil.rmtree(scratch, ignore_errors=True)

@@ -18,7 +18,7 @@ from eyas.cli import SUBCOMMANDS, build_parser
 from eyas.errors import EyasError
 from eyas.options import (AUTO_LAYERS, AUTO_LAYERS_MEANS, BATCH_TOKENS, default_of, from_mapping,
                           help_text, key_of, option_fields, option_type)
-from eyas.recipe.run import STAGE_KEYS, check_stage_options, plan, run_recipe
+from eyas.recipe.run import STAGE_COMMAND, STAGE_KEYS, check_stage_options, plan, run_recipe
 
 
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
@@ -63,15 +63,16 @@ def _sample(f, meta, tp: str) -> object:
     return {bool: True, int: 2, float: 0.5, str: "x"}.get(tp, ["x"])  # else a list option
 
 
-def _linked(command: str) -> frozenset[str]:
-    """The options a recipe sets itself in its stages of `command` (a recipe with every stage)."""
-    recipe = {"model": "m", "prepare": {"data": "packaged:chitchat"}, "regenerate": {}, "eval": {}}
-    return frozenset().union(*(s.linked for s in plan(recipe, Path("w"), "r.yaml") if s.command == command))
+def _linked(key: str) -> frozenset[str]:
+    """The options a recipe sets itself in its stages of recipe key `key` (a recipe with every stage)."""
+    recipe = {"model": "m", "prepare": {"data": "packaged:chitchat"}, "regenerate": {}, "onpolicy": {}, "eval": {}}
+    return frozenset().union(*(s.linked for s in plan(recipe, Path("w"), "r.yaml")
+                               if (s.name if s.name in STAGE_COMMAND else s.command) == key))
 
 
 @pytest.mark.parametrize("stage", STAGE_KEYS)
 def test_a_recipe_key_for_each_option_of_a_stage_is_accepted(stage):
-    cls, linked = _config(stage), _linked(stage)
+    cls, linked = _config(STAGE_COMMAND.get(stage, stage)), _linked(stage)
     for f, meta in option_fields(cls):
         key = key_of(f)
         if key in linked:

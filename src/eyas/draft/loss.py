@@ -45,6 +45,7 @@ import torch.nn.functional as F
 
 from eyas.draft.flex import limited
 from eyas.draft.objective import Objective
+from eyas.draft.reach import accepted_lengths, chain_reach, reached_pairs
 
 # Columns of the per-step statistics: summed over trained positions.
 LOSS, CORRECT, COUNT, IN_VOCAB, ACCEPT = range(5)
@@ -60,6 +61,7 @@ class Labels:
     target_draft: torch.Tensor  # [B, T] long: draft id of the target's argmax at j, -1 if outside
     trained: torch.Tensor  # [B, T] bool: position j is trained (token j+1 is an assistant token)
     full_lse: torch.Tensor  # [B, T] float32: log-sum-exp of the target's logits over its whole vocabulary at j
+    greedy: torch.Tensor | None = None  # [B, T] bool: the sample's token j+1 is the target's greedy token at j
 
     def distribution(self, *index) -> tuple[torch.Tensor, torch.Tensor]:
         """At `hidden[index]` (every position when no index is given): the target's distribution
@@ -105,7 +107,8 @@ def ttt_loss(lm_head: nn.Linear, states: list[torch.Tensor], labels: Labels, wei
     (each step's weight over its normaliser), rows [B, T] bool: the rows anchoring a block,
     the only ones scored; `objective`: the pairs' loss, and with its `dpace_alpha` each pair's
     weight is further its D-PACE weight (`dpace_weights`), from the drafter's own current
-    probabilities.
+    probabilities; with its `on_policy` only the pairs that greedy decoding with the drafter as
+    it now is reaches weigh (`on_policy_pairs`); every trained pair is still measured.
 
     Returns the loss (sum_k weights[k] * summed pair loss of step k), per-step statistics
     [K, STATS] (loss sum, correct, trained, target argmax in draft vocab, acceptance at T=1)
@@ -150,6 +153,8 @@ def ttt_loss(lm_head: nn.Linear, states: list[torch.Tensor], labels: Labels, wei
         return p[inverse[lo:hi] - u0], inside[inverse[lo:hi] - u0]
 
     row_weight = weights[step] * in_vocab  # [N]
+    if objective.on_policy:
+        row_weight = row_weight * on_policy_pairs(x, lm_head.weight, labels, pairs, (step, b, i), target, bounds, rows)
     if objective.dpace_alpha is not None:
         q = torch.zeros(K, B, T, device=device)
         q[step, b, i] = target_probability(x.detach(), lm_head.weight, target, bounds)
@@ -179,6 +184,28 @@ def dpace_weights(q: torch.Tensor, pairs: torch.Tensor, alpha: float) -> torch.T
     m = pairs.float()
     passed = torch.where(pairs, (1 - alpha) * q + alpha, torch.ones_like(q)).cumprod(0)  # P [K, B, T]
     return m * (m * passed).flip(0).cumsum(0).flip(0)
+
+
+@torch.no_grad()
+def on_policy_pairs(x: torch.Tensor, weight: torch.Tensor, labels: Labels, pairs: torch.Tensor,
+                    at: tuple[torch.Tensor, ...], target: torch.Tensor, bounds: list[tuple[int, int]],
+                    rows: torch.Tensor | None) -> torch.Tensor:
+    """x [N, H] the drafter's states at the scored pairs `at` = (step, b, i), each [N], of `pairs`
+    [K, B, T], target [N] the target's greedy draft ids -> [N] bool: the pairs greedy decoding
+    with this drafter reaches (draft/reach.py), from its own current greedy drafts."""
+    if rows is not None:
+        raise ValueError("on-policy pairs follow chains drafted from every row; a kind trained on anchored blocks "
+                         "scores sampled rows")
+    if labels.greedy is None:
+        raise ValueError("on-policy pairs need labels made with the samples' input_ids (make_labels)")
+    step, b, i = at
+    drafted = torch.empty_like(target)
+    for _, (lo, hi), _, logits in _head_chunks(x, _head_weight(weight), bounds):
+        drafted[lo:hi] = logits.argmax(-1)
+    passes = torch.zeros_like(pairs)
+    passes[step, b, i] = (drafted == target) & labels.greedy[b, i + 1 + step]
+    K = pairs.shape[0]
+    return reached_pairs(chain_reach(accepted_lengths(passes), labels.trained, K), K)[step, b, i]
 
 
 @torch.no_grad()

@@ -11,10 +11,13 @@ LOSSES = ("soft-ce", "lk-hybrid", "lk-alpha")  # draft/loss.py's module docstrin
 @dataclass(frozen=True)
 class Objective:
     """What a scored pair's loss is (`LOSSES`, eta for lk-hybrid) and, with `dpace_alpha`, that
-    each pair is further weighted by its D-PACE weight (draft/loss.py `dpace_weights`)."""
+    each pair is further weighted by its D-PACE weight (draft/loss.py `dpace_weights`); with
+    `on_policy`, that only the pairs greedy decoding with the drafter reaches count
+    (draft/reach.py)."""
     loss: str = "soft-ce"
     lk_eta: float = 3.0
     dpace_alpha: float | None = None
+    on_policy: bool = False
 
     def __post_init__(self) -> None:
         if self.loss not in LOSSES:

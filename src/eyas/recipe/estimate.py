@@ -99,7 +99,7 @@ def _estimate(stage, recipe: dict[str, Any], prepared: Data, data: Data) -> str:
         return f"{prepared} in, answers up to max_new_tokens each; {minutes}"
     if stage.name == "capture":
         return _store(recipe, data)
-    if stage.name == "train":
+    if stage.name in ("train", "onpolicy"):
         if opts.get("minutes"):
             return f"{opts['minutes']} min (the schedule is sized to it); drafter + checkpoints ~3x its size"
         return "steps or epochs as given (no `minutes` bound); drafter + checkpoints ~3x its size"

@@ -9,6 +9,11 @@ links the stages (--model, --data, --out, --store, --draft...). Stages, in order
   capture     WORK/store               hidden states (only when `train` is not `online: true`)
   train       WORK/drafter             online, or offline from the store (under torchrun with
                                        `train: nproc_per_node: N`)
+  onpolicy    WORK/onpolicy            on-policy distillation (only with an `onpolicy` key): training
+                                       goes on from WORK/drafter on the same data, scoring only what
+                                       greedy decoding with the drafter reaches (--position-weights
+                                       on-policy); its keys override train's (minutes, lr...), and
+                                       the stages after it take its drafter
   heldout     WORK/eval/heldout.json   teacher-forced accuracy per TTT step on the held-out samples
                                        (offline: from the store, without loading the target)
   eval-chain  WORK/eval/chain.json     MT-bench (or `eval: prompts`), chain, against prompt lookup
@@ -50,7 +55,9 @@ from eyas.recipe.report import REPORTS, write_report
 from eyas.validate import COUNT
 
 STATE = "recipe-state.json"
-STAGE_KEYS = ("prepare", "regenerate", "capture", "train", "eval", "export")
+STAGE_KEYS = ("prepare", "regenerate", "capture", "train", "onpolicy", "eval", "export")
+STAGE_COMMAND = {"onpolicy": "train"}  # a recipe key whose stage runs another key's command
+SCHEDULE = ("minutes", "steps", "epochs")  # train's keys the onpolicy stage does not inherit
 
 
 @dataclass(frozen=True)
@@ -148,11 +155,11 @@ def check_stage_options(stage: str, options: Mapping[str, Any], where: str,
                         linked: frozenset[str] = frozenset()) -> None:
     """Before any stage runs: each key names an option of the stage's command (by its flag's
     name), with a value it takes, and none is one of the `linked` options the recipe sets
-    itself; else one line naming the stage and the key."""
+    itself; else one line naming the stage (its recipe key) and the key."""
     for key in options:
         if str(key).replace("-", "_") in linked:
             raise EyasError(f"{where}: `{stage}: {key}` is set by the recipe itself (it links the stages).")
-    check_mapping(_config_class(stage), options, f"{where}: `{stage}`", flags_only=True)
+    check_mapping(_config_class(STAGE_COMMAND.get(stage, stage)), options, f"{where}: `{stage}`", flags_only=True)
 
 
 def _stage(name: str, command: str, output: Path, where: str, head: Mapping[str, Any],
@@ -160,7 +167,7 @@ def _stage(name: str, command: str, output: Path, where: str, head: Mapping[str,
     """A stage whose options are the linking ones (`head` and `tail`, which the recipe alone
     sets) around the user's, checked as a whole config (`Stage.config`)."""
     linked = frozenset(str(k) for k in [*head, *tail])
-    check_stage_options(command, user, where, linked)
+    check_stage_options(name if STAGE_COMMAND.get(name) == command else command, user, where, linked)
     stage = Stage(name, command, {**head, **user, **tail}, output, processes, linked)
     stage.config(where)
     return stage
@@ -191,6 +198,17 @@ def plan(recipe: dict[str, Any], work: Path, where: str) -> list[Stage]:
               "data": str(data) if online else None}
     stages.append(_stage("train", "train", drafter, where, {**source, "out": str(drafter)}, train, {"resume": False},
                          processes=processes))
+    if "onpolicy" in recipe:
+        # The same data, split and settings as train's (not its length: minutes, steps or epochs are
+        # the stage's own), from train's drafter.
+        check_stage_options("onpolicy", opts["onpolicy"], where, frozenset({"online", "nproc_per_node"}))
+        inherited = {k.replace("-", "_"): v for k, v in train.items() if k.replace("-", "_") not in SCHEDULE}
+        onpolicy = work / "onpolicy"
+        stages.append(_stage("onpolicy", "train", onpolicy, where, {**source, "out": str(onpolicy)},
+                             {**inherited, **{k.replace("-", "_"): v for k, v in opts["onpolicy"].items()}},
+                             {"init": str(drafter), "position_weights": "on-policy", "resume": False},
+                             processes=processes))
+        drafter = onpolicy
     ev = work / "eval"
     # Held-out accuracy (when training holds samples out) needs no eval key: offline it reads the store (the
     # target is not loaded), online it runs the target as training did.

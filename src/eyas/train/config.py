@@ -22,12 +22,12 @@ ANCHORS = 512  # SpecForge's and speculators' default: bounds a sample's block t
 # Options added after runs were recorded, with the value such a run had (its drafter, restored
 # from the checkpoint, keeps the attention it was built with).
 ADDED = {"draft_attention": AUTO_ATTENTION, "optimizer": "adamw", "position_weights": "decay", "dpace_alpha": 0.5,
-         "loss": "soft-ce", "lk_eta": 3.0}
+         "loss": "soft-ce", "lk_eta": 3.0, "init": None}
 
 
 DATA, DRAFTER, SCHEDULE, RUN = "data", "drafter", "schedule", "run"  # the --help sections
 OPTIMIZERS = ("adamw", "muon")  # train/optim.py
-POSITION_WEIGHTS = ("decay", "dpace")  # draft/loss.py
+POSITION_WEIGHTS = ("decay", "dpace", "on-policy")  # draft/loss.py, draft/reach.py
 
 
 @dataclass(kw_only=True)
@@ -73,7 +73,11 @@ class TrainConfig:
     position_weights: str = option(
         "how TTT steps (dflash: block slots) weigh in the loss: decay = --ttt-decay^k on each step's mean; dpace = "
         "speculators' D-PACE: each pair weighs what it is worth to the acceptance length, from the drafter's own "
-        "current chance of reaching and passing it (--dpace-alpha), over the mean of all pairs",
+        "current chance of reaching and passing it (--dpace-alpha), over the mean of all pairs; on-policy = "
+        "on-policy distillation: only the steps that greedy decoding with the drafter as it now is reaches (its "
+        "accepted drafts and the first rejected one, chains walked along each answer as the target verifies "
+        "them), each answer token once, at the step that drafts it; for the target's own greedy answers "
+        "(eyas regenerate), after a first run (--init); not for blocks drafted from anchors",
         "decay", choices=POSITION_WEIGHTS, group=DRAFTER)
     dpace_alpha: float = option("dpace: each step passes with (1 - alpha) p + alpha, p the drafter's probability "
                                 "of the target's token", 0.5, rule=Number(lo=0, hi=1, lo_open=True, required=True),
@@ -86,6 +90,10 @@ class TrainConfig:
         "soft-ce", choices=LOSSES, group=DRAFTER)
     lk_eta: float = option("lk-hybrid: how soon the loss moves from KL to the acceptance rate as the two overlap",
                            3.0, rule=Number(lo=0, required=True), group=DRAFTER)
+    init: str | None = option(
+        "start from this trained drafter's weights (its folder: a run's --out or a checkpoint), of the same kind, "
+        "target and layers; its shape and draft vocabulary are kept, the optimizer starts afresh", None,
+        group=DRAFTER)
     intermediate_size: int | None = option(
         "the drafter's MLP width (default: the target's); vLLM and SGLang read it from the exported config", None,
         rule=COUNT, group=DRAFTER)
@@ -166,6 +174,10 @@ class TrainConfig:
             if value is not None and not getattr(kind, feature):
                 raise EyasError(f"{flag} is for --drafter {kinds.names(lambda k: getattr(k, feature))}, not "
                                 f"{kind.name}.")
+        if kind.anchored and self.position_weights == "on-policy":
+            raise EyasError(f"--position-weights on-policy follows chains drafted from every row; {kind.a_title()} "
+                            f"drafter trains on blocks from sampled anchors. Use it with --drafter "
+                            f"{kinds.names(lambda k: not k.anchored)}.")
         if not kind.eagle_options and (self.fc_norm or self.norm_output):
             raise EyasError(f"--fc-norm and --norm-output are EAGLE-3 options; drop them with --drafter {kind.name}.")
         if self.draft_attention not in (AUTO_ATTENTION, *kind.attentions):

@@ -15,8 +15,10 @@ from eyas.models.target_head import TargetHead
 
 @torch.no_grad()
 def make_labels(head: TargetHead, last_hidden: torch.Tensor, loss_mask: torch.Tensor,
-                draft_ids: torch.Tensor) -> Labels:
-    """last_hidden [B, T, H] (id N), loss_mask [B, T] bool, draft_ids [Vd] (target ids)."""
+                draft_ids: torch.Tensor, input_ids: torch.Tensor | None = None) -> Labels:
+    """last_hidden [B, T, H] (id N), loss_mask [B, T] bool, draft_ids [Vd] (target ids); with the
+    samples' input_ids [B, T], also where each sample goes on with the target's greedy token
+    (what on-policy training's walk follows, draft/reach.py)."""
     B, T, _ = last_hidden.shape
     target_to_draft = torch.full((head.lm_head_weight.shape[0],), -1, dtype=torch.long, device=last_hidden.device)
     target_to_draft[draft_ids] = torch.arange(len(draft_ids), device=last_hidden.device)
@@ -27,13 +29,18 @@ def make_labels(head: TargetHead, last_hidden: torch.Tensor, loss_mask: torch.Te
     # logits: for a small target those copies and gathers move more bytes than its matrix
     # products. Both go through the family's own transform (Granite's scale, Gemma-2's cap).
     rows = max(1, LABEL_CHUNK // (T * head.lm_head_weight.shape[0]))  # bounds the [rows, T, V] logits
-    target_draft, full_lse = [], []
+    target_draft, full_lse, greedy = [], [], []
     for b in range(0, B, rows):
         logits = head.logits(last_hidden[b : b + rows])  # [rows, T, V]
-        target_draft.append(target_to_draft[logits.argmax(-1)])
+        argmax = logits.argmax(-1)  # [rows, T] target ids
+        target_draft.append(target_to_draft[argmax])
         full_lse.append(torch.logsumexp(logits.float(), -1))  # [rows, T]
+        if input_ids is not None:
+            follows = torch.zeros_like(argmax, dtype=torch.bool)
+            follows[:, :-1] = argmax[:, :-1] == input_ids[b : b + rows, 1:]
+            greedy.append(follows)
     return Labels(last_hidden, head.restricted(draft_ids), torch.cat(target_draft), trained_positions(loss_mask),
-                  torch.cat(full_lse))
+                  torch.cat(full_lse), torch.cat(greedy) if input_ids is not None else None)
 
 
 LABEL_CHUNK = 1 << 28  # target logits computed at once (1 GiB in float32): rows, not the batch

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -90,7 +90,7 @@ def train(cfg: TrainConfig, stop_at: int | None = None) -> dict[str, Any]:
     `stop_at` ends the run after that step with a checkpoint, exactly as an interruption
     would, while the schedule still spans the whole run (tests use it to prove resumption).
     """
-    check_confined(cfg.out, {"--store": cfg.store, "--data": cfg.data, "--model": cfg.model})
+    check_confined(cfg.out, {"--store": cfg.store, "--data": cfg.data, "--model": cfg.model, "--init": cfg.init})
     started = budget.clock()  # a --minutes budget counts the set-up (model loads) too
     d, device = distributed.init(cfg.device, cfg.fsdp)
     created_group = d.enabled
@@ -141,6 +141,10 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device, memory: I
         cfg.check_resumable(trainer["config"])
         drafter = load_drafter(previous, head.embed_weight)
         _log(d, f"resuming {out} from {previous.name}")
+    elif cfg.init:
+        drafter = _init_drafter(cfg, source, head, d)
+        draft = drafter.config
+        _check_step(cfg, draft, [(len(b), max(source.lengths[p] for p in b)) for b in stream.batches], d, device)
     else:
         draft, draft_ids = _new_draft_config(cfg, source, folder, train_pos, d, memory and memory.draft)
         _check_fits(draft, d, device)
@@ -204,6 +208,32 @@ def _check_complete(store, allowed: bool) -> None:
 def _check_identity(spec: str, folder: str, source: StoreSource) -> None:
     identity = model_identity(spec, AutoConfig.from_pretrained(folder), load_tokenizer(spec), folder)
     identity.check_same(source.identity, f"The store {source.store.path}")
+
+
+def _init_drafter(cfg: TrainConfig, source, head: TargetHead, d: distributed.Dist) -> Drafter:
+    """--init: the trained drafter this run starts from, checked against the data and against
+    the options that would shape another drafter; it keeps its layers and draft vocabulary and
+    takes this run's TTT steps, decay and the data's chat template."""
+    trained = load_drafter(cfg.init, head.embed_weight)
+    given = trained.config
+    where = f"The store {cfg.store}" if cfg.store else f"The target {cfg.model}"
+    ckpt.check_store_matches(given, source.identity, source.layer_ids, source.hidden_size,
+                             f"{where} (training from --init {cfg.init})")
+    if given.drafter != cfg.drafter:
+        raise EyasError(f"--init {cfg.init} is {given.kind.a_title()} drafter; pass --drafter {given.drafter}.")
+    shaped = {"--draft-layers": (cfg.draft_layers, given.num_hidden_layers),
+              "--draft-vocab": (cfg.draft_vocab, given.draft_vocab_size),
+              "--intermediate-size": (cfg.intermediate_size, given.intermediate_size)}
+    for flag, (asked, has) in shaped.items():
+        if asked is not None and asked != has:
+            raise EyasError(f"{flag} {asked}: --init {cfg.init} has {has}; a run from it keeps its shape (drop "
+                            f"{flag}, or train a new drafter without --init).")
+    draft = replace(given, ttt_steps=cfg.ttt_steps, ttt_decay=cfg.ttt_decay, chat_template=source.chat_template)
+    drafter = new_drafter(draft, head.embed_weight)
+    drafter.load_state_dict(trained.state_dict())
+    _log(d, f"starting from --init {cfg.init}: {given.kind.a_title()} drafter, {given.num_hidden_layers} layer(s), "
+            f"a draft vocabulary of {given.draft_vocab_size}")
+    return drafter
 
 
 def _check_layer_ids(source) -> None:
@@ -351,7 +381,7 @@ def forward(run: Run, batch: Batch, weights: torch.Tensor, wrapped: bool = True,
     model = run.model if wrapped else run.drafter
     with _autocast(run.device):
         with timed(timer, "labels"):
-            labels = make_labels(run.head, batch.hidden[:, :, -1], batch.loss_mask, _draft_ids(run))
+            labels = make_labels(run.head, batch.hidden[:, :, -1], batch.loss_mask, _draft_ids(run), batch.input_ids)
         with timed(timer, "forward"):
             return model(batch.input_ids, batch.hidden[:, :, :-1], labels, weights, rows, objective(run.cfg))
 
@@ -371,13 +401,16 @@ def _draft_ids(run: Run) -> torch.Tensor:
 
 
 def objective(cfg: TrainConfig) -> Objective:
-    """The pairs' loss and, under D-PACE, its alpha."""
-    return Objective(cfg.loss, cfg.lk_eta, cfg.dpace_alpha if cfg.position_weights == "dpace" else None)
+    """The pairs' loss and, under D-PACE, its alpha; on-policy or not."""
+    return Objective(cfg.loss, cfg.lk_eta, cfg.dpace_alpha if cfg.position_weights == "dpace" else None,
+                     cfg.position_weights == "on-policy")
 
 
 def _weights(run: Run, positions: list[list[int]]) -> torch.Tensor:
     """[K] decay^k x world / (trained pairs of step k over the whole global batch); under
-    D-PACE world / (trained pairs of every step), each pair's own weight applied in the loss."""
+    D-PACE world / (trained pairs of every step), each pair's own weight applied in the loss;
+    on-policy world / (trained pairs of step 0), about the pairs decoding reaches (one per
+    answer token), which are known only in the forward."""
     K = run.draft.ttt_steps
     counts = torch.zeros(K)
     for batch in positions:
@@ -390,6 +423,8 @@ def _weights(run: Run, positions: list[list[int]]) -> torch.Tensor:
     counts = distributed.all_reduce(_to_device(counts, run.device), run.d)
     if objective(run.cfg).dpace_alpha is not None:
         return torch.where(counts > 0, run.d.world / counts.sum().clamp_min(1), torch.zeros_like(counts))
+    if objective(run.cfg).on_policy:
+        return torch.where(counts > 0, run.d.world / counts[0].clamp_min(1), torch.zeros_like(counts))
     decay = _to_device(torch.tensor([run.draft.ttt_decay ** k for k in range(K)]), run.device)
     return torch.where(counts > 0, decay * run.d.world / counts.clamp_min(1), torch.zeros_like(decay))
 
