@@ -47,7 +47,7 @@ def main() -> None:
     # Each phase that fails is recorded and the run goes on without it: the JSON holds what was measured.
     if args.data or args.store:  # an earlier run's regenerated set or store: the arms train on it as it is
         report["regenerate"] = {"data": args.data, "store": args.store, "reused": True}
-    else:
+    elif args.arms:  # a decode-only call (--arms '' --drafter ...) needs no data
         phase(report, out, "regenerate", lambda: regenerate_set(args, work, report))
     trained = dict(args.drafter)
     for kind, folder in args.drafter.items():  # trained in an earlier call: their own last held-out pass
