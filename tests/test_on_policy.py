@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eyas.draft.loss import step_counts
+from eyas.draft.loss import CHAINS_ACCEPTING, CHAINS_REACHING, COUNT, step_counts
 from eyas.draft.objective import Objective
 from eyas.draft.reach import accepted_lengths, chain_reach, reached_pairs
+from eyas.train.metrics import summarize
 from test_adversarial import cli, train_args
 from test_store_damage import tiny_prepared, tiny_store  # noqa: F401
 
@@ -125,7 +126,7 @@ def test_on_policy_training_scores_exactly_what_a_draft_verify_loop_reaches(smol
     walk over the stored sample, from the drafter's greedy drafts and the target's greedy
     tokens, finds the same ones; and the on-policy loss is soft cross-entropy summed over
     exactly those pairs, over the trained positions of step 0, values and gradients (float32,
-    1e-5)."""
+    1e-5); the chains counted in the statistics are the loop's, so tau_walk is its tau."""
     from eyas.draft.checkpoint import load_drafter
     from eyas.models import resolve_model
     from eyas.models.states import TargetStates
@@ -180,8 +181,15 @@ def test_on_policy_training_scores_exactly_what_a_draft_verify_loop_reaches(smol
     for a, r in zip(grads, torch.autograd.grad(ref, params)):
         torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
     # Every trained pair is still measured; only the reached ones weigh.
-    assert stats[:, 2].tolist() == counts.tolist()
-    assert not torch.isclose(loss, model(input_ids, hidden[:, :, :-1], labels, weights)[0], rtol=1e-3)
+    assert stats[:, COUNT].tolist() == counts.tolist()
+    plain_loss, plain_stats, _ = model(input_ids, hidden[:, :, :-1], labels, weights)
+    assert not torch.isclose(loss, plain_loss, rtol=1e-3)
+    # Either way the statistics count the loop's chains: how many, and how many accepted each
+    # step; so tau_walk is the loop's own tau on these answers.
+    for s in (stats, plain_stats):
+        assert s[:, CHAINS_REACHING].tolist() == [sum(min(a + 1, K) > k for a in accepted) for k in range(K)]
+        assert s[:, CHAINS_ACCEPTING].tolist() == [sum(a > k for a in accepted) for k in range(K)]
+    assert summarize(stats)["tau_walk"] == round(1 + sum(accepted) / len(accepted), 4)
 
 
 TRAIN = ["--steps", "3", "--ttt-steps", "2", "--save-every", "1", "--lr", "0.001"]

@@ -47,9 +47,11 @@ from eyas.draft.flex import limited
 from eyas.draft.objective import Objective
 from eyas.draft.reach import accepted_lengths, chain_reach, reached_pairs
 
-# Columns of the per-step statistics: summed over trained positions.
-LOSS, CORRECT, COUNT, IN_VOCAB, ACCEPT = range(5)
-STATS = 5
+# Columns of the per-step statistics: summed over trained positions; then, where the labels
+# know the samples' greedy path, over the chains greedy decoding drafts along them
+# (draft/reach.py): the chains reaching step k, and those whose step-k draft is accepted.
+LOSS, CORRECT, COUNT, IN_VOCAB, ACCEPT, CHAINS_REACHING, CHAINS_ACCEPTING = range(7)
+STATS = 7
 LOSS_CHUNK = 1 << 27  # [pairs, Vd] logits a loss chunk holds (512 MiB a float32 temporary)
 LK_EPS = 1e-6  # keeps lk-alpha finite where the two distributions do not overlap at all
 
@@ -108,7 +110,9 @@ def ttt_loss(lm_head: nn.Linear, states: list[torch.Tensor], labels: Labels, wei
     the only ones scored; `objective`: the pairs' loss, and with its `dpace_alpha` each pair's
     weight is further its D-PACE weight (`dpace_weights`), from the drafter's own current
     probabilities; with its `on_policy` only the pairs that greedy decoding with the drafter as
-    it now is reaches weigh (`on_policy_pairs`); every trained pair is still measured.
+    it now is reaches weigh (`chains`, draft/reach.py); every trained pair is still measured.
+    Where the labels know the samples' greedy path (made with their input_ids) and every row is
+    scored, the statistics also count the chains greedy decoding drafts along them.
 
     Returns the loss (sum_k weights[k] * summed pair loss of step k), per-step statistics
     [K, STATS] (loss sum, correct, trained, target argmax in draft vocab, acceptance at T=1)
@@ -153,8 +157,15 @@ def ttt_loss(lm_head: nn.Linear, states: list[torch.Tensor], labels: Labels, wei
         return p[inverse[lo:hi] - u0], inside[inverse[lo:hi] - u0]
 
     row_weight = weights[step] * in_vocab  # [N]
+    walk = None  # (accepted, reach) [B, T] each: the chains greedy decoding drafts along the samples
     if objective.on_policy:
-        row_weight = row_weight * on_policy_pairs(x, lm_head.weight, labels, pairs, (step, b, i), target, bounds, rows)
+        if rows is not None:
+            raise ValueError("on-policy pairs follow chains drafted from every row; a kind trained on anchored "
+                             "blocks scores sampled rows")
+        if labels.greedy is None:
+            raise ValueError("on-policy pairs need labels made with the samples' input_ids (make_labels)")
+        walk = chains(greedy_drafts(x, lm_head.weight, bounds) == target, labels, pairs, (step, b, i))
+        row_weight = row_weight * reached_pairs(walk[1], K)[step, b, i]
     if objective.dpace_alpha is not None:
         q = torch.zeros(K, B, T, device=device)
         q[step, b, i] = target_probability(x.detach(), lm_head.weight, target, bounds)
@@ -162,8 +173,17 @@ def ttt_loss(lm_head: nn.Linear, states: list[torch.Tensor], labels: Labels, wei
     loss, value, correct, accept = chunked_loss(x, lm_head.weight, row_weight, target, probs, bounds, objective)
     value = torch.where(in_vocab, value, 0.0)  # a pair out of the drafter's reach adds no loss
     zeros = torch.zeros(K, device=device)
+    reaching = accepting = zeros
+    if walk is None and labels.greedy is not None and rows is None:
+        walk = chains(correct, labels, pairs, (step, b, i))
+    if walk is not None:
+        accepted, reach = walk
+        k = torch.arange(K, device=device)[:, None, None]
+        reaching = (k < reach[None]).flatten(1).sum(1).float()  # [K]
+        accepting = ((k < accepted[None]) & (reach[None] > 0)).flatten(1).sum(1).float()
     stats = torch.stack([zeros.index_add(0, step, value), zeros.index_add(0, step, correct.float()), counts.float(),
-                         zeros.index_add(0, step, in_vocab.float()), zeros.index_add(0, step, accept)], dim=1)
+                         zeros.index_add(0, step, in_vocab.float()), zeros.index_add(0, step, accept), reaching,
+                         accepting], dim=1)
     return loss, stats, torch.zeros(B, device=device).index_add(0, b, value)
 
 
@@ -187,25 +207,27 @@ def dpace_weights(q: torch.Tensor, pairs: torch.Tensor, alpha: float) -> torch.T
 
 
 @torch.no_grad()
-def on_policy_pairs(x: torch.Tensor, weight: torch.Tensor, labels: Labels, pairs: torch.Tensor,
-                    at: tuple[torch.Tensor, ...], target: torch.Tensor, bounds: list[tuple[int, int]],
-                    rows: torch.Tensor | None) -> torch.Tensor:
-    """x [N, H] the drafter's states at the scored pairs `at` = (step, b, i), each [N], of `pairs`
-    [K, B, T], target [N] the target's greedy draft ids -> [N] bool: the pairs greedy decoding
-    with this drafter reaches (draft/reach.py), from its own current greedy drafts."""
-    if rows is not None:
-        raise ValueError("on-policy pairs follow chains drafted from every row; a kind trained on anchored blocks "
-                         "scores sampled rows")
-    if labels.greedy is None:
-        raise ValueError("on-policy pairs need labels made with the samples' input_ids (make_labels)")
-    step, b, i = at
-    drafted = torch.empty_like(target)
+def greedy_drafts(x: torch.Tensor, weight: torch.Tensor, bounds: list[tuple[int, int]]) -> torch.Tensor:
+    """x [N, H] the drafter's states, weight [Vd, H] its lm_head -> its greedy draft ids [N], a
+    chunk of rows (`bounds`) at a time."""
+    drafted = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     for _, (lo, hi), _, logits in _head_chunks(x, _head_weight(weight), bounds):
         drafted[lo:hi] = logits.argmax(-1)
+    return drafted
+
+
+@torch.no_grad()
+def chains(correct: torch.Tensor, labels: Labels, pairs: torch.Tensor,
+           at: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """correct [N] (the drafter's greedy token is the target's) at the scored pairs `at` =
+    (step, b, i), each [N], of `pairs` [K, B, T] -> the drafts a chain from each row would
+    have accepted and the steps greedy decoding reaches from it, [B, T] each (draft/reach.py):
+    a step passes where the drafter is right and the sample goes on with the target's token."""
+    step, b, i = at
     passes = torch.zeros_like(pairs)
-    passes[step, b, i] = (drafted == target) & labels.greedy[b, i + 1 + step]
-    K = pairs.shape[0]
-    return reached_pairs(chain_reach(accepted_lengths(passes), labels.trained, K), K)[step, b, i]
+    passes[step, b, i] = correct & labels.greedy[b, i + 1 + step]
+    accepted = accepted_lengths(passes)
+    return accepted, chain_reach(accepted, labels.trained, pairs.shape[0])
 
 
 @torch.no_grad()

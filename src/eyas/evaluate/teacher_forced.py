@@ -30,7 +30,7 @@ from eyas.store.format import MANIFEST
 from eyas.train.checkpoint import check_store_matches, latest_checkpoint, read_checkpoint
 from eyas.train.data import OnlineSource, StoreSource, split
 from eyas.train.loop import score
-from eyas.train.metrics import TAU_DEFINITION
+from eyas.train.metrics import TAU_DEFINITION, WALK_DEFINITION
 
 
 def training_settings(draft: str | Path) -> dict[str, Any]:
@@ -83,7 +83,8 @@ def _check_target(model: str, identity, what: str) -> None:
 
 
 def write(result: dict[str, Any], out: str | Path) -> None:
-    atomic_write_json(Path(out), {"teacher_forced": result, "tau_sim_definition": TAU_DEFINITION})
+    atomic_write_json(Path(out), {"teacher_forced": result, "tau_sim_definition": TAU_DEFINITION,
+                                  **({"tau_walk_definition": WALK_DEFINITION} if "tau_walk" in result else {})})
 
 
 def format_result(result: dict[str, Any]) -> str:
@@ -91,4 +92,6 @@ def format_result(result: dict[str, Any]) -> str:
     return (f"teacher-forced on {result['samples']} sample(s) of {result['data']}"
             f"{' (the training run held out)' if result['held_out'] else ''}: {result['positions']} positions\n"
             f"accuracy per TTT step: {acc}\ntau_sim {result['tau_sim']:.3f}, loss {result['loss']:.4f}\n"
+            + (f"tau_walk {result['tau_walk']:.3f} over {result['chains']} chains ({WALK_DEFINITION})\n"
+               if "tau_walk" in result else "")
             + json.dumps({"acc_per_step": result["acc_per_step"]}))

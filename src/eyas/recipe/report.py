@@ -43,7 +43,9 @@ def write_report(recipe: dict[str, Any], work: Path, stages, where: str) -> Path
         lines += ["## Held-out accuracy per TTT step (teacher-forced)", "",
                   f"{heldout['samples']} held-out samples, {heldout['positions']} positions: "
                   + ", ".join(f"step {k} {a:.3f}" for k, a in enumerate(heldout["acc_per_step"]))
-                  + f"; tau_sim {heldout['tau_sim']:.3f}", ""]
+                  + f"; tau_sim {heldout['tau_sim']:.3f}"
+                  + (f"; tau_walk {heldout['tau_walk']:.3f} (greedy chains walked along the held-out answers, as "
+                     f"decoding drafts them)" if "tau_walk" in heldout else ""), ""]
     if summary:
         settings = chain.get("settings") or tree.get("settings") or {}
         depth = chain.get("draft_depth") or tree.get("draft_depth")

@@ -381,7 +381,9 @@ def forward(run: Run, batch: Batch, weights: torch.Tensor, wrapped: bool = True,
     model = run.model if wrapped else run.drafter
     with _autocast(run.device):
         with timed(timer, "labels"):
-            labels = make_labels(run.head, batch.hidden[:, :, -1], batch.loss_mask, _draft_ids(run), batch.input_ids)
+            # The samples' greedy path only where the loss walks it: the walk waits for the GPU.
+            greedy = batch.input_ids if run.cfg.position_weights == "on-policy" else None
+            labels = make_labels(run.head, batch.hidden[:, :, -1], batch.loss_mask, _draft_ids(run), greedy)
         with timed(timer, "forward"):
             return model(batch.input_ids, batch.hidden[:, :, :-1], labels, weights, rows, objective(run.cfg))
 
@@ -541,7 +543,7 @@ def score(source, head: TargetHead, model: torch.nn.Module, draft_ids: torch.Ten
         _check_inputs(batch)
         rows = _anchor_rows(source, positions_i, K, anchors, seed, HELD_OUT, device)
         with _autocast(device):
-            labels = make_labels(head, batch.hidden[:, :, -1], batch.loss_mask, draft_ids)
+            labels = make_labels(head, batch.hidden[:, :, -1], batch.loss_mask, draft_ids, batch.input_ids)
             s = model(batch.input_ids, batch.hidden[:, :, :-1], labels, weights, *([] if rows is None else [rows]))[1]
         if i < len(stream):
             stats += s

@@ -11,13 +11,17 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.paths import atomic_write_bytes
-from eyas.draft.loss import ACCEPT, CORRECT, COUNT, IN_VOCAB, LOSS, simulated_acceptance
+from eyas.draft.loss import (ACCEPT, CHAINS_ACCEPTING, CHAINS_REACHING, CORRECT, COUNT, IN_VOCAB, LOSS,
+                             simulated_acceptance)
 
 METRICS_FILE = "metrics.jsonl"
 TAU_DEFINITION = "tau_sim = 1 + sum_k prod_{j<=k} acc_j (acceptance length if step k is accepted with prob. acc_k)"
 ACCEPT_DEFINITION = ("accept_t1 = sum_v min(p_v, q_v): the chance speculative sampling at temperature 1 accepts the "
                      "drafter's token (p the target's full distribution, q the drafter's); tau_sim_t1 the same "
                      "product over steps")
+WALK_DEFINITION = ("tau_walk = 1 + accepted drafts per chain, chains of K drafted greedily along the samples and "
+                   "verified against the target's greedy token as decoding does (eval's tau, exact on the target's "
+                   "own greedy answers); walk = the share of chains accepting step k")
 
 
 def summarize(stats: torch.Tensor) -> dict[str, Any]:
@@ -37,7 +41,19 @@ def summarize(stats: torch.Tensor) -> dict[str, Any]:
         "tau_sim_t1": round(simulated_acceptance(accept), 4),
         "vocab_coverage": round(float(s[0, IN_VOCAB] / count[0]), 5),
         "positions": int(s[0, COUNT]),
+        **_walk(s),
     }
+
+
+def _walk(s: torch.Tensor) -> dict[str, Any]:
+    """The chains greedy decoding drafts along the samples (where they were walked): the share
+    accepting each step, which is eval's acceptance at position k + 1, and tau_walk."""
+    chains = float(s[0, CHAINS_REACHING]) if s.shape[1] > CHAINS_REACHING else 0.0
+    if not chains:
+        return {}
+    accepting = (s[:, CHAINS_ACCEPTING] / chains).tolist()
+    return {"accept_walk_per_step": [round(x, 5) for x in accepting], "tau_walk": round(1 + sum(accepting), 4),
+            "chains": int(chains)}
 
 
 class MetricsLog:
@@ -108,8 +124,12 @@ def format_table(rows: dict[str, dict[str, Any]]) -> str:
         if "accept_t1_per_step" in r:  # rows written before it was measured have none
             lines.append(f"{split + ' T=1':10}" + "".join(f"{a:9.3f}" for a in r["accept_t1_per_step"])
                          + f"{r['tau_sim_t1']:10.3f}")
+        if "tau_walk" in r:
+            lines.append(f"{split + ' walk':10}" + "".join(f"{a:9.3f}" for a in r["accept_walk_per_step"])
+                         + f"{r['tau_walk']:10.3f}")
     coverage = ", ".join(f"{split} {r['vocab_coverage']:.3f}" for split, r in rows.items())
     lines += [f"acc = top-1 agreement with the target's greedy token on trained positions (at most the share of "
               f"those tokens inside the draft vocab: {coverage})", TAU_DEFINITION, ACCEPT_DEFINITION,
+              *([WALK_DEFINITION] if any("tau_walk" in r for r in rows.values()) else []),
               "train = the batches of the last logged steps, as they were trained; eval = the held-out samples"]
     return "\n".join(lines)
