@@ -190,6 +190,7 @@ def test_on_policy_training_scores_exactly_what_a_draft_verify_loop_reaches(smol
         assert s[:, CHAINS_REACHING].tolist() == [sum(min(a + 1, K) > k for a in accepted) for k in range(K)]
         assert s[:, CHAINS_ACCEPTING].tolist() == [sum(a > k for a in accepted) for k in range(K)]
     assert summarize(stats)["tau_walk"] == round(1 + sum(accepted) / len(accepted), 4)
+    assert summarize(stats)["greedy_path"] == 1.0
 
 
 TRAIN = ["--steps", "3", "--ttt-steps", "2", "--save-every", "1", "--lr", "0.001"]

@@ -48,10 +48,11 @@ from eyas.draft.objective import Objective
 from eyas.draft.reach import accepted_lengths, chain_reach, reached_pairs
 
 # Columns of the per-step statistics: summed over trained positions; then, where the labels
-# know the samples' greedy path, over the chains greedy decoding drafts along them
+# know the samples' greedy path, the trained positions on it (the sample's next token is the
+# target's greedy token), and over the chains greedy decoding drafts along the samples
 # (draft/reach.py): the chains reaching step k, and those whose step-k draft is accepted.
-LOSS, CORRECT, COUNT, IN_VOCAB, ACCEPT, CHAINS_REACHING, CHAINS_ACCEPTING = range(7)
-STATS = 7
+LOSS, CORRECT, COUNT, IN_VOCAB, ACCEPT, GREEDY_PATH, CHAINS_REACHING, CHAINS_ACCEPTING = range(8)
+STATS = 8
 LOSS_CHUNK = 1 << 27  # [pairs, Vd] logits a loss chunk holds (512 MiB a float32 temporary)
 LK_EPS = 1e-6  # keeps lk-alpha finite where the two distributions do not overlap at all
 
@@ -173,7 +174,9 @@ def ttt_loss(lm_head: nn.Linear, states: list[torch.Tensor], labels: Labels, wei
     loss, value, correct, accept = chunked_loss(x, lm_head.weight, row_weight, target, probs, bounds, objective)
     value = torch.where(in_vocab, value, 0.0)  # a pair out of the drafter's reach adds no loss
     zeros = torch.zeros(K, device=device)
-    reaching = accepting = zeros
+    reaching = accepting = on_path = zeros
+    if labels.greedy is not None:
+        on_path = zeros.index_add(0, step, labels.greedy[b, j].float())
     if walk is None and labels.greedy is not None and rows is None:
         walk = chains(correct, labels, pairs, (step, b, i))
     if walk is not None:
@@ -182,8 +185,8 @@ def ttt_loss(lm_head: nn.Linear, states: list[torch.Tensor], labels: Labels, wei
         reaching = (k < reach[None]).flatten(1).sum(1).float()  # [K]
         accepting = ((k < accepted[None]) & (reach[None] > 0)).flatten(1).sum(1).float()
     stats = torch.stack([zeros.index_add(0, step, value), zeros.index_add(0, step, correct.float()), counts.float(),
-                         zeros.index_add(0, step, in_vocab.float()), zeros.index_add(0, step, accept), reaching,
-                         accepting], dim=1)
+                         zeros.index_add(0, step, in_vocab.float()), zeros.index_add(0, step, accept), on_path,
+                         reaching, accepting], dim=1)
     return loss, stats, torch.zeros(B, device=device).index_add(0, b, value)
 
 

@@ -92,6 +92,7 @@ def format_result(result: dict[str, Any]) -> str:
     return (f"teacher-forced on {result['samples']} sample(s) of {result['data']}"
             f"{' (the training run held out)' if result['held_out'] else ''}: {result['positions']} positions\n"
             f"accuracy per TTT step: {acc}\ntau_sim {result['tau_sim']:.3f}, loss {result['loss']:.4f}\n"
-            + (f"tau_walk {result['tau_walk']:.3f} over {result['chains']} chains ({WALK_DEFINITION})\n"
-               if "tau_walk" in result else "")
+            + (f"tau_walk {result['tau_walk']:.3f} over {result['chains']} chains; "
+               f"{100 * result['greedy_path']:.1f}% of the answer tokens are the target's greedy tokens "
+               f"({WALK_DEFINITION})\n" if "tau_walk" in result else "")
             + json.dumps({"acc_per_step": result["acc_per_step"]}))

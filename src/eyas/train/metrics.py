@@ -11,8 +11,8 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.paths import atomic_write_bytes
-from eyas.draft.loss import (ACCEPT, CHAINS_ACCEPTING, CHAINS_REACHING, CORRECT, COUNT, IN_VOCAB, LOSS,
-                             simulated_acceptance)
+from eyas.draft.loss import (ACCEPT, CHAINS_ACCEPTING, CHAINS_REACHING, CORRECT, COUNT, GREEDY_PATH, IN_VOCAB,
+                             LOSS, simulated_acceptance)
 
 METRICS_FILE = "metrics.jsonl"
 TAU_DEFINITION = "tau_sim = 1 + sum_k prod_{j<=k} acc_j (acceptance length if step k is accepted with prob. acc_k)"
@@ -21,7 +21,8 @@ ACCEPT_DEFINITION = ("accept_t1 = sum_v min(p_v, q_v): the chance speculative sa
                      "product over steps")
 WALK_DEFINITION = ("tau_walk = 1 + accepted drafts per chain, chains of K drafted greedily along the samples and "
                    "verified against the target's greedy token as decoding does (eval's tau, exact on the target's "
-                   "own greedy answers); walk = the share of chains accepting step k")
+                   "own greedy answers: a chain ends where an answer leaves that path); walk = the share of chains "
+                   "accepting step k")
 
 
 def summarize(stats: torch.Tensor) -> dict[str, Any]:
@@ -53,7 +54,7 @@ def _walk(s: torch.Tensor) -> dict[str, Any]:
         return {}
     accepting = (s[:, CHAINS_ACCEPTING] / chains).tolist()
     return {"accept_walk_per_step": [round(x, 5) for x in accepting], "tau_walk": round(1 + sum(accepting), 4),
-            "chains": int(chains)}
+            "chains": int(chains), "greedy_path": round(float(s[0, GREEDY_PATH] / s[0, COUNT].clamp_min(1)), 5)}
 
 
 class MetricsLog:
@@ -126,7 +127,8 @@ def format_table(rows: dict[str, dict[str, Any]]) -> str:
                          + f"{r['tau_sim_t1']:10.3f}")
         if "tau_walk" in r:
             lines.append(f"{split + ' walk':10}" + "".join(f"{a:9.3f}" for a in r["accept_walk_per_step"])
-                         + f"{r['tau_walk']:10.3f}")
+                         + f"{r['tau_walk']:10.3f}   ({r['chains']} chains; {100 * r['greedy_path']:.1f}% of "
+                           f"the answer tokens are the target's greedy tokens)")
     coverage = ", ".join(f"{split} {r['vocab_coverage']:.3f}" for split, r in rows.items())
     lines += [f"acc = top-1 agreement with the target's greedy token on trained positions (at most the share of "
               f"those tokens inside the draft vocab: {coverage})", TAU_DEFINITION, ACCEPT_DEFINITION,
