@@ -260,3 +260,9 @@ def test_the_recipe_runs_onpolicy_after_train_on_the_same_data_and_takes_its_dra
     assert (on.ttt_steps, on.max_len, on.eval_fraction, on.steps, on.minutes, on.lr) == (3, 256, 0.1, 40, None, 1e-4)
     for name in ("heldout", "eval-chain", "export-vllm"):
         assert str(tmp_path / "onpolicy") in stages[name].argv
+    # --dry-run's estimates are each stage's own: train's 7.5 minutes, the onpolicy stage's steps.
+    from eyas.recipe.estimate import describe
+    from eyas.recipe.run import State
+    lines = describe(recipe, list(stages.values()), State(tmp_path)).splitlines()
+    estimate = {lines[n].split()[1]: lines[n + 2] for n in range(1, len(lines), 3)}
+    assert "7.5 min" in estimate["train"] and "steps or epochs as given" in estimate["onpolicy"], estimate

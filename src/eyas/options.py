@@ -239,6 +239,11 @@ def from_args(cls: type, args: argparse.Namespace) -> Any:
     return cls(**values)
 
 
+def snake_keys(values: Mapping[str, Any]) -> dict[str, Any]:
+    """A recipe's keys as option names: `max-len` and `max_len` are one key."""
+    return {str(k).replace("-", "_"): v for k, v in values.items()}
+
+
 def argv_of(cls: type, values: Mapping[str, Any]) -> list[str]:
     """The command-line arguments that give `cls`'s options `values` (keyed as `from_mapping`
     takes them), in their order: what a recipe records as a stage's command, and launches

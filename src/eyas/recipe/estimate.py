@@ -15,7 +15,7 @@ from typing import Any
 
 from eyas.data.prepared import PreparedData
 from eyas.errors import EyasError
-from eyas.options import AUTO_LAYERS, aux_layer_count
+from eyas.options import AUTO_LAYERS, aux_layer_count, snake_keys
 
 MIB = 2**20
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
@@ -46,7 +46,7 @@ def _status(stage, state) -> str:
 
 
 def _options(recipe: dict[str, Any], key: str) -> dict[str, Any]:
-    return {k.replace("-", "_"): v for k, v in (recipe.get(key) or {}).items()}
+    return snake_keys(recipe.get(key) or {})
 
 
 def _data(stages, state, recipe: dict[str, Any], names: tuple[str, ...]) -> Data:
@@ -89,7 +89,7 @@ def _store(recipe: dict[str, Any], data: Data) -> str:
 
 def _estimate(stage, recipe: dict[str, Any], prepared: Data, data: Data) -> str:
     """`prepared`: what prepare made (or bounds); `data`: what training reads (regenerated or prepared)."""
-    opts = _options(recipe, stage.command)
+    opts = snake_keys(stage.options)  # the stage's own: the onpolicy stage runs train with other minutes
     minutes = f"<= {opts['minutes']} min" if opts.get("minutes") else "grows with the data (no `minutes` bound)"
     if stage.name == "prepare":
         disk = f"{'' if prepared.measured else '<= '}{prepared.tokens * 5 / MIB:,.1f} MiB" if prepared.tokens else \

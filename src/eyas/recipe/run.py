@@ -47,7 +47,7 @@ import yaml
 from eyas.cli import SUBCOMMANDS
 from eyas.draft import kinds
 from eyas.errors import EyasError
-from eyas.options import argv_of, check_mapping, from_mapping
+from eyas.options import argv_of, check_mapping, from_mapping, snake_keys
 from eyas.lock import LOCK_FILE, output_lock
 from eyas.paths import atomic_write_json, is_leftover, remove_leftovers
 from eyas.recipe.estimate import describe
@@ -202,10 +202,10 @@ def plan(recipe: dict[str, Any], work: Path, where: str) -> list[Stage]:
         # The same data, split and settings as train's (not its length: minutes, steps or epochs are
         # the stage's own), from train's drafter.
         check_stage_options("onpolicy", opts["onpolicy"], where, frozenset({"online", "nproc_per_node"}))
-        inherited = {k.replace("-", "_"): v for k, v in train.items() if k.replace("-", "_") not in SCHEDULE}
+        inherited = {k: v for k, v in snake_keys(train).items() if k not in SCHEDULE}
         onpolicy = work / "onpolicy"
         stages.append(_stage("onpolicy", "train", onpolicy, where, {**source, "out": str(onpolicy)},
-                             {**inherited, **{k.replace("-", "_"): v for k, v in opts["onpolicy"].items()}},
+                             {**inherited, **snake_keys(opts["onpolicy"])},
                              {"init": str(drafter), "position_weights": "on-policy", "resume": False},
                              processes=processes))
         drafter = onpolicy
