@@ -228,12 +228,12 @@ def _init_drafter(cfg: TrainConfig, source, head: TargetHead, d: distributed.Dis
         if asked is not None and asked != has:
             raise EyasError(f"{flag} {asked}: --init {cfg.init} has {has}; a run from it keeps its shape (drop "
                             f"{flag}, or train a new drafter without --init).")
-    draft = replace(given, ttt_steps=cfg.ttt_steps, ttt_decay=cfg.ttt_decay, chat_template=source.chat_template)
-    drafter = new_drafter(draft, head.embed_weight)
-    drafter.load_state_dict(trained.state_dict())
+    # No module is shaped by these: every kind reads them from its config as it runs.
+    trained.config = replace(given, ttt_steps=cfg.ttt_steps, ttt_decay=cfg.ttt_decay,
+                             chat_template=source.chat_template)
     _log(d, f"starting from --init {cfg.init}: {given.kind.a_title()} drafter, {given.num_hidden_layers} layer(s), "
             f"a draft vocabulary of {given.draft_vocab_size}")
-    return drafter
+    return trained
 
 
 def _check_layer_ids(source) -> None:

@@ -49,7 +49,7 @@ def summarize(stats: torch.Tensor) -> dict[str, Any]:
 def _walk(s: torch.Tensor) -> dict[str, Any]:
     """The chains greedy decoding drafts along the samples (where they were walked): the share
     accepting each step, which is eval's acceptance at position k + 1, and tau_walk."""
-    chains = float(s[0, CHAINS_REACHING]) if s.shape[1] > CHAINS_REACHING else 0.0
+    chains = float(s[0, CHAINS_REACHING])
     if not chains:
         return {}
     accepting = (s[:, CHAINS_ACCEPTING] / chains).tolist()
