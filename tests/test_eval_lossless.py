@@ -14,8 +14,9 @@ from eyas.draft import DraftConfig, Eagle3Drafter, save_drafter
 from eyas.evaluate.drafter import DrafterSession
 from eyas.evaluate.generate import generate
 from eyas.evaluate.prompts import render
-from eyas.evaluate.proposers import Eagle3, PromptLookup
+from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
 from eyas.evaluate.run import load_checked_drafter
+from eyas.evaluate.static_target import StaticTargetSession
 from eyas.evaluate.target import TargetSession
 from eyas.models import load_target, model_identity, resolve_layer_ids
 from eyas.models.eos import eos_ids
@@ -89,24 +90,66 @@ def drafters(smollm2, references, tmp_path_factory):
 @pytest.mark.parametrize("which", ["untrained", "trained"])
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 def test_speculative_greedy_equals_greedy(smollm2, references, drafters, which, tree):
+    """On both decoding paths (transformers' growing cache, and the static one that CUDA graphs
+    replay, whose caches here start smaller than the prompts and grow): the same tokens as
+    `generate`, and the same drafts accepted at every step."""
     model, tokenizer, identity = smollm2
     drafter = load_checked_drafter(str(drafters[which]), model, identity)
-    target = TargetSession(model, drafter.config.aux_layer_ids)
-    proposer = Eagle3(DrafterSession(drafter), steps=5, tree=tree, top_k=4, max_nodes=12)
     accepted = 0
     for name, (ids, expected) in references.items():
-        g = generate(target, proposer, ids, MAX_NEW, set(eos_ids(model.generation_config, tokenizer)))
-        assert g.generated_ids == expected, name
-        if name == "length":  # every step emits its accepted tokens plus one of the target's
-            assert len(g.generated_ids) == 1 + sum(c + 1 for c in g.accept_counts)
-        accepted += sum(g.accept_counts)
+        counts = []
+        for target, session in ((TargetSession(model, drafter.config.aux_layer_ids), DrafterSession(drafter)),
+                                (StaticTargetSession(model, drafter.config.aux_layer_ids, capacity=16),
+                                 DrafterSession(drafter, capacity=16))):
+            proposer = Eagle3(session, steps=5, tree=tree, top_k=4, max_nodes=12)
+            g = generate(target, proposer, ids, MAX_NEW, set(eos_ids(model.generation_config, tokenizer)))
+            target.close()
+            assert g.generated_ids == expected, (name, type(target).__name__)
+            if name == "length":  # every step emits its accepted tokens plus one of the target's
+                assert len(g.generated_ids) == 1 + sum(c + 1 for c in g.accept_counts)
+            counts.append(g.accept_counts)
+        assert counts[0] == counts[1], name
+        assert target.cache.capacity >= len(ids) + MAX_NEW > 16 and session.cache.capacity > 16
+        accepted += sum(counts[0])
     if which == "trained":
         assert accepted >= MAX_NEW // 2, "the trained drafter should get most drafts accepted"
 
 
-def test_prompt_lookup_greedy_equals_greedy(smollm2, references):
+@pytest.mark.parametrize("session", [TargetSession, StaticTargetSession])
+def test_prompt_lookup_and_plain_greedy_equal_greedy(smollm2, references, session):
     model, tokenizer, _ = smollm2
-    target = TargetSession(model)
+    target = session(model)
     for name, (ids, expected) in references.items():
-        g = generate(target, PromptLookup(5), ids, MAX_NEW, set(eos_ids(model.generation_config, tokenizer)))
-        assert g.generated_ids == expected, name
+        for proposer in (Proposer(), PromptLookup(5)):
+            g = generate(target, proposer, ids, MAX_NEW, set(eos_ids(model.generation_config, tokenizer)))
+            assert g.generated_ids == expected, (name, proposer.name)
+
+
+def test_dflash_and_peagle_blocks_equal_greedy_on_both_paths(smollm2, references):
+    """Random DFlash and P-EAGLE drafters on SmolLM2: the static path (caches shorter than the
+    prompts, so they grow) gives `generate`'s tokens and drafts exactly as the eager path."""
+    from eyas.draft.build import new_drafter
+    from eyas.evaluate.dflash import DFlash, DFlashSession
+    from eyas.evaluate.peagle import PEagle
+
+    model, tokenizer, identity = smollm2
+    eos = set(eos_ids(model.generation_config, tokenizer))
+    layers = resolve_layer_ids("auto", identity.num_layers)
+    for kind, extra in (("dflash", dict(num_hidden_layers=2, ttt_steps=4)), ("peagle", dict(ttt_steps=4))):
+        cfg = DraftConfig.for_target(model.config, identity, layers, 4096, drafter=kind, mask_token_id=0, **extra)
+        torch.manual_seed(0)
+        drafter = new_drafter(cfg, model.get_input_embeddings().weight.detach()).eval()
+        drafter.set_vocab(torch.arange(4096))
+        for name, (ids, expected) in references.items():
+            counts = []
+            for static in (False, True):
+                how = {"capacity": 16} if static else {}
+                target = StaticTargetSession(model, cfg.aux_layer_ids, **how) if static else \
+                    TargetSession(model, cfg.aux_layer_ids)
+                proposer = DFlash(DFlashSession(drafter, **how), 4) if kind == "dflash" else \
+                    PEagle(DrafterSession(drafter, **how), 4)
+                g = generate(target, proposer, ids, MAX_NEW, eos)
+                target.close()
+                assert g.generated_ids == expected, (kind, name, static)
+                counts.append(g.accept_counts)
+            assert counts[0] == counts[1], (kind, name)

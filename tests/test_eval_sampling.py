@@ -87,9 +87,10 @@ def test_speculative_sampling_preserves_the_target_distribution(toy, tree):
     assert_sampling_keeps_the_distribution(*toy, tree, seed=1 + tree)
 
 
-def assert_sampling_keeps_the_distribution(target, drafter: Eagle3Drafter, tree: bool, seed: int) -> None:
+def assert_sampling_keeps_the_distribution(target, drafter: Eagle3Drafter, tree: bool, seed: int,
+                                           session_class=TargetSession) -> None:
     """SAMPLES generations of 4 tokens through the real decoding loop, against the exact joint."""
-    session = TargetSession(target, drafter.config.aux_layer_ids)
+    session = session_class(target, drafter.config.aux_layer_ids)
     g = torch.Generator().manual_seed(seed)
     proposer = Eagle3(DrafterSession(drafter), steps=2, tree=tree, top_k=2, max_nodes=4, temperature=T, generator=g)
     check_sampling(target, session, proposer, g)

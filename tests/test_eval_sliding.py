@@ -17,9 +17,12 @@ import torch
 import transformers
 
 from eyas.draft import DraftConfig, Eagle3Drafter
+from eyas.draft.build import new_drafter
+from eyas.evaluate.dflash import DFlash, DFlashSession
 from eyas.evaluate.drafter import DrafterSession
 from eyas.evaluate.generate import generate
 from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
+from eyas.evaluate.static_target import StaticTargetSession
 from eyas.evaluate.target import TargetSession, attention_windows
 from eyas.evaluate.tree import DraftTree
 from eyas.models import load_target, model_identity
@@ -64,13 +67,15 @@ def test_layer_windows_are_read_as_transformers_cache_reads_them():
 
 
 @pytest.mark.parametrize("name", sorted(TOYS))
-def test_tree_verification_past_the_window_equals_decoding_each_path(name):
+@pytest.mark.parametrize("session_class", [TargetSession, StaticTargetSession])
+def test_tree_verification_past_the_window_equals_decoding_each_path(name, session_class):
     """Several steps, each verifying a random tree of 20 nodes and keeping its deepest path,
-    which is not a prefix of the node order; some paths are deeper than the window."""
+    which is not a prefix of the node order; some paths are deeper than the window. The
+    static session starts with a cache shorter than the prompt: it grows."""
     target = build_toy(name)
     rng = random.Random(1)
     sequence = [rng.randrange(96) for _ in range(9)]  # longer than the window
-    session = TargetSession(target)
+    session = TargetSession(target) if session_class is TargetSession else StaticTargetSession(target, capacity=4)
     session.prefill(torch.tensor(sequence))
     deepest = 0
     for step in range(4):
@@ -95,6 +100,9 @@ def test_tree_verification_past_the_window_equals_decoding_each_path(name):
     with torch.no_grad():
         assert torch.allclose(nxt[0], target(torch.tensor([sequence + [3]])).logits[0, -1], atol=ATOL)
     session.commit([0])
+    if session_class is StaticTargetSession:  # every slot kept, the masks doing the windowing
+        assert session.cache.capacity >= session.length == len(sequence) + 1
+        return
     # The cache is transformers' own: sliding layers keep only the window's last tokens.
     for layer in session.cache.layers:
         assert layer.keys.shape[-2] == (WINDOW - 1 if layer.is_sliding else len(sequence) + 1)
@@ -146,7 +154,10 @@ def test_every_method_equals_transformers_generate_past_the_window(tiny_sliding)
     torch.manual_seed(0)
     drafter = Eagle3Drafter(cfg, model.get_input_embeddings().weight.detach()).eval()
     drafter.set_vocab(torch.arange(256))
-    target = TargetSession(model, cfg.aux_layer_ids)
+    dcfg = DraftConfig.for_target(model.config, identity, (1, n // 2, n - 2, n), 256, drafter="dflash",
+                                  num_hidden_layers=2, mask_token_id=3, ttt_steps=4)
+    dflash = new_drafter(dcfg, model.get_input_embeddings().weight.detach()).eval()
+    dflash.set_vocab(torch.arange(256))
     rng = random.Random(0)
     for length in (3 * window, 2 * window + 5):
         prompt = [rng.randrange(10, 500) for _ in range(length)]
@@ -154,23 +165,33 @@ def test_every_method_equals_transformers_generate_past_the_window(tiny_sliding)
             want = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False, eos_token_id=None,
                                   pad_token_id=0)[0, length:].tolist()
         assert len(want) == 40
-        plain = generate(target, Proposer(), prompt, 40, eos).generated_ids
-        assert plain == want
-        methods = [PromptLookup(5), Oracle(prompt, plain, 6, tree=False), Oracle(prompt, plain, 6, tree=True),
-                   Eagle3(DrafterSession(drafter), 5), Eagle3(DrafterSession(drafter), 4, tree=True, top_k=3,
-                                                             max_nodes=10)]
-        for method in methods:
-            g = generate(target, method, prompt, 40, eos)
-            assert g.generated_ids == plain, (method.name, length)
-            if isinstance(method, Oracle):
-                assert max(g.accept_counts) == 6 and sum(g.accept_counts) >= 20
+        counts = {}
+        for static in (False, True):  # the static caches start shorter than the prompt: they grow
+            target = StaticTargetSession(model, cfg.aux_layer_ids, capacity=8) if static else \
+                TargetSession(model, cfg.aux_layer_ids)
+            how = {"capacity": 8} if static else {}
+            plain = generate(target, Proposer(), prompt, 40, eos).generated_ids
+            assert plain == want
+            methods = [PromptLookup(5), Oracle(prompt, plain, 6, tree=False), Oracle(prompt, plain, 6, tree=True),
+                       Eagle3(DrafterSession(drafter, **how), 5),
+                       Eagle3(DrafterSession(drafter, **how), 4, tree=True, top_k=3, max_nodes=10),
+                       DFlash(DFlashSession(dflash, **how), 3)]
+            for method in methods:
+                g = generate(target, method, prompt, 40, eos)
+                assert g.generated_ids == plain, (method.name, length, static)
+                counts[method.name, static] = g.accept_counts
+                if isinstance(method, Oracle):
+                    assert max(g.accept_counts) == 6 and sum(g.accept_counts) >= 20
+        assert all(counts[k, False] == counts[k, True] for k, _ in counts), "both paths draft alike"
 
 
-def test_speculative_sampling_on_a_sliding_target_preserves_its_distribution():
+@pytest.mark.parametrize("session_class", [TargetSession, StaticTargetSession])
+def test_speculative_sampling_on_a_sliding_target_preserves_its_distribution(session_class):
     """test_eval_sampling's check on a Qwen2 toy (one full layer, then two with a window of
     2, shorter than the prompt): sampled generations of 4 tokens through drafted trees,
-    against the exact joint distribution."""
+    against the exact joint distribution, on both decoding paths."""
     target = build_toy("qwen2", vocab=V, layers=3, hidden_size=16, intermediate_size=32, num_attention_heads=2,
                        num_key_value_heads=1, sliding_window=2, max_window_layers=1)
     assert attention_windows(target.config) == {"full_attention": None, "sliding_attention": 2}
-    assert_sampling_keeps_the_distribution(target, toy_drafter(target, 0.1), tree=True, seed=3)
+    assert_sampling_keeps_the_distribution(target, toy_drafter(target, 0.1), tree=True, seed=3,
+                                           session_class=session_class)

@@ -232,7 +232,7 @@ def test_mla_drafter_decodes_losslessly_chain_and_tree(tmp_path, tiny_tokenizer_
         g = generate(target, Eagle3(session, steps=3, tree=tree, top_k=3, max_nodes=8), ids, 24, set(eos_ids(model.generation_config, tokenizer)))
         assert g.generated_ids == expected, tree
         assert sum(g.accept_counts) >= 6, g.accept_counts
-        assert session.cache[0][0].shape[1] == 1  # the latent cache: [1, 1, S, kv_lora_rank + qk_rope_head_dim]
+        assert session.cache.keys[0].shape[1] == 1  # the latent cache: [1, 1, S, kv_lora_rank + qk_rope_head_dim]
 
 
 @pytest.mark.parametrize("to", ["vllm", "sglang"])

@@ -195,7 +195,7 @@ def test_mla_peagle_decodes_losslessly_and_vllm_export_is_refused(deepseek_dir, 
     g = generate(TargetSession(model, drafter.config.aux_layer_ids), PEagle(session, 3), ids, 24, eos_ids=set())
     assert g.generated_ids == expected
     assert sum(g.accept_counts) >= 6, g.accept_counts
-    assert session.cache[0][0].shape[1] == 1  # the latent cache
+    assert session.cache.keys[0].shape[1] == 1  # the latent cache
     with pytest.raises(EyasError, match="Eagle3DeepseekV3ForCausalLM \\(no mask_hidden\\)"):
         export_drafter(ExportConfig(ckpt=str(ckpt), to="vllm", out=str(tmp_path / "vllm")))
     assert not (tmp_path / "vllm").exists()

@@ -13,6 +13,7 @@ from eyas.paths import check_confined, check_writable, remove_leftovers
 from eyas.validate import COUNT, Number
 
 BASELINES = ("prompt-lookup",)
+DECODES = ("static", "eager")
 
 
 def parse_baselines(text: str) -> tuple[str, ...]:
@@ -42,6 +43,9 @@ class EvalConfig:
     baselines: tuple[str, ...] = option("comma-separated baselines besides plain decoding: prompt-lookup, or none",
                                         BASELINES, flag="--baseline", parse=parse_baselines,
                                         metavar="BASELINE")
+    decode: str = option("static: the target and drafter on preallocated caches, each step one CUDA graph replay on a "
+                         "GPU; eager: transformers' growing cache and no graphs (the same answers, slower: for "
+                         "comparison, or a target whose forward cannot be recorded)", "static", choices=DECODES)
     dtype: str = option("float32, bfloat16 or float16", "float32")
     device: str = device_option()  # eyas.device.resolve_device
     seed: int = seed_option("sampling seed for T > 0")

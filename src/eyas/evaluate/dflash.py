@@ -11,58 +11,82 @@ import torch
 import torch.nn.functional as F
 
 from eyas.draft.dflash import DFlashDrafter
-from eyas.evaluate.drafter import pick
+from eyas.evaluate.drafter import EXTEND_ROWS, pick
 from eyas.evaluate.proposers import Proposer
+from eyas.evaluate.slots import SlotCache
 from eyas.evaluate.tree import DraftTree
+from eyas.models.graphs import Recorder, bucket
 
 
 class DFlashSession:
-    def __init__(self, drafter: DFlashDrafter):
-        self.m = drafter
-        self.keys: list[torch.Tensor] = []  # per layer [1, nKV, C, d]: the committed context
-        self.values: list[torch.Tensor] = []
+    """Context entries at slot = position in a `SlotCache`; the block writes its own after
+    them, where the next commit overwrites them. On CUDA the block and commits of up to
+    EXTEND_ROWS positions replay CUDA graphs; the prompt's commit runs eagerly."""
 
-    @property
-    def length(self) -> int:
-        return self.keys[0].shape[-2] if self.keys else 0
+    def __init__(self, drafter: DFlashDrafter, capacity: int = 2048, graphs: bool | None = None):
+        self.m = drafter
+        self.device = drafter.fc.weight.device
+        self.cache = SlotCache(capacity)
+        self.graphs = Recorder(self.device, graphs is not False, "the dflash drafter")
+        self._slot_ids = torch.arange(capacity, device=self.device)
+        self.length = 0  # committed context positions
 
     def reset(self) -> None:
-        self.keys, self.values = [], []
+        self.length = 0
 
-    def _rope(self, x: torch.Tensor, start: int, n: int):
-        return self.m.rotary(x, torch.arange(start, start + n, device=x.device)[None])
+    def _reserve(self, entries: int) -> None:
+        if self.cache.reserve(self.length + entries):
+            self._slot_ids = torch.arange(self.cache.capacity, device=self.device)
+            self.graphs.drop()
+
+    def _context(self, aux: torch.Tensor, start: torch.Tensor) -> None:
+        """Each layer's keys and values of the context states from aux [n, L, H], at slots start [1] ..."""
+        ctx = self.m.context(aux)[None]  # [1, n, H]
+        self.cache.aim(start + torch.arange(ctx.shape[1], device=self.device), 0)  # writes only
+        cos, sin = self.m.rotary(ctx, self.cache.slots[None])
+        for i, layer in enumerate(self.m.layers):
+            self.cache.update(*layer.self_attn.key_value(ctx, cos, sin), i)  # [1, nKV, n, d]
 
     @torch.inference_mode()
     def extend(self, aux: torch.Tensor) -> None:
         """Commit the target's aux states [n, L, H] at the next n positions."""
-        ctx = self.m.context(aux.to(self.m.fc.weight))[None]  # [1, n, H]
-        cos, sin = self._rope(ctx, self.length, ctx.shape[1])
-        for i, layer in enumerate(self.m.layers):
-            k, v = layer.self_attn.key_value(ctx, cos, sin)  # [1, nKV, n, d]
-            if len(self.keys) <= i:
-                self.keys.append(k)
-                self.values.append(v)
-            else:
-                self.keys[i] = torch.cat([self.keys[i], k], dim=-2)
-                self.values[i] = torch.cat([self.values[i], v], dim=-2)
+        n = len(aux)
+        rows = bucket(n, EXTEND_ROWS)
+        self._reserve(rows or n)
+        aux = aux.to(self.m.fc.weight)
+        start = torch.tensor([self.length], device=self.device)
+        padded = {"aux": torch.cat([aux, aux.new_zeros(rows - n, *aux.shape[1:])]), "start": start} if rows else None
+        if rows is None or self.graphs.run(("extend", rows), padded, lambda s: self._context(s["aux"], s["start"])) is None:
+            self._context(aux, start)
+        self.length += n
+
+    def _block(self, last: torch.Tensor, start: torch.Tensor, width: int | None = None) -> torch.Tensor:
+        """The block [last, mask x (S-1)] at positions start [1] ..., seeing the context and itself
+        -> draft-vocabulary logits [S - 1, Vd] of slots 1.."""
+        m = self.m
+        S = m.block_size
+        x = m.block_embeds(last[None], S)[:, :, 0]  # [1, S, H]
+        slots = start + torch.arange(S, device=self.device)
+        cos, sin = m.rotary(x, slots[None])
+        visible = self._slot_ids[None, :width] < start + S  # [1, W]: every query, the context and the block
+        self.cache.aim(slots, visible.shape[-1])
+        for i, layer in enumerate(m.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            k, v = self.cache.update(*attn.key_value(h, cos, sin), i)  # [1, nKV, W, d]
+            out = F.scaled_dot_product_attention(attn.query(h, cos, sin), k, v, attn_mask=visible, enable_gqa=True)
+            x = layer.finish(x, out.transpose(1, 2).flatten(2))
+        return m.lm_head(m.norm(x[0, 1:]))
 
     @torch.inference_mode()
     def block(self, last: int) -> torch.Tensor:
         """One forward over [last, mask x K] at positions C..C+K (C = committed length) ->
         draft-vocabulary logits [K, Vd] of slots 1..K."""
-        m = self.m
-        S = m.block_size
-        x = m.block_embeds(torch.tensor([[last]], device=m.fc.weight.device), S)[:, :, 0]  # [1, S, H]
-        cos, sin = self._rope(x, self.length, S)
-        for layer, ck, cv in zip(m.layers, self.keys, self.values):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.query(h, cos, sin)  # [1, nH, S, d]
-            kb, vb = attn.key_value(h, cos, sin)
-            k, v = attn.repeat(torch.cat([ck, kb], dim=-2)), attn.repeat(torch.cat([cv, vb], dim=-2))
-            out = F.scaled_dot_product_attention(q, k, v)  # every query sees the context and the whole block
-            x = layer.finish(x, out.transpose(1, 2).flatten(2))
-        return m.lm_head(m.norm(x[0, 1:]))
+        self._reserve(self.m.block_size)
+        inputs = {"last": torch.tensor([last], device=self.device), "start": torch.tensor([self.length], device=self.device)}
+        out = self.graphs.run("block", inputs, lambda s: self._block(s["last"], s["start"]))
+        return out.clone() if out is not None else self._block(inputs["last"], inputs["start"],
+                                                               self.length + self.m.block_size)
 
 
 class DFlash(Proposer):

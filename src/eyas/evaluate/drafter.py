@@ -15,94 +15,159 @@ import torch
 import torch.nn.functional as F
 
 from eyas.draft import Eagle3Drafter
+from eyas.evaluate.slots import SlotCache
 from eyas.evaluate.tree import DraftTree
+from eyas.models.graphs import Recorder, bucket
 
-
-Cache = list[tuple[torch.Tensor, torch.Tensor]]  # per decoder layer: keys, values [1, nH, S, d]
+EXTEND_ROWS = 32  # the most entries a commit replays as a graph (a step's accepted tokens and its own)
 
 
 class DrafterSession:
-    def __init__(self, drafter: Eagle3Drafter):
+    """On CUDA, a greedy chain (all its steps), a commit of up to EXTEND_ROWS entries and a
+    P-EAGLE block each replay a CUDA graph (models/graphs.py); the prompt's commit, trees and
+    sampled chains run eagerly, as everything does on the CPU. Every pass writes its entries
+    into one `SlotCache` (entry i at slot i; drafted entries after the committed ones, where
+    the next commit overwrites them) and reads all of it through a mask."""
+
+    def __init__(self, drafter: Eagle3Drafter, capacity: int = 2048, graphs: bool | None = None):
         self.m = drafter
-        self.cache: Cache | None = None  # per layer, the committed context's keys and values (MLA: its latent)
-        self.hidden: torch.Tensor | None = None  # [H] output of the last context entry
+        self.device = drafter.fc.weight.device
+        self.cache = SlotCache(capacity)
+        self.graphs = Recorder(self.device, graphs is not False, f"the {drafter.config.kind.name} drafter")
+        self._slot_ids = torch.arange(capacity, device=self.device)  # [capacity], read by the graphs
+        self.length = 0  # committed entries
+        self.hidden: torch.Tensor | None = None  # [H] output of the last committed entry
         self.logits: torch.Tensor | None = None  # [Vd] its draft-vocabulary logits
 
-    @property
-    def length(self) -> int:
-        return 0 if self.cache is None else self.cache[0][0].shape[-2]
-
     def reset(self) -> None:
-        self.cache = self.hidden = self.logits = None
+        self.length = 0
+        self.hidden = self.logits = None
 
-    def _layer(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, cache: Cache | None,
-               visible: torch.Tensor) -> tuple[torch.Tensor, Cache]:
-        """One pass of the decoder layers for new entries.
+    def _reserve(self, entries: int) -> None:
+        """Room for `entries` more after the committed ones."""
+        if self.cache.reserve(self.length + entries):
+            self._slot_ids = torch.arange(self.cache.capacity, device=self.device)
+            self.graphs.drop()
 
-        tokens [n], hidden [n, H], positions [n]; cache: per layer, keys/values [1, nH, S, d]
-        already cached; visible [n, S + n] bool. Returns outputs [n, H] and the cache with the
-        new entries appended.
+    def _layer(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+               visible: torch.Tensor) -> torch.Tensor:
+        """One pass of the decoder layers for new entries, written at `slots`.
+
+        tokens [n], hidden [n, H], positions and slots [n] (device); visible [n, W] bool over
+        the cache's first W slots (all of them in a recorded pass), the new ones included.
+        Returns outputs [n, H].
         """
         m = self.m
-        device = m.fc.weight.device
-        x, residual = m.midlayer.pre_attention(m.embed_tokens(tokens.to(device))[None], hidden[None])
-        cos, sin = m.rope(x, positions[None].to(device))
-        grown, layers = [], [m.midlayer, *m.stack]
+        x, residual = m.midlayer.pre_attention(m.embed_tokens(tokens)[None], hidden[None])
+        cos, sin = m.rope(x, positions[None])
+        self.cache.aim(slots, visible.shape[-1])
+        layers = [m.midlayer, *m.stack]
         for n, layer in enumerate(layers):
             attn = layer.self_attn
             q, k, v = attn.cache_qkv(x, cos, sin)  # q [1, nH, n, d]; k, v [1, nH or 1 (MLA's latent), n, d]
-            if cache is not None:
-                k, v = torch.cat([cache[n][0], k], dim=-2), torch.cat([cache[n][1], v], dim=-2)
-            grown.append((k, v))
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible.to(device), scale=attn.scale,
-                                                 enable_gqa=True)
+            k, v = self.cache.update(k, v, n)  # [1, ., W, d]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=attn.scale, enable_gqa=True)
             h = layer.post_attention(attn.merge_cached(out), residual)  # [1, n, H]
             if n + 1 < len(layers):
                 x, residual = layers[n + 1].pre_attention(h)
-        return h[0], grown
+        return h[0]
+
+    def _rows(self, start: torch.Tensor, n: int, width: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Entries start .. start + n - 1 (start [1], device), each seeing every slot up to its
+        own: their slots [n] and visibility [n, width] (None: the whole cache, as recorded)."""
+        slots = start + torch.arange(n, device=self.device)
+        return slots, self._slot_ids[None, :width] <= slots[:, None]
+
+    def _commit(self, tokens: torch.Tensor, aux: torch.Tensor, start: torch.Tensor, last: torch.Tensor,
+                width: int | None = None):
+        """Entries for tokens [n] and the target's aux [n, L, H] from slot `start` [1]; the
+        outputs of entry `last` [1]: logits [Vd] and the next step's hidden [H]."""
+        slots, visible = self._rows(start, len(tokens), width)
+        h = self._layer(tokens, self.m.combine(aux), slots, slots, visible)
+        return self.m.outputs(h.index_select(0, last)[0])
 
     @torch.inference_mode()
     def extend(self, tokens: torch.Tensor, aux: torch.Tensor) -> None:
         """Commit entries: tokens [n] are the tokens at positions S + 1 .. S + n, aux
         [n, L, H] the target's aux states at S .. S + n - 1."""
-        S, n = self.length, len(tokens)
-        hidden = self.m.combine(aux.to(self.m.fc.weight.dtype))  # [n, H]
-        visible = torch.ones(n, S + n, dtype=torch.bool).tril(S)
-        h, self.cache = self._layer(tokens, hidden, torch.arange(S, S + n), self.cache, visible)
-        logits, hidden = self.m.outputs(h[-1])
+        n = len(tokens)
+        rows = bucket(n, EXTEND_ROWS)
+        self._reserve(rows or n)
+        tokens, aux = tokens.to(self.device), aux.to(device=self.device, dtype=self.m.fc.weight.dtype)
+        start, last = torch.tensor([self.length], device=self.device), torch.tensor([n - 1], device=self.device)
+        out = None
+        if rows:  # padding entries after the real ones: later commits overwrite them
+            pad = rows - n
+            inputs = {"tokens": torch.cat([tokens, tokens.new_zeros(pad)]), "aux": torch.cat([aux, aux.new_zeros(pad, *aux.shape[1:])]),
+                      "start": start, "last": last}
+            out = self.graphs.run(("extend", rows), inputs, lambda s: self._commit(s["tokens"], s["aux"], s["start"],
+                                                                                  s["last"]))
+        logits, hidden = [t.clone() for t in out] if out is not None else \
+            self._commit(tokens, aux, start, last, self.length + n)
         self.logits, self.hidden = logits, hidden
+        self.length += n
+
+    def _block(self, start: torch.Tensor, n: int, width: int | None = None) -> torch.Tensor:
+        """P-EAGLE's n masked entries from slot `start` -> their logits [n, Vd]."""
+        m = self.m
+        slots, visible = self._rows(start, n, width)
+        h = self._layer(torch.full((n,), m.config.mask_token_id, device=self.device), m.mask_state().expand(n, -1),
+                        slots, slots, visible)
+        return m.outputs(h)[0]
 
     @torch.inference_mode()
     def parallel_block(self, depth: int) -> torch.Tensor:
         """P-EAGLE (draft/peagle.py): [depth, Vd], slot 0's logits (the last committed entry's) and
         those of depth-1 masked entries (the mask token and `mask_state()` at the next positions,
-        causal among themselves) from one pass of the layer; nothing is cached."""
-        m, S, n = self.m, self.length, depth - 1
+        causal among themselves) from one pass of the layer; they are never committed."""
+        n = depth - 1
         if n == 0:
             return self.logits[None]
-        visible = torch.ones(n, S + n, dtype=torch.bool).tril(S)
-        h, _ = self._layer(torch.full((n,), m.config.mask_token_id), m.mask_state().expand(n, -1),
-                           torch.arange(S, S + n), self.cache, visible)
-        return torch.cat([self.logits[None], m.outputs(h)[0]])
+        self._reserve(n)
+        start = torch.tensor([self.length], device=self.device)
+        out = self.graphs.run(("block", n), {"start": start}, lambda s: self._block(s["start"], n))
+        return torch.cat([self.logits[None], out.clone() if out is not None else self._block(start, n, self.length + n)])
 
     def _to_target(self, draft_ids: torch.Tensor) -> list[int]:
         return self.m.draft_to_target(draft_ids).tolist()
+
+    def _greedy_chain(self, start: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, depth: int,
+                      width: int | None = None) -> torch.Tensor:
+        """`depth` argmax drafts from the last committed entry's logits [Vd] and hidden [H],
+        each fed at the slot and position after the last: target ids [depth]."""
+        drafted = []
+        for d in range(1, depth + 1):
+            token = self.m.draft_to_target(logits.argmax(-1, keepdim=True))  # [1]
+            drafted.append(token)
+            if d == depth:
+                break
+            slots, visible = self._rows(start + (d - 1), 1, width)
+            h = self._layer(token, hidden[None], slots, slots, visible)
+            logits, hidden = self.m.outputs(h[0])
+        return torch.cat(drafted)
 
     @torch.inference_mode()
     def chain(self, depth: int, temperature: float = 0.0, generator: torch.Generator | None = None) -> DraftTree:
         """`depth` tokens, each the argmax (temperature 0) or a sample of the drafter's
         distribution at `temperature`; sampled nodes carry that distribution."""
+        self._reserve(depth)
+        start = torch.tensor([self.length], device=self.device)
+        if temperature <= 0:
+            inputs = {"start": start, "logits": self.logits, "hidden": self.hidden}
+            out = self.graphs.run(("chain", depth), inputs, lambda s: self._greedy_chain(s["start"], s["logits"],
+                                                                                      s["hidden"], depth))
+            if out is None:
+                out = self._greedy_chain(start, self.logits, self.hidden, depth, self.length + depth)
+            return DraftTree.chain(out.tolist())
         tree = DraftTree()
-        logits, hidden, cache = self.logits, self.hidden, self.cache
-        S = self.length
+        logits, hidden = self.logits, self.hidden
         for d in range(1, depth + 1):
             draft_id, dense = pick(self.m, logits, temperature, generator)
             tree.add(self._to_target(draft_id)[0], d - 2, dense)
             if d == depth:
                 break
-            visible = torch.ones(1, S + d, dtype=torch.bool)
-            h, cache = self._layer(self.m.draft_to_target(draft_id), hidden[None], torch.tensor([S - 1 + d]),
-                                   cache, visible)
+            slots, visible = self._rows(start + (d - 1), 1, self.length + depth)
+            h = self._layer(self.m.draft_to_target(draft_id), hidden[None], slots, slots, visible)
             logits, hidden = self.m.outputs(h[0])
         return tree
 
@@ -113,13 +178,13 @@ class DrafterSession:
         children; after `depth` levels keep the `max_nodes` best nodes (ancestors included)."""
         S = self.length
         k_eff = min(top_k, len(self.logits))
+        self._reserve(k_eff * (depth - 1))
         lp, ids = torch.log_softmax(self.logits.float(), -1).topk(k_eff)
         tokens, parents = self._to_target(ids), [-1] * k_eff
         scores = lp.tolist()
         frontier = list(range(k_eff))  # nodes to feed next
         hidden_of: dict[int, torch.Tensor] = {-1: self.hidden}
-        fed: list[int] = []  # node per drafted cache entry
-        cache = self.cache
+        fed: list[int] = []  # node per drafted cache entry, at slot S + its index
         for d in range(1, depth):
             visible = torch.zeros(len(frontier), S + len(fed) + len(frontier), dtype=torch.bool)
             visible[:, :S] = True
@@ -128,8 +193,10 @@ class DrafterSession:
                 visible[r, [S + j for j, f in enumerate(fed) if f in anc]] = True
                 visible[r, S + len(fed) + r] = True
             hid = torch.stack([hidden_of[parents[n]] for n in frontier])  # [F, H]
-            h, cache = self._layer(torch.tensor([tokens[n] for n in frontier]), hid,
-                                   torch.full((len(frontier),), S - 1 + d), cache, visible)
+            slots = torch.arange(S + len(fed), S + len(fed) + len(frontier), device=self.device)
+            h = self._layer(torch.tensor([tokens[n] for n in frontier], device=self.device), hid,
+                            torch.full((len(frontier),), S - 1 + d, device=self.device), slots,
+                            visible.to(self.device))
             fed += frontier
             logits, fed_back = self.m.outputs(h)  # [F, Vd], [F, H]
             for r, node in enumerate(frontier):

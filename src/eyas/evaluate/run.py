@@ -42,6 +42,7 @@ from eyas.evaluate.prompts import render, stratified
 from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
 from eyas.evaluate.report import (RATE_DEFINITION, TAU_DEFINITION, differing, format_breakdown, format_table, summarize,
                                   tau_by)
+from eyas.evaluate.static_target import StaticTargetSession
 from eyas.evaluate.target import TargetSession
 from eyas.models import ModelIdentity, load_target, model_identity, resolve_model
 from eyas.models.eos import eos_ids
@@ -119,18 +120,32 @@ def run_methods(target: TargetSession, tokenizer, proposers: list[Proposer], pro
     return records
 
 
+def cache_slots(cfg: EvalConfig) -> int:
+    """The slots a static session's caches start with: a long prompt and its answer; a longer
+    sequence grows them (recording the graphs again)."""
+    return 2048 + cfg.max_new_tokens
+
+
+def target_session(model, aux_ids: tuple[int, ...], cfg: EvalConfig) -> TargetSession | StaticTargetSession:
+    """The target as `--decode` says: a static cache and CUDA graphs, or transformers' own cache."""
+    if cfg.decode == "eager":
+        return TargetSession(model, aux_ids)
+    return StaticTargetSession(model, aux_ids, capacity=cache_slots(cfg))
+
+
 def drafter_proposer(drafter, cfg: EvalConfig, generator: torch.Generator | None) -> Proposer:
     """How the drafter's kind drafts decides the proposer: step by step a chain or a tree, a
     block (DFlash) or parallel slots (P-EAGLE) in one pass, verified as a chain."""
     kind = drafter.config.kind
     if cfg.tree and not kind.drafts_trees:
         raise EyasError(f"{kind.a_title(True)} drafter proposes one block, verified as a chain; drop --tree.")
+    how = {"capacity": cache_slots(cfg), "graphs": cfg.decode == "static"}
     if kind.drafting == BLOCK:
-        return DFlash(DFlashSession(drafter), cfg.steps, temperature=cfg.temperature, generator=generator)
+        return DFlash(DFlashSession(drafter, **how), cfg.steps, temperature=cfg.temperature, generator=generator)
     if kind.drafting == PARALLEL:
-        return PEagle(DrafterSession(drafter), cfg.steps, temperature=cfg.temperature, generator=generator)
-    return Eagle3(DrafterSession(drafter), cfg.steps, tree=cfg.tree, top_k=cfg.top_k, max_nodes=cfg.draft_tokens,
-                  temperature=cfg.temperature, generator=generator)
+        return PEagle(DrafterSession(drafter, **how), cfg.steps, temperature=cfg.temperature, generator=generator)
+    return Eagle3(DrafterSession(drafter, **how), cfg.steps, tree=cfg.tree, top_k=cfg.top_k,
+                  max_nodes=cfg.draft_tokens, temperature=cfg.temperature, generator=generator)
 
 
 def _answer(cfg: EvalConfig, indices: list[int], progress: bool = True) -> tuple[list[dict], dict]:
@@ -151,7 +166,7 @@ def _answer(cfg: EvalConfig, indices: list[int], progress: bool = True) -> tuple
         aux_ids = drafter.config.aux_layer_ids
         gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
         proposers.append(drafter_proposer(drafter, cfg, gen))
-    target = TargetSession(model, aux_ids)
+    target = target_session(model, aux_ids, cfg)
     eos = set(eos_ids(model.generation_config, tokenizer))
     records = run_methods(target, tokenizer, proposers, [prompts[i] for i in indices], cfg.max_new_tokens,
                           eos, cfg.temperature, cfg.seed, progress, indices=indices)

@@ -1,0 +1,67 @@
+"""A KV cache of fixed buffers for decoding one sequence, shared by the target and the drafters.
+
+Every layer's keys and values live in one buffer [1, nKV, capacity, d]. A pass writes its rows
+at the slots it names and reads the whole buffer, its attention mask deciding what each row
+sees; so no pass reallocates, and a CUDA graph recorded once (models/graphs.py) stays valid
+until the cache grows.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache
+
+ALIGN = 256  # a grown cache's capacity is a multiple of this many slots
+
+
+class SlotCache(Cache):
+    """transformers' `Cache` contract (`update(key, value, layer_idx)`), for the target's own
+    forward as for the drafters' layers: the rows go to `slots` [q], and the pass reads the
+    first `width` slots, both set before the forward (`aim`)."""
+
+    def __init__(self, capacity: int):
+        super().__init__(layers=[])
+        self.capacity = capacity
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.slots: torch.Tensor | None = None  # [q]
+        self.width: int | None = None  # slots a pass reads (its mask's width); None: all (a recorded pass)
+        self.seen = 0  # committed tokens, for a model that asks the cache its length
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key_states, value_states [1, nKV, q, d] -> the layer's buffers [1, nKV, width, d]: an eager
+        pass reads only the slots its mask covers (a CPU step then costs what the growing cache's
+        did); a recorded one reads them all, its shapes fixed."""
+        if layer_idx not in self.keys:  # allocated by the first pass, which is never a recorded one
+            for store, new in ((self.keys, key_states), (self.values, value_states)):
+                store[layer_idx] = new.new_zeros(*new.shape[:2], self.capacity, new.shape[-1])
+        self.keys[layer_idx].index_copy_(2, self.slots, key_states)
+        self.values[layer_idx].index_copy_(2, self.slots, value_states)
+        return self.keys[layer_idx][:, :, :self.width], self.values[layer_idx][:, :, :self.width]
+
+    def aim(self, slots: torch.Tensor, width: int) -> None:
+        """The next pass writes at `slots` [q] and reads slots 0 .. width - 1."""
+        self.slots, self.width = slots, (None if width >= self.capacity else width)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def reserve(self, slots: int) -> bool:
+        """Room for `slots` slots: else grow to the larger of them and twice the capacity (a
+        multiple of ALIGN), keeping the contents. True when it grew, so graphs reading the old
+        buffers must be recorded again."""
+        if slots <= self.capacity:
+            return False
+        capacity = ALIGN * -(-max(slots, 2 * self.capacity) // ALIGN)
+        for store in (self.keys, self.values):
+            for i, old in store.items():
+                store[i] = torch.cat([old, old.new_zeros(*old.shape[:2], capacity - old.shape[2], old.shape[3])], 2)
+        self.capacity = capacity
+        return True
+
+    def gather(self, start: int, sources: torch.Tensor) -> None:
+        """Copy the slots `sources` [n] to start .. start + n - 1 in every layer (gathered first,
+        so overlapping ranges copy what was there before)."""
+        for store in (self.keys, self.values):
+            for buf in store.values():
+                buf[:, :, start:start + len(sources)] = buf.index_select(2, sources)
