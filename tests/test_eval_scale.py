@@ -61,6 +61,9 @@ def test_two_workers_answer_each_prompt_as_one_process(tiny_llama_dir, trained, 
 
     assert answers(one) == answers(two) and len(answers(one)) == 3 * 6  # 3 methods x 6 turns
     assert one["tau_by"] == two["tau_by"]
+    # Contended timings give no speed-up: one process's are measured, the workers' withheld.
+    assert one["summary"]["eagle3-chain"]["speedup"] > 0
+    assert all(s["speedup"] is None for s in two["summary"].values())
     chain = [r for r in one["records"] if r["method"] == "eagle3-chain"]
     for category in ("writing", "math", "reasoning"):
         counts = [c for r in chain if r["category"] == category for c in r["accept_counts"]]

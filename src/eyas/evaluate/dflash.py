@@ -23,11 +23,12 @@ class DFlashSession:
     them, where the next commit overwrites them. On CUDA the block and commits of up to
     EXTEND_ROWS positions replay CUDA graphs; the prompt's commit runs eagerly."""
 
-    def __init__(self, drafter: DFlashDrafter, capacity: int = 2048, graphs: bool | None = None):
+    def __init__(self, drafter: DFlashDrafter, capacity: int = 2048, graphs: bool | None = None,
+                 compile: bool = False):
         self.m = drafter
         self.device = drafter.fc.weight.device
         self.cache = SlotCache(capacity)
-        self.graphs = Recorder(self.device, graphs is not False, "the dflash drafter")
+        self.graphs = Recorder(self.device, graphs is not False, "the dflash drafter", compile)
         self._slot_ids = torch.arange(capacity, device=self.device)
         self.length = 0  # committed context positions
 

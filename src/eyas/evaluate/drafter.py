@@ -29,11 +29,12 @@ class DrafterSession:
     into one `SlotCache` (entry i at slot i; drafted entries after the committed ones, where
     the next commit overwrites them) and reads all of it through a mask."""
 
-    def __init__(self, drafter: Eagle3Drafter, capacity: int = 2048, graphs: bool | None = None):
+    def __init__(self, drafter: Eagle3Drafter, capacity: int = 2048, graphs: bool | None = None,
+                 compile: bool = False):
         self.m = drafter
         self.device = drafter.fc.weight.device
         self.cache = SlotCache(capacity)
-        self.graphs = Recorder(self.device, graphs is not False, f"the {drafter.config.kind.name} drafter")
+        self.graphs = Recorder(self.device, graphs is not False, f"the {drafter.config.kind.name} drafter", compile)
         self._slot_ids = torch.arange(capacity, device=self.device)  # [capacity], read by the graphs
         self.length = 0  # committed entries
         self.hidden: torch.Tensor | None = None  # [H] output of the last committed entry

@@ -38,7 +38,8 @@ class StaticTargetSession:
     """One sequence at a time (batch 1): `prefill`, then `verify` / `commit` per step, as
     `TargetSession`; `graphs` (default: on CUDA) records verification passes as CUDA graphs."""
 
-    def __init__(self, model, aux_layer_ids: tuple[int, ...] = (), capacity: int = 2048, graphs: bool | None = None):
+    def __init__(self, model, aux_layer_ids: tuple[int, ...] = (), capacity: int = 2048, graphs: bool | None = None,
+                 compile: bool = False):
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -47,7 +48,7 @@ class StaticTargetSession:
         self._aux: list[torch.Tensor | None] = [None] * len(self.aux_layer_ids)
         self._handles = hook_layer_inputs(model, self.aux_layer_ids, self._keep)
         self.windows = attention_windows(model.config)
-        self.graphs = Recorder(self.device, graphs is not False, f"{type(model).__name__}'s forward")
+        self.graphs = Recorder(self.device, graphs is not False, f"{type(model).__name__}'s forward", compile)
         self.cache = SlotCache(capacity)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.length = 0

@@ -15,6 +15,8 @@ from typing import TypeVar
 
 import torch
 
+from eyas.draft.flex import limited
+
 T = TypeVar("T")
 
 
@@ -51,9 +53,10 @@ class Recorder:
     disabled, or once a recording failed (said in one line, then eager for good), it returns
     None and the caller runs `fn` eagerly."""
 
-    def __init__(self, device: torch.device, enabled: bool, what: str):
+    def __init__(self, device: torch.device, enabled: bool, what: str, compile: bool = False):
         self.enabled = enabled and device.type == "cuda"
         self.what = what
+        self.compile = compile  # fuse each recorded function's kernels with torch.compile first
         self.graphs: dict = {}
         self.pool = None
         self.replays = 0
@@ -68,10 +71,11 @@ class Recorder:
         entry = self.graphs.get(key)
         if entry is None:
             static = {name: t.clone() for name, t in inputs.items()}
+            call = limited(torch.compile(fn, dynamic=False)) if self.compile else fn
             try:
                 self.pool = self.pool or torch.cuda.graph_pool_handle()
-                graph, out = capture(lambda: fn(static), self.pool)
-            except RuntimeError as e:
+                graph, out = capture(lambda: call(static), self.pool)
+            except Exception as e:  # noqa: BLE001 -- any failure to record leaves the eager path, which is exact
                 print(f"eyas: {self.what} cannot be recorded as a CUDA graph ({str(e).splitlines()[0][:160]}); it "
                       f"runs eagerly.", file=sys.stderr, flush=True)
                 self.enabled = False

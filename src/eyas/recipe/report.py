@@ -58,8 +58,8 @@ def write_report(recipe: dict[str, Any], work: Path, stages, where: str) -> Path
             same = f"{s['identical']}/{s['answers']}" if s.get("identical") is not None else "-"
             lines.append(f"| {m} | {s['tau']:.2f} | {speed} | {s['answers']} | {same} |")
         if settings.get("workers", 1) > 1:
-            lines += ["", f"Speed-ups measured with {settings['workers']} worker processes sharing the machine: "
-                          "under contention, not one process's speed-up."]
+            lines += ["", f"No speed-ups: {settings['workers']} worker processes shared the machine, so their timings "
+                          "are contended; `workers: 1` measures them in one process."]
         for key, rows in by.items():
             columns = sorted({c for r in rows.values() for c in r})
             if len(columns) > 1:
