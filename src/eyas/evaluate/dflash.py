@@ -15,7 +15,7 @@ from eyas.evaluate.drafter import EXTEND_ROWS, pick
 from eyas.evaluate.proposers import Proposer
 from eyas.evaluate.slots import SlotCache
 from eyas.evaluate.tree import DraftTree
-from eyas.models.graphs import Recorder, bucket
+from eyas.evaluate.graphs import Recorder, bucket
 
 
 class DFlashSession:

@@ -17,14 +17,14 @@ import torch.nn.functional as F
 from eyas.draft import Eagle3Drafter
 from eyas.evaluate.slots import SlotCache
 from eyas.evaluate.tree import DraftTree
-from eyas.models.graphs import Recorder, bucket
+from eyas.evaluate.graphs import Recorder, bucket
 
 EXTEND_ROWS = 32  # the most entries a commit replays as a graph (a step's accepted tokens and its own)
 
 
 class DrafterSession:
     """On CUDA, a greedy chain (all its steps), a commit of up to EXTEND_ROWS entries and a
-    P-EAGLE block each replay a CUDA graph (models/graphs.py); the prompt's commit, trees and
+    P-EAGLE block each replay a CUDA graph (evaluate/graphs.py); the prompt's commit, trees and
     sampled chains run eagerly, as everything does on the CPU. Every pass writes its entries
     into one `SlotCache` (entry i at slot i; drafted entries after the committed ones, where
     the next commit overwrites them) and reads all of it through a mask."""

@@ -2,7 +2,7 @@
 
 Every layer's keys and values live in one buffer [1, nKV, capacity, d]. A pass writes its rows
 at the slots it names and reads the whole buffer, its attention mask deciding what each row
-sees; so no pass reallocates, and a CUDA graph recorded once (models/graphs.py) stays valid
+sees; so no pass reallocates, and a CUDA graph recorded once (evaluate/graphs.py) stays valid
 until the cache grows.
 """
 

@@ -27,7 +27,7 @@ import torch
 from eyas.evaluate.slots import SlotCache
 from eyas.evaluate.target import attention_windows
 from eyas.evaluate.tree import DraftTree
-from eyas.models.graphs import Recorder, bucket
+from eyas.evaluate.graphs import Recorder, bucket
 from eyas.models.states import hook_layer_inputs
 
 GRAPH_ROWS = 128  # the widest verification pass recorded as a graph (a tree of 127 drafted nodes)
