@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from eyas.draft.dflash import DFlashDrafter
 from eyas.evaluate.drafter import EXTEND_ROWS, pick
 from eyas.evaluate.proposers import Proposer
-from eyas.evaluate.slots import SlotCache
+from eyas.models.slots import SlotCache
 from eyas.evaluate.tree import DraftTree
-from eyas.evaluate.graphs import Recorder, bucket
+from eyas.models.graphs import Recorder, bucket
 
 
 class DFlashSession:
@@ -23,12 +23,11 @@ class DFlashSession:
     them, where the next commit overwrites them. On CUDA the block and commits of up to
     EXTEND_ROWS positions replay CUDA graphs; the prompt's commit runs eagerly."""
 
-    def __init__(self, drafter: DFlashDrafter, capacity: int = 2048, graphs: bool | None = None,
-                 compile: bool = False):
+    def __init__(self, drafter: DFlashDrafter, capacity: int = 2048, graphs: bool | None = None):
         self.m = drafter
         self.device = drafter.fc.weight.device
         self.cache = SlotCache(capacity)
-        self.graphs = Recorder(self.device, graphs is not False, "the dflash drafter", compile)
+        self.graphs = Recorder(self.device, graphs is not False, "the dflash drafter")
         self._slot_ids = torch.arange(capacity, device=self.device)
         self.length = 0  # committed context positions
 

@@ -15,26 +15,25 @@ import torch
 import torch.nn.functional as F
 
 from eyas.draft import Eagle3Drafter
-from eyas.evaluate.slots import SlotCache
+from eyas.models.slots import SlotCache
 from eyas.evaluate.tree import DraftTree
-from eyas.evaluate.graphs import Recorder, bucket
+from eyas.models.graphs import Recorder, bucket
 
 EXTEND_ROWS = 32  # the most entries a commit replays as a graph (a step's accepted tokens and its own)
 
 
 class DrafterSession:
     """On CUDA, a greedy chain (all its steps), a commit of up to EXTEND_ROWS entries and a
-    P-EAGLE block each replay a CUDA graph (evaluate/graphs.py); the prompt's commit, trees and
+    P-EAGLE block each replay a CUDA graph (models/graphs.py); the prompt's commit, trees and
     sampled chains run eagerly, as everything does on the CPU. Every pass writes its entries
     into one `SlotCache` (entry i at slot i; drafted entries after the committed ones, where
     the next commit overwrites them) and reads all of it through a mask."""
 
-    def __init__(self, drafter: Eagle3Drafter, capacity: int = 2048, graphs: bool | None = None,
-                 compile: bool = False):
+    def __init__(self, drafter: Eagle3Drafter, capacity: int = 2048, graphs: bool | None = None):
         self.m = drafter
         self.device = drafter.fc.weight.device
         self.cache = SlotCache(capacity)
-        self.graphs = Recorder(self.device, graphs is not False, f"the {drafter.config.kind.name} drafter", compile)
+        self.graphs = Recorder(self.device, graphs is not False, f"the {drafter.config.kind.name} drafter")
         self._slot_ids = torch.arange(capacity, device=self.device)  # [capacity], read by the graphs
         self.length = 0  # committed entries
         self.hidden: torch.Tensor | None = None  # [H] output of the last committed entry

@@ -24,10 +24,10 @@ import inspect
 
 import torch
 
-from eyas.evaluate.slots import SlotCache
+from eyas.models.slots import SlotCache
 from eyas.evaluate.target import attention_windows
 from eyas.evaluate.tree import DraftTree
-from eyas.evaluate.graphs import Recorder, bucket
+from eyas.models.graphs import Recorder, bucket
 from eyas.models.states import hook_layer_inputs
 
 GRAPH_ROWS = 128  # the widest verification pass recorded as a graph (a tree of 127 drafted nodes)
@@ -38,8 +38,7 @@ class StaticTargetSession:
     """One sequence at a time (batch 1): `prefill`, then `verify` / `commit` per step, as
     `TargetSession`; `graphs` (default: on CUDA) records verification passes as CUDA graphs."""
 
-    def __init__(self, model, aux_layer_ids: tuple[int, ...] = (), capacity: int = 2048, graphs: bool | None = None,
-                 compile: bool = False):
+    def __init__(self, model, aux_layer_ids: tuple[int, ...] = (), capacity: int = 2048, graphs: bool | None = None):
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -48,7 +47,7 @@ class StaticTargetSession:
         self._aux: list[torch.Tensor | None] = [None] * len(self.aux_layer_ids)
         self._handles = hook_layer_inputs(model, self.aux_layer_ids, self._keep)
         self.windows = attention_windows(model.config)
-        self.graphs = Recorder(self.device, graphs is not False, f"{type(model).__name__}'s forward", compile)
+        self.graphs = Recorder(self.device, graphs is not False, f"{type(model).__name__}'s forward")
         self.cache = SlotCache(capacity)
         self._keeps_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self.length = 0
@@ -74,17 +73,20 @@ class StaticTargetSession:
         if self.cache.reserve(self.length + rows):
             self.graphs.drop()
 
-    def _masks(self, positions: torch.Tensor, ancestors: torch.Tensor, C: int) -> dict[str, torch.Tensor]:
+    def _masks(self, positions: torch.Tensor, ancestors: torch.Tensor, start: torch.Tensor, C: int
+               ) -> dict[str, torch.Tensor]:
         """Per layer kind, the additive mask [1, 1, q, C] over the first C slots of rows at
-        `positions` [q] (device) written after the committed slots: row r sees the committed
-        slots, the rows `ancestors` [q, q] (bool, device) gives it, and a sliding layer only keys
-        within its window."""
-        q, start = len(positions), self.length
-        visible = torch.zeros(q, C, dtype=torch.bool, device=self.device)
-        visible[:, :start] = True
-        visible[:, start:start + q] = ancestors
-        key_pos = torch.arange(C, device=self.device)
-        key_pos[start:start + q] = positions
+        `positions` [q] written at the slots from `start` [1] on: row r sees the slots before
+        `start`, the rows `ancestors` [q, q] (bool) gives it, and a sliding layer only keys within
+        its window. Built on the device from these small tensors, so that a recorded pass builds
+        its own masks and a step copies in only its rows."""
+        q = len(positions)
+        key = torch.arange(C, device=self.device)  # [C]
+        slots = start + torch.arange(q, device=self.device)  # [q]
+        visible = (key < start).expand(q, C).clone()  # [q, C]
+        visible[:, slots] = ancestors
+        key_pos = key.clone()
+        key_pos[slots] = positions
         out = {}
         for kind, window in self.windows.items():
             seen = visible if window is None else visible & (positions[:, None] - key_pos[None, :] < window)
@@ -92,41 +94,41 @@ class StaticTargetSession:
             out[kind] = mask[None, None]
         return out
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, masks: dict[str, torch.Tensor],
-                 **extra):
-        """ids, positions [1, q], slots [q], masks per kind [1, 1, q, width] -> logits [1, q, V], aux."""
-        self.cache.aim(slots, next(iter(masks.values())).shape[-1])
-        out = self.model(input_ids=ids, position_ids=positions, past_key_values=self.cache, use_cache=True,
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, ancestors: torch.Tensor, start: torch.Tensor,
+                 width: int, **extra):
+        """ids, positions [q], ancestors [q, q], start [1] (device) -> logits [1, q, V], aux: the rows
+        written at the slots from `start` on, reading the first `width` slots."""
+        masks = self._masks(positions, ancestors, start, width)
+        self.cache.aim(start + torch.arange(len(ids), device=self.device), width)
+        out = self.model(input_ids=ids[None], position_ids=positions[None], past_key_values=self.cache, use_cache=True,
                          attention_mask=next(iter(masks.values())) if len(masks) == 1 else masks, **extra)
         return out.logits, self._take_aux()
 
     def _pass(self, ids: torch.Tensor, positions: torch.Tensor, ancestors: torch.Tensor, last_only: bool = False):
-        """Rows ids, positions [q] (device), ancestors [q, q] at the slots after the committed
+        """Rows ids, positions [q], ancestors [q, q] (host tensors) at the slots after the committed
         ones -> logits [q, V] (or with `last_only` [1, V]) float32 and aux [q, L, H] or None.
         On CUDA a pass of up to GRAPH_ROWS rows replays the graph of the next power of two rows:
         padding rows sit after the real ones, see only themselves and are seen by none."""
         q = len(ids)
         rows = bucket(q, GRAPH_ROWS) if self.graphs.enabled and not last_only else None
         self._reserve(rows or q)
+        start = torch.tensor([self.length])
         if rows:
             pad = rows - q
-            full = torch.eye(rows, dtype=torch.bool, device=self.device)
+            full = torch.eye(rows, dtype=torch.bool)
             full[:q, :q] = ancestors
-            positions = torch.cat([positions, positions[-1].expand(pad)])
-            inputs = {"ids": torch.cat([ids, ids.new_zeros(pad)])[None], "positions": positions[None],
-                      "slots": torch.arange(self.length, self.length + rows, device=self.device),
-                      **{f"mask:{kind}": m for kind, m in self._masks(positions, full, self.cache.capacity).items()}}
+            inputs = {"ids": torch.cat([ids, ids.new_zeros(pad)]), "positions": torch.cat([positions, positions[-1:].expand(pad)]),
+                      "ancestors": full, "start": start}
             out = self.graphs.run(rows, inputs, lambda s: self._forward(
-                s["ids"], s["positions"], s["slots"], {k: s[f"mask:{k}"] for k in self.windows}))
+                s["ids"], s["positions"], s["ancestors"], s["start"], self.cache.capacity))
             if out is not None:
                 logits, aux = out
                 return (logits[0, :q].to(torch.float32, copy=True),
                         aux[:q].clone() if aux is not None and self.capture_aux else None)
-            positions = positions[:q]  # recording failed: eager from here on
         extra = {"logits_to_keep": 1} if last_only and self._keeps_logits else {}
-        logits, aux = self._forward(ids[None], positions[None], torch.arange(self.length, self.length + q,
-                                                                             device=self.device),
-                                    self._masks(positions, ancestors, self.length + q), **extra)
+        dev = self.device
+        logits, aux = self._forward(ids.to(dev), positions.to(dev), ancestors.to(dev), start.to(dev), self.length + q,
+                                    **extra)
         self.eager_passes += 1
         return logits[0].float(), aux if self.capture_aux else None
 
@@ -136,13 +138,13 @@ class StaticTargetSession:
         T = len(prompt_ids)
         self.length = 0
         self._reserve(T)
-        ids = prompt_ids.to(self.device)
+        ids = prompt_ids.cpu()
         auxes = []
         for c0 in range(0, T, PREFILL_CHUNK):
             chunk = ids[c0:c0 + PREFILL_CHUNK]
             n = len(chunk)
-            causal = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-            logits, aux = self._pass(chunk, torch.arange(c0, c0 + n, device=self.device), causal, last_only=True)
+            causal = torch.ones(n, n, dtype=torch.bool).tril()
+            logits, aux = self._pass(chunk, torch.arange(c0, c0 + n), causal, last_only=True)
             auxes.append(aux)
             self.length = self.cache.seen = c0 + n
         aux = torch.cat(auxes) if self.capture_aux and self.aux_layer_ids else None
@@ -155,7 +157,7 @@ class StaticTargetSession:
         until `commit` keeps the accepted ones."""
         ids = torch.tensor([root, *tree.tokens], dtype=torch.long)
         positions = self.length + torch.tensor([0, *tree.depths()], dtype=torch.long)
-        return self._pass(ids.to(self.device), positions.to(self.device), tree.ancestor_mask().to(self.device))
+        return self._pass(ids, positions, tree.ancestor_mask())
 
     @torch.inference_mode()
     def commit(self, rows: list[int]) -> None:

@@ -1,9 +1,12 @@
-"""Greedy decoding at volume: transformers' own model and `StaticCache`, eyas's loop.
+"""Greedy decoding at volume: transformers' own model, eyas's cache and loop.
 
 Prompts are sorted by length into large left-padded batches. Each batch is a chunked
-prefill and then one forward per new token over a `StaticCache` sized for the batch, so the cache
-never grows, nothing is re-padded, and no per-step Python beyond one forward call runs. A
-boolean 4D mask (which transformers passes through as it is) marks each row's padding.
+prefill and then one forward per new token over a `SlotCache` sized for the batch, so the cache
+never grows and nothing is re-padded. A boolean 4D mask (which transformers passes through as
+it is) marks each row's padding. Each forward reads the cache slots written so far, rounded up
+to KV_ALIGN. On a GPU each decode step is one CUDA graph replay (models/graphs.py), recorded
+per (rows, slots read): a forward of a small target is hundreds of kernels, and launching them
+one by one from Python cost as much as running them.
 
 transformers repeats a grouped-query model's K/V once per query group whenever a mask is
 given, which at decode time moves several times the cache's bytes each step. The decode
@@ -19,19 +22,22 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface, StaticCache
+from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from eyas.device import synchronize
 from eyas.errors import EyasError
 from eyas.models.eos import cut_at_stop
+from eyas.models.graphs import Recorder
+from eyas.models.slots import SlotCache
 
 ATTENTION = "eyas_grouped_sdpa"
 # `StaticGreedy` rounds its cache reads up to a multiple of this many slots by default (the
 # extra slots are masked). Cut at the exact written length, the cache slice and its mask lose
 # the alignment sdpa's kernels want, and on an H200 a decode step took 110 ms instead of the
-# 46 ms of reading the whole cache (bench/speed_probe.py --parts decode).
+# 46 ms of reading the whole cache (bench/speed_probe.py --parts decode). On a GPU it is also
+# how often a new decode graph is recorded: every KV_ALIGN steps.
 KV_ALIGN = 64
 
 
@@ -39,15 +45,7 @@ def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Te
                  attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs):
     """transformers' attention-function contract: query [B, nH, q, d], key/value [B, nKV, S, d],
     mask [B, 1, q, S] -> output [B, q, nH, d]. One query position per row (decoding) with
-    grouped heads takes the folded path; anything else is transformers' own sdpa.
-
-    `kv_limit` (passed through the model's forward) is the number of cache slots to read: the
-    slots after it are masked for every query. A static cache is sized for the batch's last
-    step, and decoding is bound by reading it."""
-    limit = kwargs.pop("kv_limit", None)
-    if limit is not None and limit < key.shape[2]:
-        key, value = key[:, :, :limit], value[:, :, :limit]  # [B, nKV, limit, d]
-        attention_mask = attention_mask[..., :limit] if attention_mask is not None else None
+    grouped heads takes the folded path; anything else is transformers' own sdpa."""
     B, n_heads, q_len, d = query.shape
     n_kv = key.shape[1]
     if q_len != 1 or n_heads == n_kv:
@@ -81,10 +79,12 @@ class StaticGreedy:
     with do_sample=False (tests/test_regenerate.py checks it on the real SmolLM2).
 
     Each forward reads the cache slots written so far, rounded up to a multiple of `kv_align`
-    (KV_ALIGN unless given; one at least as long as the cache reads all of it)."""
+    (KV_ALIGN unless given; one at least as long as the cache reads all of it). `graphs`
+    (default: on CUDA) records each decode step's shapes as a CUDA graph; a target whose step
+    cannot be recorded is said in one line and decodes eagerly."""
 
     def __init__(self, model, pad_id: int, stops: list[int], cache_tokens: int, max_rows: int = 4096,
-                 kv_align: int | None = None):
+                 kv_align: int | None = None, graphs: bool | None = None):
         if not supports_static(model):
             raise EyasError(f"{type(model).__name__} has sliding-window layers or soft-capped attention scores, which "
                             f"this greedy loop would not compute; decode it with model.generate (HFGenerator does).")
@@ -94,6 +94,7 @@ class StaticGreedy:
         self.cache_tokens, self.max_rows = cache_tokens, max_rows
         self.kv_align = kv_align or KV_ALIGN
         self.device = next(model.parameters()).device
+        self.graphs = Recorder(self.device, graphs is not False, f"{type(model).__name__}'s decode step")
         # Where the time goes, summed over batches: prefill and decode seconds, and decode's
         # row-steps computed against those that produced a kept token (rows that stopped ride
         # along until a quarter of the batch has stopped; then the batch is compacted).
@@ -124,9 +125,10 @@ class StaticGreedy:
         if rows:
             yield rows
 
-    def _slots(self, written: int) -> int:
-        """The cache slots a forward reads when `written` are written: rounded up to kv_align."""
-        return self.kv_align * -(-written // self.kv_align)
+    def _slots(self, written: int, capacity: int) -> int:
+        """The cache slots a forward reads when `written` are written: rounded up to kv_align,
+        at most the cache's `capacity`."""
+        return min(self.kv_align * -(-written // self.kv_align), capacity)
 
     @torch.inference_mode()
     def _batch(self, prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
@@ -140,20 +142,22 @@ class StaticGreedy:
         lengths = torch.tensor([len(p) for p in prompts], device=dev)
         slots = torch.arange(L, device=dev)
         real = slots[None] >= (T - lengths)[:, None]  # [B, L]: every slot but the row's left padding
-        cache = StaticCache(config=self.model.config, max_cache_len=L)
+        cache = SlotCache(L)
+        self.graphs.drop()  # the last batch's graphs read its cache
         ids = ids.to(dev)
         # Prefill in chunks of prompt positions: a batch's activations (and sdpa's scores, if it
         # falls back to its math kernel) stay a fraction of its cache, whatever its width.
         chunk = max(1, self.cache_tokens // (4 * B))
         for c0 in range(0, T, chunk):
             q = slots[c0 : min(c0 + chunk, T)]  # [c]
-            causal = slots[None, :] <= q[:, None]  # [c, L]
+            width = self._slots(min(c0 + chunk, T), L)
+            keys = slots[:width]
             # A padding query sees only itself, so no row is fully masked (sdpa would give NaN).
-            mask = (real[:, None] & causal[None]) | (slots[None, None] == q[None, :, None])  # [B, c, L]
-            logits = self.model(input_ids=ids[:, q], attention_mask=mask[:, None],
+            mask = (real[:, None, :width] & (keys[None, :] <= q[:, None])[None]) | (keys[None, None] == q[None, :, None])
+            cache.aim(q, width)
+            logits = self.model(input_ids=ids[:, q], attention_mask=mask[:, None],  # mask [B, 1, c, width]
                                 position_ids=(q[None] - (T - lengths)[:, None]).clamp_min(0), past_key_values=cache,
-                                cache_position=q, use_cache=True, logits_to_keep=1,
-                                kv_limit=self._slots(min(c0 + chunk, T))).logits[:, -1]  # [B, V]
+                                cache_position=q, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
         synchronize(dev)
         prefilled = time.monotonic()
         stops = torch.tensor(self.stops, device=dev)
@@ -161,9 +165,20 @@ class StaticGreedy:
         rows = torch.arange(B, device=dev)  # [b]: the batch row each live row came from
         generated = torch.full((B, N), self.pad, dtype=torch.long, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
+        step = torch.zeros(1, dtype=torch.long, device=dev)  # the step decoding, on the device: a graph reads it
+        token = logits.argmax(-1)  # [b]
+
+        def decode(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+            """The next token [b] after `token` [b] at step `step` [1], reading `width` slots."""
+            slot = T + inputs["step"]  # [1]
+            cache.aim(slot, width)
+            mask = (real[:, :width] & (slots[None, :width] <= slot))[:, None, None]  # [b, 1, 1, width]
+            return self.model(input_ids=inputs["token"][:, None], attention_mask=mask,
+                              position_ids=(lengths + inputs["step"])[:, None], past_key_values=cache,
+                              cache_position=slot, use_cache=True).logits[:, -1].argmax(-1)
+
         row_steps = 0
         for s in range(N):
-            token = logits.argmax(-1)  # [b]
             generated[rows, s] = token
             done |= torch.isin(token, stops) | (budget <= s + 1)
             row_steps += len(rows)
@@ -182,13 +197,14 @@ class StaticGreedy:
                     keep = (~done).nonzero().squeeze(1)  # [live]
                     rows, real, lengths, budget, done, token = (t[keep] for t in (rows, real, lengths, budget, done,
                                                                                   token))
-                    _keep_cache_rows(cache, keep)
+                    cache.keep_rows(keep)
+                    self.graphs.drop()
                     self.stats["compactions"] += 1
-            slot = T + s
-            mask = (real & (slots[None] <= slot))[:, None, None]  # [b, 1, 1, L]
-            logits = self.model(input_ids=token[:, None], attention_mask=mask, position_ids=(lengths + s)[:, None],
-                                past_key_values=cache, cache_position=slots[slot:slot + 1], use_cache=True,
-                                kv_limit=self._slots(slot + 1)).logits[:, -1]
+            width = self._slots(T + s + 1, L)
+            inputs = {"token": token, "step": step}
+            token = self.graphs.run((len(rows), width), inputs, decode)
+            token = decode(inputs) if token is None else token
+            step += 1
         out = [cut_at_stop(g[:n], self.stops) for g, n in zip(generated.tolist(), budgets)]
         st = self.stats
         st["batches"] += 1
@@ -197,11 +213,3 @@ class StaticGreedy:
         st["row_steps"] += row_steps
         st["kept_tokens"] += sum(map(len, out))
         return out
-
-
-def _keep_cache_rows(cache, keep: torch.Tensor) -> None:
-    """Shrink a `StaticCache` to the batch rows `keep` ([b']), in place of its layers' tensors."""
-    for layer in cache.layers:
-        layer.keys, layer.values = layer.keys[keep], layer.values[keep]  # [b', nKV, L, d]
-        if hasattr(layer, "batch_size"):
-            layer.batch_size = len(keep)

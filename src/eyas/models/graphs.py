@@ -15,8 +15,6 @@ from typing import TypeVar
 
 import torch
 
-from eyas.draft.flex import limited
-
 T = TypeVar("T")
 
 
@@ -47,16 +45,17 @@ def bucket(n: int, largest: int) -> int | None:
 
 class Recorder:
     """Graphs of one session, keyed by the shapes they were recorded for, sharing one memory
-    pool. `run(key, inputs, fn)` records `fn(static)` at the key's first use (`static`: copies of
-    `inputs` that the graph reads), and at every use copies `inputs` in and replays, returning
+    pool. `run(key, inputs, fn)` records `fn(static)` at the key's first use (`static`: device
+    copies of `inputs`, which may be host tensors, that the graph reads), and at every use
+    copies `inputs` in and replays, returning
     the graph's own output tensors: copy them out before the next replay. Off the GPU, when
     disabled, or once a recording failed (said in one line, then eager for good), it returns
     None and the caller runs `fn` eagerly."""
 
-    def __init__(self, device: torch.device, enabled: bool, what: str, compile: bool = False):
+    def __init__(self, device: torch.device, enabled: bool, what: str):
         self.enabled = enabled and device.type == "cuda"
+        self.device = device
         self.what = what
-        self.compile = compile  # fuse each recorded function's kernels with torch.compile first
         self.graphs: dict = {}
         self.pool = None
         self.replays = 0
@@ -70,11 +69,10 @@ class Recorder:
             return None
         entry = self.graphs.get(key)
         if entry is None:
-            static = {name: t.clone() for name, t in inputs.items()}
-            call = limited(torch.compile(fn, dynamic=False)) if self.compile else fn
+            static = {name: t.to(self.device, copy=True) for name, t in inputs.items()}
             try:
                 self.pool = self.pool or torch.cuda.graph_pool_handle()
-                graph, out = capture(lambda: call(static), self.pool)
+                graph, out = capture(lambda: fn(static), self.pool)
             except Exception as e:  # noqa: BLE001 -- any failure to record leaves the eager path, which is exact
                 print(f"eyas: {self.what} cannot be recorded as a CUDA graph ({str(e).splitlines()[0][:160]}); it "
                       f"runs eagerly.", file=sys.stderr, flush=True)

@@ -1,8 +1,9 @@
-"""A KV cache of fixed buffers for decoding one sequence, shared by the target and the drafters.
+"""A KV cache of fixed buffers for decoding: one sequence in eval (the target and the drafters),
+a batch of rows in regeneration.
 
-Every layer's keys and values live in one buffer [1, nKV, capacity, d]. A pass writes its rows
+Every layer's keys and values live in one buffer [B, nKV, capacity, d]. A pass writes its rows
 at the slots it names and reads the whole buffer, its attention mask deciding what each row
-sees; so no pass reallocates, and a CUDA graph recorded once (evaluate/graphs.py) stays valid
+sees; so no pass reallocates, and a CUDA graph recorded once (models/graphs.py) stays valid
 until the cache grows.
 """
 
@@ -29,7 +30,7 @@ class SlotCache(Cache):
         self.seen = 0  # committed tokens, for a model that asks the cache its length
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """key_states, value_states [1, nKV, q, d] -> the layer's buffers [1, nKV, width, d]: an eager
+        """key_states, value_states [B, nKV, q, d] -> the layer's buffers [B, nKV, width, d]: an eager
         pass reads only the slots its mask covers (a CPU step then costs what the growing cache's
         did); a recorded one reads them all, its shapes fixed."""
         if layer_idx not in self.keys:  # allocated by the first pass, which is never a recorded one
@@ -65,3 +66,9 @@ class SlotCache(Cache):
         for store in (self.keys, self.values):
             for buf in store.values():
                 buf[:, :, start:start + len(sources)] = buf.index_select(2, sources)
+
+    def keep_rows(self, keep: torch.Tensor) -> None:
+        """Keep only the batch rows `keep` [b'] of every buffer (a batch whose other rows stopped)."""
+        for store in (self.keys, self.values):
+            for i, buf in store.items():
+                store[i] = buf[keep]
