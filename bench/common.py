@@ -47,6 +47,22 @@ def dump(path: Path, obj) -> None:
 # ---------------------------------------------------------------- device helpers
 
 
+def profile_table(prof, limit: int = 18) -> dict:
+    """Top CUDA kernels by device time, and host vs device totals of the profiled region."""
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: -e.self_device_time_total)
+    device_total = sum(e.self_device_time_total for e in events)
+    rows = [{"kernel": e.key[:120], "ms": round(e.self_device_time_total / 1e3, 2), "calls": e.count,
+             "share": round(e.self_device_time_total / max(device_total, 1), 3)} for e in events[:limit]]
+    launches = sum(e.count for e in events)
+    host = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+    host.sort(key=lambda e: -e.self_cpu_time_total)
+    host_rows = [{"op": e.key[:100], "ms": round(e.self_cpu_time_total / 1e3, 2), "calls": e.count} for e in host[:limit]]
+    return {"device_ms": round(device_total / 1e3, 1), "kernel_launches": launches, "top": rows, "host_top": host_rows}
+
+
+
+
 def sync(device: torch.device | str) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()

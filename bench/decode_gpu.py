@@ -6,7 +6,9 @@ Per MT-bench question (stratified by category, both turns, T=0, batch 1), interl
 load changes hit both alike: plain decoding, prompt lookup and the drafter's chain and tree
 on each path. Reports each path's tok/s and speed-ups (over its own plain decoding), the
 ratios the static path gains, every answer against plain decoding and against the other
-path's, and a synchronised timing pass (draft and verify milliseconds per step).
+path's, a synchronised timing pass (draft and verify milliseconds per step), and where a
+step's milliseconds go: the one-row graph replayed alone, and a torch.profiler pass per path
+(device against wall milliseconds per step, kernels per step, the top kernels and host ops).
 
   PYTHONPATH=src:bench python3 bench/decode_gpu.py --model MODEL --drafter TRAINED_FOLDER --out OUT
   PYTHONPATH=src:bench python3 bench/decode_gpu.py --smoke --out /tmp/decode-smoke   # CPU, a minute
@@ -23,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import device_name, dump, git, say  # noqa: E402
+from common import device_name, dump, git, profile_table, say  # noqa: E402
 
-PATHS = ("eager", "static", "compiled")  # compiled: static, each recorded function fused by torch.compile first
+PATHS = ("eager", "static")
 
 
 def main() -> None:
@@ -34,13 +36,17 @@ def main() -> None:
     from eyas.evaluate.prompts import stratified
     from eyas.evaluate.proposers import PromptLookup, Proposer
     from eyas.evaluate.report import summarize
-    from eyas.evaluate.run import cache_slots, drafter_proposer, load_checked_drafter, run_methods, target_session
-    from eyas.evaluate.static_target import StaticTargetSession
+    from eyas.evaluate.run import drafter_proposer, load_checked_drafter, run_methods, target_session
     from eyas.models import load_target, model_identity
     from eyas.models.eos import eos_ids
     from eyas.prompts import load_prompts
 
     t0 = time.monotonic()
+    if args.profile_tokens and args.device.startswith("cuda"):
+        import torch.profiler._utils
+
+        # A graph recorded before the profiler's first use can hang it on replay (pytorch#75504).
+        torch.profiler._utils._init_for_cuda_graphs()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tok = load_target(args.model, dtype=args.dtype, device=args.device)
@@ -54,16 +60,11 @@ def main() -> None:
     for path in paths:
         cfg = EvalConfig(model=args.model, decode="eager" if path == "eager" else "static", steps=depth,
                          max_new_tokens=args.max_new_tokens)
-        compiled = path == "compiled"
-        sessions[path] = StaticTargetSession(model, aux, cache_slots(cfg), compile=True) if compiled else \
-            target_session(model, aux, cfg)
+        sessions[path] = target_session(model, aux, cfg)
         methods[path] = [Proposer(), PromptLookup(depth)]
         if drafter is not None:
             for tree in (False, True)[: 1 + drafter.config.kind.drafts_trees]:
-                proposer = drafter_proposer(drafter, replace(cfg, tree=tree), None)
-                if compiled:
-                    proposer.session = type(proposer.session)(drafter, cache_slots(cfg), compile=True)
-                methods[path].append(proposer)
+                methods[path].append(drafter_proposer(drafter, replace(cfg, tree=tree), None))
     prompts = load_prompts(args.mt_bench)
     order = [prompts[i] for i in stratified(prompts)][: args.questions]
     records: dict[str, list[dict]] = {p: [] for p in paths}
@@ -103,8 +104,14 @@ def main() -> None:
                    "chain_speedup_over_tau": report[best]["chain_speedup_over_tau"]})
     dump(out / "decode_gpu.json", report)
     if args.timing_questions:
+        say("timing")
         report["ms_per_step"] = {p: timing(sessions[p], tok, methods[p], order[: args.timing_questions],
                                            args.max_new_tokens, eos) for p in paths}
+        dump(out / "decode_gpu.json", report)
+    report["replay_ms"] = {p: replay_ms(s) for p, s in sessions.items() if replay_ms(s) is not None}
+    if args.profile_tokens:
+        say("profile")
+        report["profile"] = profile_steps(sessions, tok, methods, order[0], args.profile_tokens, eos)
     report["graphs"] = {p: {"target_replays": sessions[p].graphs.replays, "target_eager_passes": sessions[p].eager_passes,
                             "recorded": len(sessions[p].graphs.graphs), "cache_slots": sessions[p].cache.capacity}
                         for p in paths[1:]}
@@ -149,6 +156,57 @@ def timing(target, tok, proposers, prompts, max_new_tokens: int, eos: set[int]) 
     return out
 
 
+def profile_steps(sessions: dict, tok, methods: dict, prompt, tokens: int, eos: set[int]) -> dict:
+    """Where a step's milliseconds go, per path, for plain decoding and the drafter's chain:
+    one prompt's steps under torch.profiler (after an unprofiled run of the same, so graphs
+    are recorded and kernels chosen). Device milliseconds per step against wall milliseconds
+    tell a step bound by the host (Python, launches, copies, synchronisation) from one bound
+    by the GPU; the profiler slows the host, so the wall figure is also given unprofiled. On a
+    recorded path, see `replay_ms`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from eyas.evaluate.run import run_methods
+
+    out: dict = {}
+    for path, session in sessions.items():
+        out[path] = {}
+        for m in methods[path]:
+            if m.name == "prompt-lookup" or m.name.endswith("tree"):
+                continue
+            run_methods(session, tok, [m], [prompt], tokens, eos, progress=False, warmup=False)
+            plain = run_methods(session, tok, [m], [prompt], tokens, eos, progress=False, warmup=False)
+            say(f"profile {path} {m.name}")
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                records = run_methods(session, tok, [m], [prompt], tokens, eos, progress=False, warmup=False)
+            steps = max(sum(len(r["accept_counts"]) for r in records), 1)
+            table = profile_table(prof, limit=12)
+            out[path][m.name] = {
+                "steps": steps, "wall_ms": round(1e3 * sum(r["seconds"] for r in plain) / steps, 3),
+                "wall_ms_profiled": round(1e3 * sum(r["seconds"] for r in records) / steps, 3),
+                "device_ms": round(table["device_ms"] / steps, 3),
+                "kernels": round(table["kernel_launches"] / steps, 1),
+                "top_kernels_ms": {r["kernel"]: round(r["ms"] / steps, 4) for r in table["top"][:8]},
+                "top_host_ms": {r["op"]: round(r["ms"] / steps, 4) for r in table["host_top"]}}
+    return out
+
+
+def replay_ms(session) -> float | None:
+    """A recorded path's one-row verification graph replayed back to back, alone: the GPU's
+    share of a plain step (None where nothing was recorded)."""
+    import torch
+
+    graphs = getattr(session, "graphs", None)
+    if graphs is None or 1 not in graphs.graphs:
+        return None
+    graph = graphs.graphs[1][1]
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(100):
+        graph.replay()
+    torch.cuda.synchronize()
+    return round(1e3 * (time.perf_counter() - t0) / 100, 3)
+
+
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="packaged:smollm2-135m", help="the target: any model eyas loads")
@@ -162,12 +220,15 @@ def parse_args():
     p.add_argument("--minutes", type=float, default=5.0, help="stop starting questions after this long")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--timing-questions", type=int, default=2)
+    p.add_argument("--profile-tokens", type=int, default=64,
+                   help="tokens of the first question profiled per path (plain and chain); 0: no profile")
     p.add_argument("--paths", type=lambda t: tuple(t.split(",")), default=PATHS,
                    help="comma-separated, eager first: the paths decoded side by side (default all)")
     p.add_argument("--smoke", action="store_true", help="CPU, 2 questions, 24 tokens: checks the script runs")
     args = p.parse_args()
     if args.smoke:
         args.device, args.questions, args.max_new_tokens, args.timing_questions = "cpu", 2, 24, 1
+        args.profile_tokens = 8
     return args
 
 

@@ -1,7 +1,8 @@
 """A one-minute check of the GPU-only code paths on a tiny random Llama, before a long
-bench spends device time on them: the static-cache greedy path against `model.generate`,
-the compiled TTT step loss against the eager one, a few online training steps through the
-real trainer (compiled loss, flex attention) and every decoding method of `eyas eval`.
+bench spends device time on them: the static-cache greedy path (each decode step a CUDA
+graph) against `model.generate`, the compiled TTT step loss against the eager one, a few
+online training steps through the real trainer (compiled loss, flex attention) and every
+decoding method of `eyas eval` on both decoding paths (eager, and CUDA graphs).
 
   PYTHONPATH=src:tests python3 bench/gpu_smoke.py --work /tmp/smoke
 """
@@ -46,9 +47,10 @@ def static_greedy(folder: Path, dev: str) -> bool:
     gen = HFGenerator(str(folder), dtype="float32", device=dev, cache_tokens=600)
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 400, (int(n),), generator=g).tolist() for n in torch.randint(3, 60, (9,), generator=g)]
-    budgets = [int(b) for b in torch.randint(4, 30, (9,), generator=g)]
+    budgets = [int(b) for b in torch.randint(4, 90, (9,), generator=g)]
     fast = gen.generate(prompts, budgets, 0.0, 0)
-    return fast == gen.sample(prompts, budgets, 0.0, 0)
+    recorded = gen.greedy.graphs.replays > 0 or dev == "cpu"
+    return recorded and fast == gen.sample(prompts, budgets, 0.0, 0)
 
 
 def compiled_loss(dev: str) -> bool:
@@ -77,6 +79,7 @@ def train_and_eval(folder: Path, work: Path, dev: str, texts: list[str]) -> dict
     from eyas.evaluate.report import summarize
     from eyas.evaluate.run import load_checked_drafter, run_methods
     from eyas.models.eos import eos_ids
+    from eyas.evaluate.static_target import StaticTargetSession
     from eyas.evaluate.target import TargetSession
     from eyas.models import load_target, model_identity
     from eyas.train import TrainConfig, train
@@ -91,16 +94,21 @@ def train_and_eval(folder: Path, work: Path, dev: str, texts: list[str]) -> dict
                               eval_every=3, save_every=100, log_every=2))
     model, tok = load_target(str(folder), dtype="float32", device=dev)
     drafter = load_checked_drafter(str(work / "drafter"), model, model_identity(str(folder), model.config, tok))
-    target = TargetSession(model, drafter.config.aux_layer_ids)
-    proposers = [Proposer(), PromptLookup(7), Eagle3(DrafterSession(drafter), 7),
-                 Eagle3(DrafterSession(drafter), 7, tree=True, top_k=10, max_nodes=60)]
-    records = run_methods(target, tok, proposers, [EvalPrompt("0", [texts[0], texts[1]])], 24, set(eos_ids(model.generation_config, tok)),
-                          progress=False)
+    eos = set(eos_ids(model.generation_config, tok))
+    records, replays = [], 0
+    for target in (TargetSession(model, drafter.config.aux_layer_ids),
+                   StaticTargetSession(model, drafter.config.aux_layer_ids, capacity=16)):  # grows, records again
+        proposers = [Proposer(), PromptLookup(7), Eagle3(DrafterSession(drafter, capacity=16), 7),
+                     Eagle3(DrafterSession(drafter, capacity=16), 7, tree=True, top_k=10, max_nodes=60)]
+        records += run_methods(target, tok, proposers, [EvalPrompt("0", [texts[0], texts[1]])], 24, eos,
+                               progress=False)
+        replays += getattr(target, "graphs", None).replays if isinstance(target, StaticTargetSession) else 0
     plain = [r["generated_ids"] for r in records if r["method"] == "plain"]
     identical = all(r["generated_ids"] == plain[r["turn"]] for r in records)
     taus = {m: round(s.tau, 3) for m, s in summarize(records, {"eagle3-chain": 7}).items()}
-    assert identical, "a speculative method changed the greedy output"
-    return {"train_eval": final.get("eval"), "tau": taus, "identical_to_plain": identical}
+    assert identical, "a speculative method or the graph path changed the greedy output"
+    assert replays > 0 or dev == "cpu", "the static path recorded no graph"
+    return {"train_eval": final.get("eval"), "tau": taus, "identical_to_plain": identical, "target_replays": replays}
 
 
 if __name__ == "__main__":

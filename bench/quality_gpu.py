@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from common import device_name, dump
+from common import device_name, dump, profile_table
 
 # The SmolLM2 recipe's mix (recipes/smollm2-1gpu.yaml): half synthetic instruction prompts.
 MIX = ["packaged:synthetic:30000:0@4", "packaged:sharegpt@3", "packaged:chitchat@1"]
@@ -175,7 +175,6 @@ def _kernel_profile():
     if not torch.cuda.is_available():
         yield found
         return
-    from speed_probe import profile_table
     from torch.profiler import ProfilerActivity, profile
 
     t0 = time.monotonic()

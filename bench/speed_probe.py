@@ -23,6 +23,10 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).parent))
+
+from common import profile_table  # noqa: E402
+
 FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 
@@ -51,20 +55,6 @@ def random_model(model: str, folder: Path) -> None:
     model.save_pretrained(folder)
 
 
-def profile_table(prof, limit: int = 18) -> dict:
-    """Top CUDA kernels by device time, and host vs device totals of the profiled region."""
-    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    events.sort(key=lambda e: -e.self_device_time_total)
-    device_total = sum(e.self_device_time_total for e in events)
-    rows = [{"kernel": e.key[:120], "ms": round(e.self_device_time_total / 1e3, 2), "calls": e.count,
-             "share": round(e.self_device_time_total / max(device_total, 1), 3)} for e in events[:limit]]
-    launches = sum(e.count for e in events)
-    host = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
-    host.sort(key=lambda e: -e.self_cpu_time_total)
-    host_rows = [{"op": e.key[:100], "ms": round(e.self_cpu_time_total / 1e3, 2), "calls": e.count} for e in host[:limit]]
-    return {"device_ms": round(device_total / 1e3, 1), "kernel_launches": launches, "top": rows, "host_top": host_rows}
-
-
 def prepare_sample(model_dir: Path, data: list[str], work: Path, n: int) -> dict:
     """The first `n` conversations of `data` with their original answers (training's sample
     lengths as they are), prepared for the random model."""
@@ -78,9 +68,9 @@ def prepare_sample(model_dir: Path, data: list[str], work: Path, n: int) -> dict
 
 def profile_decode(model_dir: Path, rows: int = 2048, prompt: int = 256, steps: int = 256) -> dict:
     """One batch of the static-cache loop: prefill time, ms per decode step, and a profile
-    of the prefill and a few steps; and the same batch read three ways side by side: the
-    written slots rounded up to KV_ALIGN (the default), the exact written slots, and the
-    whole cache (as before `kv_limit`)."""
+    of the prefill and a few steps; the same batch read three ways side by side: the written
+    slots rounded up to KV_ALIGN (the default), the exact written slots, and the whole cache;
+    and the default loop (a CUDA graph per decode step) against the eager one."""
     from torch.profiler import ProfilerActivity, profile
 
     import eyas.regenerate.static as static
@@ -109,11 +99,22 @@ def profile_decode(model_dir: Path, rows: int = 2048, prompt: int = 256, steps: 
     align = greedy.kv_align
     exact = step_ms(static.StaticGreedy(model, pad_id=0, stops=[], cache_tokens=1 << 21, kv_align=1))
     whole = step_ms(static.StaticGreedy(model, pad_id=0, stops=[], cache_tokens=1 << 21, kv_align=1 << 30))
+    # The same loop launching every kernel from Python (no CUDA graphs), as before they were
+    # recorded: the graphs' gain, and the answers compared token for token.
+    eager = static.StaticGreedy(model, pad_id=0, stops=[], cache_tokens=1 << 21, graphs=False)
+    eager_ms = step_ms(eager)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as eager_prof:
+        eager.generate(prompts, [8] * rows)
+        _sync()
+    same = eager.generate(prompts, [64] * rows) == greedy.generate(prompts, [64] * rows)
     return {"rows": rows, "prompt": prompt, "steps": steps, "prefill_s": round(prefill, 3), "kv_align": align,
             "decode_step_ms": round(aligned, 2), "decode_tokens_per_s": round(rows / aligned * 1e3, 1),
             "decode_step_ms_exact_slots": round(exact, 2), "decode_step_ms_reading_whole_cache": round(whole, 2),
             "whole_over_aligned": round(whole / aligned, 3), "exact_over_aligned": round(exact / aligned, 3),
-            "profile_prefill_and_7_steps": profile_table(prof)}
+            "decode_step_ms_eager": round(eager_ms, 2), "eager_over_graphs": round(eager_ms / aligned, 3),
+            "graph_answers_equal_eager": same, "graphs_recorded": greedy.graphs.enabled,
+            "profile_prefill_and_7_steps": profile_table(prof),
+            "profile_eager_prefill_and_7_steps": profile_table(eager_prof)}
 
 
 def probe_train(model_dir: Path, prepared: Path, work: Path, batch_tokens: int, steps: int, profile_steps: int,
