@@ -196,6 +196,49 @@ def test_on_policy_training_scores_exactly_what_a_draft_verify_loop_reaches(smol
 TRAIN = ["--steps", "3", "--ttt-steps", "2", "--save-every", "1", "--lr", "0.001"]
 
 
+def test_on_policy_on_smollm2_resumes_after_a_kill_and_keeps_decoding_plain(smollm2, drafter, tmp_path, capsys):
+    """On the real SmolLM2 and the store of its own answers: an on-policy run from the trained
+    drafter, killed while writing its second checkpoint, resumes to the weights of the run never
+    killed; and the drafter it makes leaves greedy decoding as it was: chain and tree answers
+    equal plain decoding's on both decoding paths (eager, and preallocated caches)."""
+    from faults import killed
+
+    from eyas.evaluate.drafter import DrafterSession
+    from eyas.evaluate.proposers import Eagle3, Proposer
+    from eyas.evaluate.run import load_checked_drafter, run_methods
+    from eyas.evaluate.static_target import StaticTargetSession
+    from eyas.evaluate.target import TargetSession
+    from eyas.models.eos import eos_ids
+    from eyas.prompts import EvalPrompt
+
+    def args(out: Path, *extra) -> list:
+        return ["train", "--store", drafter.parent / "store", "--out", out, "--steps", "4", "--ttt-steps", K,
+                "--batch-tokens", "512", "--lr", "0.003", "--warmup", "0", "--save-every", "1", "--eval-fraction", "0",
+                "--no-progress", "--device", "cpu", "--init", drafter, "--position-weights", "on-policy", *extra]
+
+    assert cli(capsys, *args(tmp_path / "whole"))[0] == 0
+    whole = load_file(tmp_path / "whole" / "model.safetensors")
+    assert not torch.equal(whole["lm_head.weight"], load_file(drafter / "model.safetensors")["lm_head.weight"])
+    killed([str(a) for a in args(tmp_path / "killed")], match=r"killed/checkpoints/latest$", nth=2)
+    assert cli(capsys, *args(tmp_path / "killed", "--resume"))[0] == 0
+    again = load_file(tmp_path / "killed" / "model.safetensors")
+    assert whole.keys() == again.keys() and all(torch.equal(whole[k], again[k]) for k in whole)
+
+    model, tokenizer, identity = smollm2
+    on_policy = load_checked_drafter(str(tmp_path / "whole"), model, identity)
+    eos = set(eos_ids(model.generation_config, tokenizer))
+    records = []
+    for target in (TargetSession(model, on_policy.config.aux_layer_ids),
+                   StaticTargetSession(model, on_policy.config.aux_layer_ids, capacity=16)):
+        methods = [Proposer(), Eagle3(DrafterSession(on_policy, capacity=16), K),
+                   Eagle3(DrafterSession(on_policy, capacity=16), K, tree=True, top_k=4, max_nodes=12)]
+        records += run_methods(target, tokenizer, methods, [EvalPrompt("q", list(QUESTIONS))], MAX_NEW, eos,
+                               progress=False)
+    plain = {r["turn"]: r["generated_ids"] for r in records if r["method"] == "plain"}
+    assert len(records) == 12 and all(r["generated_ids"] == plain[r["turn"]] for r in records)
+    assert sum(sum(r["accept_counts"]) for r in records if r["method"] != "plain") > 0, "the drafter accepted nothing"
+
+
 def test_init_then_on_policy_trains_records_and_resumes_to_the_uninterrupted_weights(tmp_path, capsys,
                                                                                      tiny_store):  # noqa: F811
     from faults import killed
