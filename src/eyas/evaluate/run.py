@@ -281,6 +281,9 @@ def evaluate(cfg: EvalConfig) -> dict:
     depth, why = draft_depth(cfg)
     cfg = replace(cfg, steps=depth)
     print(f"eyas eval: drafting {depth} tokens a step{' (tree depth)' if cfg.tree else ''}: {why}", flush=True)
+    if cfg.decode == "static" and resolve_device(cfg.device).type != "cuda":
+        print(f"eyas eval: --decode static on {resolve_device(cfg.device).type}: preallocated caches, every pass eager "
+              f"(CUDA graphs need a GPU)", flush=True)
     if cfg.draft and (note := unfinished_note(cfg.draft)):
         print(f"eyas eval: {note}", file=sys.stderr, flush=True)
     torch.manual_seed(cfg.seed)

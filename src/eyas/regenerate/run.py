@@ -49,7 +49,14 @@ def make_generator(cfg: RegenerateConfig, max_len: int):
                              tensor_parallel_size=cfg.vllm.tensor_parallel_size,
                              pipeline_parallel_size=cfg.vllm.pipeline_parallel_size, engine_args=cfg.vllm.engine_args)
     dev = resolve_device(cfg.device)
-    return HFGenerator(cfg.model, dtype=model_dtype(cfg.model_dtype, dev.type), device=str(dev))
+    generator = HFGenerator(cfg.model, dtype=model_dtype(cfg.model_dtype, dev.type), device=str(dev))
+    if generator.greedy is None and cfg.temperature == 0:
+        print(f"eyas regenerate: {type(generator.model).__name__} decodes with model.generate (sliding-window layers or "
+              f"soft-capped attention: the static-cache loop does not compute them)", flush=True)
+    elif generator.greedy is not None and cfg.temperature == 0 and dev.type != "cuda":
+        print(f"eyas regenerate: greedy batches on a preallocated cache; on {dev.type} each step runs eagerly (CUDA "
+              f"graphs need a GPU)", flush=True)
+    return generator
 
 
 def default_group_size(cfg: RegenerateConfig) -> int:
