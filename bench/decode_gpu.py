@@ -6,7 +6,8 @@ Per MT-bench question (stratified by category, both turns, T=0, batch 1), interl
 load changes hit both alike: plain decoding, prompt lookup and the drafter's chain and tree
 on each path. Reports each path's tok/s and speed-ups (over its own plain decoding), the
 ratios the static path gains, every answer against plain decoding and against the other
-path's, a synchronised timing pass (draft and verify milliseconds per step), and where a
+path's (and with `--regen-prompts`, regeneration's greedy loop with and without CUDA
+graphs), a synchronised timing pass (draft and verify milliseconds per step), and where a
 step's milliseconds go: the one-row graph replayed alone, and a torch.profiler pass per path
 (device against wall milliseconds per step, kernels per step, the top kernels and host ops).
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import device_name, dump, git, profile_table, say  # noqa: E402
+from common import device_name, dump, git, profile_table, say, sync  # noqa: E402
 
 PATHS = ("eager", "static")
 
@@ -103,18 +104,24 @@ def main() -> None:
     report.update({"path": best, "plain_tok_s_over_eager": report[best]["plain_tok_s_over_eager"],
                    "chain_speedup_over_tau": report[best]["chain_speedup_over_tau"]})
     dump(out / "decode_gpu.json", report)
+    if args.regen_prompts:
+        say("regeneration")
+        report["regen"] = regen(args)
+        report["regen_answer_tok_s"] = report["regen"]["graphs"]["answer_tok_s"]
+        report["identical_to_plain"] = report["identical_to_plain"] and report["regen"]["answers_equal"]
     if args.timing_questions:
         say("timing")
         report["ms_per_step"] = {p: timing(sessions[p], tok, methods[p], order[: args.timing_questions],
                                            args.max_new_tokens, eos) for p in paths}
         dump(out / "decode_gpu.json", report)
     report["replay_ms"] = {p: replay_ms(s) for p, s in sessions.items() if replay_ms(s) is not None}
-    if args.profile_tokens:
-        say("profile")
-        report["profile"] = profile_steps(sessions, tok, methods, order[0], args.profile_tokens, eos)
     report["graphs"] = {p: {"target_replays": sessions[p].graphs.replays, "target_eager_passes": sessions[p].eager_passes,
                             "recorded": len(sessions[p].graphs.graphs), "cache_slots": sessions[p].cache.capacity}
                         for p in paths[1:]}
+    dump(out / "decode_gpu.json", report)
+    if args.profile_tokens:  # last: a profiler that hangs on graphs (pytorch#75504) loses nothing else
+        say("profile")
+        report["profile"] = profile_steps(sessions, tok, methods, order[0], args.profile_tokens, eos)
     report["seconds"] = round(time.monotonic() - t0, 1)
     dump(out / "decode_gpu.json", report)
     for p in paths:
@@ -190,6 +197,40 @@ def profile_steps(sessions: dict, tok, methods: dict, prompt, tokens: int, eos: 
     return out
 
 
+def regen(args) -> dict:
+    """`eyas regenerate`'s greedy loop (bf16, batches as its cache budget cuts them) over the
+    prompts of `--regen-prompts` (a conversation: its last user turn after what precedes it),
+    with each decode step a CUDA graph and launched kernel by kernel, on the same prompts:
+    answer tokens a second, where the time goes, and the answers compared token for token."""
+    from eyas.evaluate.prompts import render
+    from eyas.prompts import load_prompts
+    from eyas.regenerate.generate import HFGenerator
+    from eyas.regenerate.static import StaticGreedy
+
+    gen = HFGenerator(args.model, dtype="bf16", device=args.device)
+    prompts = [ids for p in load_prompts(args.regen_prompts)
+               if len(ids := render(gen.tokenizer, [*p.history, {"role": "user", "content": p.turns[0]}])) <= 1024]
+    prompts = prompts[: args.regen_rows]
+    budgets = [args.regen_new_tokens] * len(prompts)
+    loops = {"graphs": gen.greedy, "eager": StaticGreedy(gen.model, gen.pad, gen.stops, gen.slots, graphs=False)}
+    for loop in loops.values():  # warm-up: kernels chosen, the first graphs recorded
+        loop.generate(prompts[:64], budgets[:64])
+    out, answers = {}, {}
+    for name, loop in loops.items():
+        loop.stats = dict.fromkeys(loop.stats, 0)
+        sync(args.device)
+        t0 = time.perf_counter()
+        answers[name] = loop.generate(prompts, budgets)
+        sync(args.device)
+        seconds = time.perf_counter() - t0
+        tokens = sum(map(len, answers[name]))
+        out[name] = {"answer_tokens": tokens, "seconds": round(seconds, 2), "answer_tok_s": round(tokens / seconds, 1),
+                     **{k: round(v, 2) for k, v in loop.stats.items()}}
+    return {"prompts": len(prompts), "max_new_tokens": args.regen_new_tokens, "cache_slots": gen.slots, **out,
+            "graphs_over_eager": round(out["graphs"]["answer_tok_s"] / out["eager"]["answer_tok_s"], 3),
+            "answers_equal": answers["graphs"] == answers["eager"], "graph_replays": gen.greedy.graphs.replays}
+
+
 def replay_ms(session) -> float | None:
     """A recorded path's one-row verification graph replayed back to back, alone: the GPU's
     share of a plain step (None where nothing was recorded)."""
@@ -222,13 +263,17 @@ def parse_args():
     p.add_argument("--timing-questions", type=int, default=2)
     p.add_argument("--profile-tokens", type=int, default=64,
                    help="tokens of the first question profiled per path (plain and chain); 0: no profile")
+    p.add_argument("--regen-prompts", help="a JSONL of prompts or conversations: also time regeneration's greedy "
+                                           "loop over their first user turns, with CUDA graphs and without")
+    p.add_argument("--regen-rows", type=int, default=4096, help="prompts regenerated (the recipe's group size)")
+    p.add_argument("--regen-new-tokens", type=int, default=256, help="answer budget, as the SmolLM2 recipe's")
     p.add_argument("--paths", type=lambda t: tuple(t.split(",")), default=PATHS,
                    help="comma-separated, eager first: the paths decoded side by side (default all)")
     p.add_argument("--smoke", action="store_true", help="CPU, 2 questions, 24 tokens: checks the script runs")
     args = p.parse_args()
     if args.smoke:
         args.device, args.questions, args.max_new_tokens, args.timing_questions = "cpu", 2, 24, 1
-        args.profile_tokens = 8
+        args.profile_tokens, args.regen_rows, args.regen_new_tokens = 8, 24, 16
     return args
 
 
