@@ -8,8 +8,9 @@ on each path. Reports each path's tok/s and speed-ups (over its own plain decodi
 ratios the static path gains, every answer against plain decoding and against the other
 path's (and with `--regen-prompts`, regeneration's greedy loop with and without CUDA
 graphs), a synchronised timing pass (draft and verify milliseconds per step), and where a
-step's milliseconds go: the one-row graph replayed alone, and a torch.profiler pass per path
-(device against wall milliseconds per step, kernels per step, the top kernels and host ops).
+step's milliseconds go: the one-row graph replayed alone, the aten ops one such pass runs
+(counted without a profiler), and a torch.profiler pass per path (device against wall
+milliseconds per step, kernels per step, the top kernels and host ops).
 
   PYTHONPATH=src:bench python3 bench/decode_gpu.py --model MODEL --drafter TRAINED_FOLDER --out OUT
   PYTHONPATH=src:bench python3 bench/decode_gpu.py --smoke --out /tmp/decode-smoke   # CPU, a minute
@@ -115,6 +116,7 @@ def main() -> None:
                                            args.max_new_tokens, eos) for p in paths}
         dump(out / "decode_gpu.json", report)
     report["replay_ms"] = {p: replay_ms(s) for p, s in sessions.items() if replay_ms(s) is not None}
+    report["ops_per_pass"] = ops_per_pass(model, aux, tok, order[0])
     report["graphs"] = {p: {"target_replays": sessions[p].graphs.replays, "target_eager_passes": sessions[p].eager_passes,
                             "recorded": len(sessions[p].graphs.graphs), "cache_slots": sessions[p].cache.capacity}
                         for p in paths[1:]}
@@ -246,6 +248,44 @@ def replay_ms(session) -> float | None:
         graph.replay()
     torch.cuda.synchronize()
     return round(1e3 * (time.perf_counter() - t0) / 100, 3)
+
+
+VIEWS = {"view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "transpose", "t", "permute", "slice", "select",
+         "expand", "alias", "detach", "detach_", "lift_fresh", "as_strided", "split", "chunk"}
+
+
+def ops_per_pass(model, aux: tuple[int, ...], tok, prompt) -> dict:
+    """The aten ops of one eager one-row verification on the static path (what its graph
+    records, plus the few host ops that build its inputs), counted by a dispatch mode: a
+    device-free view of a plain step, since on a GPU the profiler can hang on graphs. Views
+    launch no kernel; every other op launches one or more."""
+    import collections
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from eyas.evaluate.prompts import render
+    from eyas.evaluate.static_target import StaticTargetSession
+    from eyas.evaluate.tree import DraftTree
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    session = StaticTargetSession(model, aux, graphs=False)
+    ids = torch.tensor(render(tok, [{"role": "user", "content": prompt.turns[0]}]))
+    logits, _ = session.prefill(ids)
+    with Count() as count:
+        session.verify(int(logits.argmax()), DraftTree())
+    session.close()
+    views = sum(n for op, n in count.ops.items() if op in VIEWS)
+    return {"ops": sum(count.ops.values()), "views": views, "launching": sum(count.ops.values()) - views,
+            "top": dict(count.ops.most_common(16))}
 
 
 def parse_args():
