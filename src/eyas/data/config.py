@@ -23,8 +23,8 @@ class PrepareConfig:
         "cut conversations into windows of this many user turns, a sample each (e.g. 2, as MT-bench)", None,
         rule=COUNT, metavar="TURNS")
     exclude_prompts: list[str] | None = option(
-        "drop conversations sharing 8 words in a row with these eval prompts (mt-bench or a prompt file; "
-        "repeatable)", None, repeat=True, metavar="PROMPTS")
+        "drop conversations sharing 8 words in a row with these eval prompts (mt-bench, a prompt file or a long "
+        "spec as eval's --prompts; repeatable)", None, repeat=True, metavar="PROMPTS")
     strict: bool = option("stop at the first bad record instead of skipping it", False)
     chat_template: str | None = option("a Jinja chat template to use instead of the tokenizer's", None,
                                        metavar="FILE")

@@ -17,12 +17,12 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 from eyas.data.config import PrepareConfig
+from eyas.data.long_prompts import load_prompt_set
 from eyas.data.prepared import PREPARED_FILES, PreparedData, PreparedSample, write_prepared
 from eyas.data.sources import BadRecord, TruncatedTail, interleave, iter_records, layout, normalize, parse_mix
 from eyas.data.synthetic import contaminated, ngram_set
 from eyas.data.template import ChatTemplate, encode_conversation, require_chat_template
 from eyas.errors import EyasError
-from eyas.prompts import load_prompts
 from eyas.lock import LOCK_FILE, output_lock
 from eyas.models import load_tokenizer, model_identity, resolve_model
 from eyas.paths import check_confined, remove_leftovers
@@ -60,7 +60,8 @@ def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: 
     cuts each conversation into windows of that many user turns, each a sample of its own (MT-bench
     asks two; on SmolLM2 two-turn windows trained a better drafter than whole long
     conversations, for the same regeneration time). A conversation sharing 8 words in a row
-    with a prompt of an `exclude` prompt set (eval's --prompts: mt-bench or a file) is dropped.
+    with a prompt of an `exclude` prompt set (eval's --prompts: mt-bench, a file or a `long` spec,
+    histories included) is dropped.
 
     Rendering a chat template costs about a millisecond per turn, so hundreds of thousands of
     conversations take minutes on one core: `workers` processes (default: up to 8 of the
@@ -79,7 +80,7 @@ def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: 
 
     mix = parse_mix(source)
     source = " ".join(s if w == 1 else f"{s}@{w:g}" for s, w in mix)
-    grams = _exclusion_grams(exclude or [])
+    grams = _exclusion_grams(exclude or [], tokenizer)
     samples: list[PreparedSample] = []
     conversations: list[list[dict[str, str]]] = []
     dropped: Counter[str] = Counter()
@@ -127,8 +128,11 @@ def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: 
     return summary
 
 
-def _exclusion_grams(prompt_sets: list[str]) -> frozenset:
-    texts = [t for name in prompt_sets for p in load_prompts(name) for t in p.turns]
+def _exclusion_grams(prompt_sets: list[str], tokenizer) -> frozenset:
+    """The 8-word sequences of every eval input in `prompt_sets`: the turns asked and the
+    histories before them (a long prompt's history is most of it)."""
+    texts = [t for name in prompt_sets for p in load_prompt_set(name, lambda: tokenizer)
+             for t in [*p.turns, *(m["content"] for m in p.history)]]
     return ngram_set(texts) if texts else frozenset()
 
 

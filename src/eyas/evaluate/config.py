@@ -28,8 +28,10 @@ LOOKUP_DEPTH = 7  # prompt lookup's tokens per step when no drafter sets the dep
 class EvalConfig:
     model: str = option("the target: packaged:smollm2-135m, a .gguf, a folder or a hub id")
     draft: str | None = option("drafter checkpoint folder (from `eyas train`); without it only baselines run", None)
-    prompts: str = option("mt-bench (80 questions, both turns) or a JSONL file of {'prompt'}, {'turns'} or "
-                          "{'messages'} lines", "mt-bench")
+    prompts: str = option("mt-bench (80 questions, both turns), a JSONL file of {'prompt'}, {'turns'} or "
+                          "{'messages'} lines, or long[:L1,L2[:N]]: N prompts (4) of at most each L tokens of "
+                          "context (8k,32k,64k), built from the packaged ShareGPT, tau reported by length",
+                          "mt-bench")
     limit: int | None = option("use only the first N prompts", None, rule=COUNT)
     max_new_tokens: int = option("per answer", 256, rule=COUNT)
     steps: int | None = option(

@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from eyas import __version__
+from eyas.data.long_prompts import load_prompt_set
 from eyas.data.template import ChatTemplate
 from eyas.device import parse_device, resolve_device
 from eyas.draft import load_config, load_drafter
@@ -44,10 +45,11 @@ from eyas.evaluate.report import (RATE_DEFINITION, TAU_DEFINITION, differing, fo
                                   tau_by)
 from eyas.evaluate.static_target import StaticTargetSession
 from eyas.evaluate.target import TargetSession
-from eyas.models import ModelIdentity, load_target, model_identity, resolve_model
+from eyas.models import ModelIdentity, load_target, load_tokenizer, model_identity, resolve_model
+from eyas.models.identity import text_config
 from eyas.models.eos import eos_ids
 from eyas.paths import atomic_write_json
-from eyas.prompts import EvalPrompt, load_prompts
+from eyas.prompts import EvalPrompt
 from eyas.timing import StepTimer
 from eyas.train.checkpoint import unfinished_note
 
@@ -148,10 +150,30 @@ def drafter_proposer(drafter, cfg: EvalConfig, generator: torch.Generator | None
                   max_nodes=cfg.draft_tokens, temperature=cfg.temperature, generator=generator)
 
 
+def prompt_tokenizer(cfg: EvalConfig):
+    """The tokenizer that renders eval's prompts: the target's, with the drafter's chat template
+    when it recorded one (as its training data was rendered)."""
+    tokenizer = load_tokenizer(cfg.model)
+    if cfg.draft and (template := load_config(cfg.draft).chat_template):
+        ChatTemplate.from_dict(template).apply(tokenizer)
+    return tokenizer
+
+
+def check_positions(config, tokenizer, prompts: list[EvalPrompt], cfg: EvalConfig) -> None:
+    """Refuse a prompt whose first turn and answer would run past the target's positions, where
+    its answers would be another model's (a long prompt asks for its length plus the answer)."""
+    limit = getattr(text_config(config), "max_position_embeddings", None)
+    for p in prompts if limit else []:
+        n = len(render(tokenizer, [*p.history, {"role": "user", "content": p.turns[0]}]))
+        if n + cfg.max_new_tokens > limit:
+            raise EyasError(f"Prompt {p.id} is {n} tokens; with --max-new-tokens {cfg.max_new_tokens} it needs "
+                            f"{n + cfg.max_new_tokens} positions, more than the {limit} of {cfg.model}. Use shorter "
+                            f"prompts (long:{limit - cfg.max_new_tokens} for long ones) or fewer new tokens.")
+
+
 def _answer(cfg: EvalConfig, indices: list[int], progress: bool = True) -> tuple[list[dict], dict]:
     """Load the target (and drafter) and answer the prompts at `indices` with every method:
     (records, the target's identity)."""
-    prompts = load_prompts(cfg.prompts, cfg.limit)
     device = str(resolve_device(cfg.device))
     model, tokenizer = load_target(cfg.model, dtype=cfg.dtype, device=device)
     identity = model_identity(cfg.model, model.config, tokenizer, resolve_model(cfg.model))
@@ -166,6 +188,8 @@ def _answer(cfg: EvalConfig, indices: list[int], progress: bool = True) -> tuple
         aux_ids = drafter.config.aux_layer_ids
         gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
         proposers.append(drafter_proposer(drafter, cfg, gen))
+    prompts = load_prompt_set(cfg.prompts, lambda: tokenizer, cfg.limit)
+    check_positions(model.config, tokenizer, [prompts[i] for i in indices], cfg)
     target = target_session(model, aux_ids, cfg)
     eos = set(eos_ids(model.generation_config, tokenizer))
     records = run_methods(target, tokenizer, proposers, [prompts[i] for i in indices], cfg.max_new_tokens,
@@ -287,7 +311,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     if cfg.draft and (note := unfinished_note(cfg.draft)):
         print(f"eyas eval: {note}", file=sys.stderr, flush=True)
     torch.manual_seed(cfg.seed)
-    prompts = load_prompts(cfg.prompts, cfg.limit)
+    prompts = load_prompt_set(cfg.prompts, lambda: prompt_tokenizer(cfg), cfg.limit)
     workers = min(cfg.workers, len(prompts))
     if workers < cfg.workers:
         print(f"eyas eval: --workers {cfg.workers} capped at {workers}, the number of prompts", file=sys.stderr,
