@@ -22,6 +22,10 @@ class PrepareConfig:
     window: int | None = option(
         "cut conversations into windows of this many user turns, a sample each (e.g. 2, as MT-bench)", None,
         rule=COUNT, metavar="TURNS")
+    pack: bool = option(
+        "join consecutive conversations into one sample of up to --max-len tokens, as one long chat (long-context "
+        "training): one that does not open on a user turn starts a sample, one ending on an unanswered user turn "
+        "ends one", False)
     exclude_prompts: list[str] | None = option(
         "drop conversations sharing 8 words in a row with these eval prompts (mt-bench, a prompt file or a long "
         "spec as eval's --prompts; repeatable)", None, repeat=True, metavar="PROMPTS")

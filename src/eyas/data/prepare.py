@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from jinja2 import TemplateError
 from tqdm import tqdm
 from transformers import AutoConfig
 
@@ -45,13 +46,13 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
                             f"into an empty folder or one it wrote before: choose another --out.")
         return prepare_into(cfg.model, cfg.data, cfg.out, cfg.max_len, limit=cfg.limit, strict=cfg.strict,
                             chat_template=cfg.chat_template, progress=progress, workers=cfg.workers,
-                            window=cfg.window, exclude=cfg.exclude_prompts)
+                            window=cfg.window, exclude=cfg.exclude_prompts, pack=cfg.pack)
 
 
 def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: int, *, limit: int | None = None,
                  strict: bool = False, chat_template: str | Path | ChatTemplate | None = None, progress: bool = True,
                  workers: int | None = None, window: int | None = None,
-                 exclude: list[str] | None = None) -> dict[str, Any]:
+                 exclude: list[str] | None = None, pack: bool = False) -> dict[str, Any]:
     """Tokenize `source` for `model` with its tokenizer's chat template, or `chat_template` (a
     file, or one recorded earlier); keep at most `limit` samples. Returns the summary.
 
@@ -62,6 +63,8 @@ def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: 
     conversations, for the same regeneration time). A conversation sharing 8 words in a row
     with a prompt of an `exclude` prompt set (eval's --prompts: mt-bench, a file or a `long` spec,
     histories included) is dropped.
+    With `pack`, consecutive kept conversations are joined into one sample of up to `max_len`
+    tokens (`Packer`): long contexts from short conversations, as a long chat holds them.
 
     Rendering a chat template costs about a millisecond per turn, so hundreds of thousands of
     conversations take minutes on one core: `workers` processes (default: up to 8 of the
@@ -88,7 +91,16 @@ def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: 
     truncated = records = tail_bytes = 0
     streams = [_items(iter_records(name), window, grams) for name, _ in mix]  # index: the record's in its source
     items = streams[0] if len(mix) == 1 else interleave(streams, [w for _, w in mix])
-    with tqdm(desc="prepare", unit=" conv", total=limit, disable=not progress) as bar:  # closed on errors too
+    packer = Packer(tokenizer, max_len) if pack else None
+    with tqdm(desc="prepare", unit=" sample" if pack else " conv", total=limit, disable=not progress) as bar:
+
+        def keep(index: int, messages: list[dict[str, str]], ids, mask) -> None:
+            if limit is not None and len(samples) >= limit:  # a group that split in two may bring one more
+                return
+            samples.append(PreparedSample(torch.from_numpy(ids), torch.from_numpy(mask), index))
+            conversations.append(messages)
+            bar.update(1)
+
         for index, first, record, result in _encoded(tokenizer, items, max_len, workers):
             if limit is not None and len(samples) >= limit:
                 break
@@ -109,9 +121,10 @@ def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: 
             layouts[record] += first
             messages, ids, mask, was_truncated = result
             truncated += was_truncated
-            samples.append(PreparedSample(torch.from_numpy(ids), torch.from_numpy(mask), index))
-            conversations.append(messages)
-            bar.update(1)
+            for done in packer.add(index, messages, ids, mask) if packer else [(index, messages, ids, mask)]:
+                keep(*done)
+        for done in packer.flush() if packer else []:
+            keep(*done)
     if not samples:
         reasons = ", ".join(f"{n} {r}" for r, n in dropped.most_common()) or "the source is empty"
         raise EyasError(f"No usable conversation in {source} ({records} records read: {reasons}).")
@@ -121,11 +134,56 @@ def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: 
     summary = {
         "records_read": records, "kept": len(samples), "dropped": dict(dropped), "truncated": truncated,
         "layouts": dict(layouts), **({"window": window} if window else {}),
+        **({"packed_conversations": packer.joined} if packer else {}),
         "truncated_tail_bytes": tail_bytes,
         "tokens": tokens, "trained_tokens": trained, "trained_share": trained / tokens,
     }
     write_prepared(out, samples, conversations, identity, template, source, max_len, summary)
     return summary
+
+
+class Packer:
+    """Joins consecutive conversations into samples of up to `max_len` tokens, in order, each
+    conversation in one sample: a group grows while its conversations' tokens add up to at most
+    `max_len`, and is encoded anew as one chat when it closes (one system prompt, the template's
+    own turn markers; chat templates mark turns with special tokens, so the sum is what the
+    joined chat takes). A conversation that does not start on a user turn (a system message
+    would land mid-chat) joins no group before it, and one ending on an unanswered user turn
+    closes its group (two user turns would meet). Should a joined chat still run over, or the
+    template refuse it, its last conversation is kept as a sample of its own."""
+
+    def __init__(self, tokenizer, max_len: int):
+        self.tokenizer, self.max_len = tokenizer, max_len
+        self.group: list[tuple] = []  # (index, messages, ids, mask) of each conversation
+        self.joined = 0  # conversations that went into a sample with others
+
+    def add(self, index: int, messages: list[dict[str, str]], ids, mask) -> list[tuple]:
+        """Take one encoded conversation; returns the samples it closed, as (index, messages, ids, mask)."""
+        closed = []
+        if self.group and (messages[0]["role"] != "user" or sum(len(g[2]) for g in self.group) + len(ids) > self.max_len):
+            closed = self.flush()
+        self.group.append((index, messages, ids, mask))
+        if messages[-1]["role"] != "assistant":
+            closed += self.flush()
+        return closed
+
+    def flush(self) -> list[tuple]:
+        """The open group's samples."""
+        group, self.group = self.group, []
+        return self._encode(group)
+
+    def _encode(self, group: list[tuple]) -> list[tuple]:
+        if len(group) <= 1:
+            return group
+        joined = [m for _, messages, _, _ in group for m in messages]
+        try:
+            ids, mask, truncated = encode_conversation(self.tokenizer, joined, self.max_len)
+        except (BadRecord, TemplateError):
+            truncated = True
+        if truncated:
+            return self._encode(group[:-1]) + [group[-1]]
+        self.joined += len(group)
+        return [(group[0][0], joined, ids, mask)]
 
 
 def _exclusion_grams(prompt_sets: list[str], tokenizer) -> frozenset:
@@ -235,6 +293,8 @@ def format_summary(summary: dict[str, Any], out: str | Path) -> str:
         f"tokens {summary['tokens']:,}, trained (assistant) {summary['trained_tokens']:,} "
         f"({100 * summary['trained_share']:.1f}%), truncated to --max-len: {summary['truncated']}",
     ]
+    if "packed_conversations" in summary:
+        lines.append(f"packed: {summary['packed_conversations']} conversations joined into longer samples (--pack)")
     if summary.get("truncated_tail_bytes"):
         lines.append(f"the file ends inside a record: its last {summary['truncated_tail_bytes']:,} bytes "
                      f"({summary['dropped'][TAIL]} record) were not read")
