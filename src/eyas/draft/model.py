@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
+from torch.utils.checkpoint import checkpoint
 
 from eyas.draft.base import Drafter
 from eyas.draft.config import DraftConfig
@@ -106,6 +107,10 @@ def frozen_embedding(cfg: DraftConfig, embed_weight: torch.Tensor | None) -> nn.
 
 
 class Eagle3Drafter(Drafter):
+    # Set by training (`--checkpoint-steps`): each TTT step's activations are recomputed in
+    # backward instead of kept, so a step keeps only what crosses steps (keys, values, states).
+    checkpoint_steps = False
+
     def __init__(self, cfg: DraftConfig, embed_weight: torch.Tensor | None = None):
         super().__init__()
         self.config = cfg
@@ -166,26 +171,41 @@ class Eagle3Drafter(Drafter):
         hidden = self.combine(aux_hidden)  # [B, T, H]
         padded = F.pad(input_ids, (0, steps))  # [B, T + steps]
         base_pos = torch.arange(T, device=input_ids.device).expand(B, T)
-        layers = [self.midlayer, *self.stack]
         # Per layer: its step-0 keys and values, then the later steps' (same-position) ones.
-        seen: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in layers]
+        seen: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(1 + len(self.stack))]
         states = []
-        pre, stacked_pre, mid, post = _step_parts(input_ids.is_cuda and COMPILE_STEP_PARTS)
+        recompute = self.checkpoint_steps and torch.is_grad_enabled()
         for k in range(steps):
-            x, residual = pre(self.midlayer, *self.step_inputs(k, padded[:, 1 + k : 1 + k + T], hidden))
-            cos, sin = self.rope(x, base_pos + k)
-            for n, layer in enumerate(layers):
-                attn = layer.self_attn
-                q, kk, vv = attn.qkv(x, cos, sin)  # q [B, nH, T, d], k/v [B, nKV, T, d(_v)]
-                seen[n].append((kk, vv))
-                (k0, v0), *extra = seen[n]
-                out = attn.merge_heads(ttt_attention(q, k0, v0, extra, attn.scale))  # [B, T, nH*d_v]
-                if n + 1 < len(layers):  # the residual stream [B, T, H] into the next layer
-                    x, residual = stacked_pre(layers[n + 1], mid(layer, out, residual))
-                else:
-                    normed, hidden = post(self, layer, out, residual)
+            # `seen` as it is now: a recomputation in backward must see what this step saw.
+            args = (k, padded[:, 1 + k : 1 + k + T], hidden, base_pos + k, [tuple(kv) for kv in seen])
+            normed, hidden, new = (checkpoint(self._ttt_step, *args, use_reentrant=False) if recompute
+                                   else self._ttt_step(*args))
+            for layer_seen, kv in zip(seen, new):
+                layer_seen.append(kv)
             states.append(normed)
         return states
+
+    def _ttt_step(self, k: int, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                  seen: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]]):
+        """Step k through every layer: tokens [B, T] (read at step k), hidden [B, T, H], positions
+        [B, T], `seen` each layer's keys and values of the earlier steps -> the normed output
+        [B, T, H], the hidden state step k+1 reads, and each layer's (k, v) of this step."""
+        layers = [self.midlayer, *self.stack]
+        pre, stacked_pre, mid, post = _step_parts(tokens.is_cuda and COMPILE_STEP_PARTS)
+        x, residual = pre(self.midlayer, *self.step_inputs(k, tokens, hidden))
+        cos, sin = self.rope(x, positions)
+        new = []
+        for n, layer in enumerate(layers):
+            attn = layer.self_attn
+            q, kk, vv = attn.qkv(x, cos, sin)  # q [B, nH, T, d], k/v [B, nKV, T, d(_v)]
+            new.append((kk, vv))
+            (k0, v0), *extra = [*seen[n], (kk, vv)]
+            out = attn.merge_heads(ttt_attention(q, k0, v0, extra, attn.scale))  # [B, T, nH*d_v]
+            if n + 1 < len(layers):  # the residual stream [B, T, H] into the next layer
+                x, residual = stacked_pre(layers[n + 1], mid(layer, out, residual))
+            else:
+                normed, hidden = post(self, layer, out, residual)
+        return normed, hidden, new
 
 
 def _pre_attention(layer: DraftLayer, embeds: torch.Tensor, hidden: torch.Tensor):

@@ -133,6 +133,10 @@ class TrainConfig:
     resume: bool = option("continue the run in --out from its last checkpoint", False, group=RUN)
     device: str | None = device_option(TORCHRUN_NOTE, group=RUN)  # None: auto
     fsdp: bool = option("under torchrun: shard the drafter across GPUs (FSDP2)", False, group=RUN)
+    checkpoint_steps: bool = option(
+        "recompute each TTT step's activations in backward instead of keeping them (activation checkpointing): "
+        "less memory per token, for long samples, for about one more drafter forward's time; the same "
+        "gradients", False, group=RUN)
     save_every: int = option("checkpoint every N steps, and at the end", 500, rule=COUNT, group=RUN)
     eval_every: int = option("held-out metrics every N steps, and at the end", 500, rule=COUNT, group=RUN)
     log_every: int = option("metrics row every N steps", 10, rule=COUNT, group=RUN)
@@ -142,7 +146,7 @@ class TrainConfig:
     # May differ on --resume: how the run is watched, and where the same data comes from (a
     # moved store, offline <-> online); the data's model and layer ids are checked separately.
     MAY_CHANGE = ("resume", "allow_incomplete", "minutes", "save_every", "eval_every", "log_every", "keep", "progress",
-                  "device", "out",
+                  "device", "out", "checkpoint_steps",
                   "store", "online", "model", "data", "layers")
 
     def __post_init__(self) -> None:
@@ -174,6 +178,9 @@ class TrainConfig:
             if value is not None and not getattr(kind, feature):
                 raise EyasError(f"{flag} is for --drafter {kinds.names(lambda k: getattr(k, feature))}, not "
                                 f"{kind.name}.")
+        if kind.anchored and self.checkpoint_steps:
+            raise EyasError(f"--checkpoint-steps recomputes the TTT steps of {kinds.names(lambda k: not k.anchored)} "
+                            f"drafters; {kind.a_title()} drafter drafts its block in one pass.")
         if kind.anchored and self.position_weights == "on-policy":
             raise EyasError(f"--position-weights on-policy follows chains drafted from every row; {kind.a_title()} "
                             f"drafter trains on blocks from sampled anchors. Use it with --drafter "

@@ -153,6 +153,7 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device, memory: I
         torch.manual_seed(cfg.seed)
         drafter = new_drafter(draft, head.embed_weight)
         drafter.set_vocab(draft_ids)
+    drafter.checkpoint_steps = cfg.checkpoint_steps
     model = distributed.wrap(drafter.to(device), d, device)
     optimizers = build_optimizers(model, cfg.optimizer, cfg.lr, cfg.weight_decay)
     per_epoch = len(stream) / (d.world * cfg.grad_accum)
