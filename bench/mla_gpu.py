@@ -82,14 +82,15 @@ def drafter_config(s: dict[str, Any], shape: str, attention: str):
                                   ttt_steps=TTT_STEPS)
 
 
-def make_run(draft, lengths: list[int], batch_tokens: int, device: torch.device):
-    """speed_gpu's in-memory trainer run for `draft` over samples of `lengths`."""
+def make_run(draft, lengths: list[int], batch_tokens: int, device: torch.device, **options):
+    """speed_gpu's in-memory trainer run for `draft` over samples of `lengths` (`options`: more
+    TrainConfig fields)."""
     from eyas.train.config import TrainConfig
     from eyas.models.target_head import TargetHead
 
     H, V = draft.hidden_size, draft.vocab_size
     cfg = TrainConfig(out="(in memory)", store="(in memory)", draft_vocab=draft.draft_vocab_size, steps=1_000_000,
-                      batch_tokens=batch_tokens, ttt_steps=TTT_STEPS, device=str(device), progress=False)
+                      batch_tokens=batch_tokens, ttt_steps=TTT_STEPS, device=str(device), progress=False, **options)
     norm = torch.nn.RMSNorm(H, eps=1e-6).to(device)
     with torch.device(device):
         embed, lm_head = torch.randn(V, H) * 0.02, torch.randn(V, H) * 0.02
@@ -147,13 +148,15 @@ def flex_check(device: torch.device) -> dict[str, Any]:
             "tolerance": f"atol = rtol = {tol}", "ok": all(torch.allclose(a, b, atol=tol, rtol=tol) for a, b in pairs)}
 
 
-def fits(draft, length: int, device: torch.device) -> dict[str, Any]:
-    """One training step on one sample of `length` tokens: did it fit, and its peak."""
+def fits(draft, length: int, device: torch.device, **options) -> dict[str, Any]:
+    """One training step on one sample of `length` tokens (`options`: more TrainConfig fields):
+    did it fit, and its peak."""
     from eyas.train.loop import train_step
 
+    run = None
     try:
         with Peak(device) as peak:
-            run = make_run(draft, [length], length, device)
+            run = make_run(draft, [length], length, device, **options)
             train_step(run)
             sync(device)
         return {"fits": True, **peak.report()}

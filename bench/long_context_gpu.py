@@ -1,0 +1,154 @@
+"""Long samples at the Llama-3.1-8B shape on one GPU (issue 42): the longest single sample whose
+training step fits, and the peak memory at each length, for each setting side by side (the
+plain step, and `--checkpoint-steps`, which recomputes each TTT step in backward); then, with
+the setting that fits longest, tok/s on one 65,536-token sample against eight of 8,192 at the
+same tokens per step.
+
+The trainer's own step (loop.train_step, flex TTT attention, 7 steps, bf16 autocast, the
+chunked loss) on in-memory random samples and states, as bench/mla_gpu.py does at the seed's
+shape: no model folder. The drafter is the one eyas builds for Llama-3.1-8B (hidden 4096, 32
+heads, 8 KV heads, MLP 14336, target vocabulary 128256, draft vocabulary 32000, `auto` layers).
+
+Top-level keys: `max_seq_len_8b_1gpu` (the best setting's), `peak_gib_16k`, `peak_gib_32k`,
+`peak_gib_64k` (that setting's; None where it did not fit), `tok_s_64k_over_8k`, `setting`.
+
+  PYTHONPATH=src python3 -u bench/long_context_gpu.py --out $OUT --commit SHA   # H200, ~5 min
+  PYTHONPATH=src python3 -u bench/long_context_gpu.py --smoke --out /tmp/long    # CPU, tiny shapes
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.monotonic()
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import speed_gpu  # noqa: E402
+from common import Peak, free_memory, git, say, sync  # noqa: E402
+from mla_gpu import fits, make_run  # noqa: E402
+from random_target import random_target_config  # noqa: E402
+
+SETTINGS = {"plain": {}, "checkpoint-steps": {"checkpoint_steps": True}}
+TTT_STEPS = 7
+
+
+def left(budget_s: float) -> float:
+    return budget_s - (time.monotonic() - STARTED)
+
+
+def drafter_config(shape: str):
+    """The DraftConfig eyas builds for a Llama of `shape` (positions enough for any probe)."""
+    from eyas.draft.config import DraftConfig
+    from eyas.models.identity import ModelIdentity
+    from eyas.models.layers import resolve_layer_ids
+
+    config, _ = random_target_config(shape)
+    config.max_position_embeddings = 262144
+    N = config.num_hidden_layers
+    identity = ModelIdentity(model=f"llama-{shape}-shape", config_hash="random", tokenizer_hash="random",
+                             num_layers=N, hidden_size=config.hidden_size, vocab_size=config.vocab_size)
+    return DraftConfig.for_target(config, identity, resolve_layer_ids("auto", N), min(32000, config.vocab_size),
+                                  ttt_steps=TTT_STEPS)
+
+
+def probe(draft, lengths: list[int], device: torch.device, options: dict, name: str, budget_s: float,
+          reserve_s: float) -> dict[str, Any]:
+    """One step on one sample of each length, shortest first, until one does not fit."""
+    tried, best = {}, None
+    for length in lengths:
+        if left(budget_s) < reserve_s:
+            tried["stopped"] = "budget"
+            break
+        start = time.monotonic()
+        result = fits(draft, length, device, **options)
+        tried[str(length)] = {**result, "s": round(time.monotonic() - start, 1)}
+        say(f"  {name} {length} tokens: {'fits' if result['fits'] else 'out of memory'} {result.get('peak_gib', '')}")
+        if not result["fits"]:
+            break
+        best = length
+    return {"largest_fitting_tokens": best, "tried": tried}
+
+
+def rate(draft, lengths: list[int], batch_tokens: int, device: torch.device, options: dict, seconds: float,
+         warm_steps: int) -> dict[str, Any]:
+    """tok/s of the trainer's step over samples of `lengths`, `batch_tokens` a step, after warm-up."""
+    from eyas.train.loop import train_step
+
+    with Peak(device) as peak:
+        run = make_run(draft, lengths, batch_tokens, device, **options)
+        for _ in range(warm_steps):
+            train_step(run)
+        sync(device)
+        timed = speed_gpu.timed_steps(run, seconds, 50)
+    del run
+    free_memory()
+    return {**{k: timed[k] for k in ("tok_s", "steps", "tokens", "wall_s")}, **peak.report()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: proves the script runs")
+    p.add_argument("--device", default=None, help="default cuda (cpu with --smoke)")
+    p.add_argument("--lengths", default=None, help="comma-separated probe lengths (default 8k..128k by doubling)")
+    p.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, of: " + ", ".join(SETTINGS))
+    p.add_argument("--short", type=int, default=None, help="the short samples of the rate comparison (default 8192)")
+    p.add_argument("--long", type=int, default=None, help="the long sample of the rate comparison (default 65536)")
+    p.add_argument("--seconds", type=float, default=None, help="timed seconds per rate (default 20)")
+    p.add_argument("--warm-steps", type=int, default=2)
+    p.add_argument("--probe-reserve", type=float, default=30.0, help="seconds a probe needs at least")
+    p.add_argument("--minutes", type=float, default=8.0, help="budget: probes and rates stop when it runs out")
+    p.add_argument("--out", default=".", help="folder for long_context_gpu.json")
+    p.add_argument("--commit", default=None, help="recorded if git is not available where this runs")
+    args = p.parse_args()
+    shape = "tiny" if args.smoke else "8b"
+    device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
+    default_lengths = [128, 256, 512] if args.smoke else [8192, 16384, 32768, 65536, 131072]
+    lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else default_lengths
+    short, long_ = args.short or (128 if args.smoke else 8192), args.long or (512 if args.smoke else 65536)
+    seconds = args.seconds or (2.0 if args.smoke else 20.0)
+    budget = 60 * args.minutes
+    draft = drafter_config(shape)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record: dict[str, Any] = {"command": " ".join(sys.argv), "commit": args.commit or git("rev-parse", "HEAD"),
+                              "machine": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                              "shape": shape, "ttt_steps": TTT_STEPS, "draft_vocab": draft.draft_vocab_size,
+                              "settings": {}}
+
+    def save() -> None:
+        record["elapsed_s"] = round(time.monotonic() - STARTED, 1)
+        (out / "long_context_gpu.json").write_text(json.dumps(record, indent=1))
+
+    for name in args.settings.split(","):
+        say(f"probing {name}")
+        record["settings"][name] = probe(draft, lengths, device, SETTINGS[name], name, budget, args.probe_reserve)
+        save()
+    best = max(record["settings"], key=lambda n: (record["settings"][n]["largest_fitting_tokens"] or 0,
+                                                  n == "plain"))  # the plain step where both reach as far
+    tried = record["settings"][best]["tried"]
+    record.update({"setting": best, "max_seq_len_8b_1gpu": record["settings"][best]["largest_fitting_tokens"],
+                   **{f"peak_gib_{n // 1024}k": tried.get(str(n), {}).get("peak_gib") for n in (16384, 32768, 65536)}})
+    save()
+    if (record["max_seq_len_8b_1gpu"] or 0) >= long_ and left(budget) > 2 * seconds + 60:
+        say(f"rates with {best}: {long_ // short} x {short} against 1 x {long_}")
+        record["rate"] = {f"{long_ // short}x{short}": rate(draft, [short] * (long_ // short), long_, device,
+                                                            SETTINGS[best], seconds, args.warm_steps),
+                          f"1x{long_}": rate(draft, [long_] * 2, long_, device, SETTINGS[best], seconds,
+                                             args.warm_steps)}
+        r = record["rate"]
+        record["tok_s_64k_over_8k"] = round(r[f"1x{long_}"]["tok_s"] / r[f"{long_ // short}x{short}"]["tok_s"], 3)
+    save()
+    say({k: record.get(k) for k in ("setting", "max_seq_len_8b_1gpu", "peak_gib_16k", "peak_gib_32k", "peak_gib_64k",
+                                    "tok_s_64k_over_8k")})
+
+
+if __name__ == "__main__":
+    main()
