@@ -348,3 +348,26 @@ def test_progress_keeps_answers_holding_unicode_line_separators(tmp_path):
                                                    {"role": "assistant", "content": text}]})
     done = read_progress(path, "fp", {})  # a header without settings: a run from before eyas recorded them
     assert {i: m[1]["content"] for i, m in done.items()} == answers
+
+
+def test_pack_joins_the_regenerated_conversations(tmp_path, smollm2_dir):
+    """`regenerate --pack`: each conversation answered on its own, then joined as `prepare
+    --pack` joins them; resuming a finished run with it only packs again (the answers are
+    kept), into samples that hold the same conversations in order and train the same tokens."""
+    import shutil
+
+    from eyas.data.config import PrepareConfig
+    from eyas.data.prepare import prepare
+
+    source = tmp_path / "prepared"
+    prepare(PrepareConfig(model=SMOLLM2, data=["packaged:chitchat"], out=str(source), max_len=512, limit=6),
+            progress=False)
+    common = dict(model=SMOLLM2, data=str(source), backend="hf", max_new_tokens=8, group_size=6)
+    regenerate(RegenerateConfig(out=str(tmp_path / "alone"), **common), progress=False)
+    shutil.copytree(tmp_path / "alone", tmp_path / "packed")
+    summary = regenerate(RegenerateConfig(out=str(tmp_path / "packed"), pack=True, **common), progress=False)
+    alone, packed = PreparedData(tmp_path / "alone"), PreparedData(tmp_path / "packed")
+    assert [m for c in packed.conversations() for m in c] == [m for c in alone.conversations() for m in c]
+    assert len(packed) < len(alone) and summary["packed_conversations"] >= 2
+    assert int(packed.loss_mask.sum()) == int(alone.loss_mask.sum())
+    assert max(len(s.input_ids) for s in packed) <= 512

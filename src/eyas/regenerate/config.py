@@ -24,6 +24,9 @@ class RegenerateConfig:
     minutes: float | None = option(
         "stop after the group that ends past this many minutes; the output holds what is done, and the same "
         "command continues", None, rule=POSITIVE)
+    pack: bool = option(
+        "join the regenerated conversations into samples of up to the data's max_len, as `prepare --pack` does: "
+        "each conversation is answered on its own (cheap), and training sees long chats", False)
     seed: int = seed_option("sampling seed (with --temperature > 0)")
     device: str = device_option("hf backend only (vLLM places the model itself)")
     model_dtype: str | None = option(
