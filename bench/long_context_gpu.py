@@ -93,6 +93,63 @@ def rate(draft, lengths: list[int], batch_tokens: int, device: torch.device, opt
     return {**{k: timed[k] for k in ("tok_s", "steps", "tokens", "wall_s")}, **peak.report()}
 
 
+def kept_for_backward(draft, lengths: list[int], device: torch.device, options: dict) -> dict[str, Any]:
+    """What one training step keeps for backward, by the drafter module that saved it, at each
+    of `lengths` (one sample each): the trainer's own step under saved-tensor hooks, each
+    storage counted once, the drafter's weights not at all. With three lengths or more, each
+    module's bytes are fit to c + a*T + b*T^2, so the bytes per token (a) can be told from what
+    does not grow (c: e.g. the head's gradient, computed in the forward) and a quadratic term
+    (b: off CUDA, the dense TTT attention's scores; the flex attention used on CUDA keeps
+    none). Device-free: it runs on the CPU at the 8B shape, where no GPU is at hand."""
+    from eyas.train.loop import accumulate
+
+    by_length: dict[int, dict[str, int]] = {}
+    for length in lengths:
+        run = make_run(draft, [length], length, device, **options)
+        names, stack, kept = {m: n or "drafter" for n, m in run.model.named_modules()}, [], {}
+        # Weights are resident whatever the length: only activations are counted.
+        seen = {t.untyped_storage().data_ptr() for t in [*run.model.parameters(), *run.model.buffers()]}
+
+        def enter(module, *_) -> None:
+            stack.append(names[module])
+
+        def leave(module, *_) -> None:  # returns None: a forward hook's result would replace the output
+            stack.pop()
+
+        handles = [m.register_forward_pre_hook(enter) for m in names] + [m.register_forward_hook(leave) for m in names]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                where = stack[-1] if stack else "loss"
+                kept[where] = kept.get(where, 0) + storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            accumulate(run)
+        for h in handles:
+            h.remove()
+        by_length[length] = kept
+        del run
+        free_memory()
+    out: dict[str, Any] = {"bytes": {str(n): dict(sorted(k.items(), key=lambda kv: -kv[1])) for n, k in by_length.items()}}
+    if len(lengths) >= 3:  # y = c + a*T + b*T^2 per module, least squares
+        import numpy as np
+
+        T = np.array(sorted(by_length), dtype=float)
+        basis = np.stack([np.ones_like(T), T, T * T], axis=1)
+        fit = {}
+        for where in {w for k in by_length.values() for w in k}:
+            y = np.array([by_length[int(t)].get(where, 0) for t in T], dtype=float)
+            c, a, b = np.linalg.lstsq(basis, y, rcond=None)[0]
+            fit[where] = {"bytes_per_token": round(a), "bytes_per_token_squared": round(b, 3), "bytes_fixed": round(c)}
+        out["fit"] = dict(sorted(fit.items(), key=lambda kv: -kv[1]["bytes_per_token"]))
+        out["bytes_per_token"] = sum(f["bytes_per_token"] for f in fit.values())
+        out["bytes_fixed"] = sum(f["bytes_fixed"] for f in fit.values())
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: proves the script runs")
@@ -105,10 +162,13 @@ def main() -> None:
     p.add_argument("--warm-steps", type=int, default=2)
     p.add_argument("--probe-reserve", type=float, default=30.0, help="seconds a probe needs at least")
     p.add_argument("--minutes", type=float, default=8.0, help="budget: probes and rates stop when it runs out")
+    p.add_argument("--kept", default=None, metavar="T1,T2,T3",
+                   help="only what a step keeps for backward, by module, at these lengths (three or more: fit per "
+                        "token), on any device (the CPU takes the 8B shape at a few hundred tokens), for each setting")
     p.add_argument("--out", default=".", help="folder for long_context_gpu.json")
     p.add_argument("--commit", default=None, help="recorded if git is not available where this runs")
     args = p.parse_args()
-    shape = "tiny" if args.smoke else "8b"
+    shape = "tiny" if args.smoke else "8b"  # --kept on the CPU keeps the 8B shape
     device = torch.device(args.device or ("cpu" if args.smoke else "cuda"))
     default_lengths = [128, 256, 512] if args.smoke else [8192, 16384, 32768, 65536, 131072]
     lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else default_lengths
@@ -127,6 +187,15 @@ def main() -> None:
         record["elapsed_s"] = round(time.monotonic() - STARTED, 1)
         (out / "long_context_gpu.json").write_text(json.dumps(record, indent=1))
 
+    if args.kept:
+        record["kept_for_backward"] = {}
+        for name in args.settings.split(","):
+            say(f"kept for backward: {name}")
+            record["kept_for_backward"][name] = kept_for_backward(draft, [int(n) for n in args.kept.split(",")],
+                                                                 device, SETTINGS[name])
+            save()
+        say({n: k.get("bytes_per_token") for n, k in record["kept_for_backward"].items()})
+        return
     for name in args.settings.split(","):
         say(f"probing {name}")
         record["settings"][name] = probe(draft, lengths, device, SETTINGS[name], name, budget, args.probe_reserve)

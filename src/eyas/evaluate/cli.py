@@ -17,6 +17,7 @@ examples:
   eyas eval --model MODEL --draft CKPT --tree --top-k 10 --draft-tokens 60 --output tree.json
   eyas eval --model MODEL --draft CKPT --temperature 0.7 --prompts my_prompts.jsonl
   eyas eval --model MODEL --draft CKPT --workers 4          # 4 processes, prompts dealt by category
+  eyas eval --model MODEL --draft CKPT --prompts long:8k,32k   # tau by context length, on long chat histories
   eyas eval --model MODEL --draft drafter --teacher-forced prepared --held-out   # accuracy per TTT step
 """
 
