@@ -69,6 +69,14 @@ def main() -> None:
                 methods[path].append(drafter_proposer(drafter, replace(cfg, tree=tree), None))
     prompts = load_prompts(args.mt_bench)
     order = [prompts[i] for i in stratified(prompts)][: args.questions]
+    if args.profile_only:  # a process of its own, so that a profiler hanging on graphs loses nothing else
+        report = {"command": " ".join(sys.argv), "commit": git("rev-parse", "HEAD"), "device": device_name(args.device),
+                  "settings": vars(args), "depth": depth}
+        report["profile"] = profile_steps(sessions, tok, methods, order[0], args.profile_tokens, eos)
+        report["replay_ms"] = {p: replay_ms(s) for p, s in sessions.items() if replay_ms(s) is not None}
+        dump(out / "decode_gpu_profile.json", report)
+        say(report["profile"])
+        return
     records: dict[str, list[dict]] = {p: [] for p in paths}
     per_question = 0.0
     for i, prompt in enumerate(order):
@@ -307,6 +315,9 @@ def parse_args():
                                            "loop over their first user turns, with CUDA graphs and without")
     p.add_argument("--regen-rows", type=int, default=4096, help="prompts regenerated (the recipe's group size)")
     p.add_argument("--regen-new-tokens", type=int, default=256, help="answer budget, as the SmolLM2 recipe's")
+    p.add_argument("--profile-only", action="store_true",
+                   help="only the profile (and the one-row replay), into decode_gpu_profile.json: run it per path "
+                        "under `timeout`, as torch.profiler can hang on CUDA graphs")
     p.add_argument("--paths", type=lambda t: tuple(t.split(",")), default=PATHS,
                    help="comma-separated, eager first: the paths decoded side by side (default all)")
     p.add_argument("--smoke", action="store_true", help="CPU, 2 questions, 24 tokens: checks the script runs")
