@@ -1,6 +1,6 @@
 """`eyas train --checkpoint-steps`: each TTT step's activations are recomputed in backward
 instead of kept. The loss, statistics and gradients equal the plain step's (float32, 1e-6),
-for EAGLE-3 of one and of two layers and for P-EAGLE; what the step keeps for backward
+for EAGLE-3 of one and of two layers, with MLA, and for P-EAGLE; what the step keeps for backward
 shrinks; a run trained with it reaches the plain run's weights; DFlash refuses it."""
 
 from __future__ import annotations
@@ -41,9 +41,14 @@ def _step(drafter, head, draft_ids, input_ids, hidden, loss_mask, checkpoint_ste
     return loss, stats, torch.autograd.grad(loss, params), sum(kept)
 
 
-@pytest.mark.parametrize("layers, kind", [(1, "eagle3"), (2, "eagle3"), (1, "peagle")])
+@pytest.mark.parametrize("layers, kind", [(1, "eagle3"), (2, "eagle3"), (1, "peagle"), (1, "mla")])
 def test_recomputed_steps_equal_the_kept_ones(layers, kind):
     drafter, head, draft_ids, input_ids, hidden, loss_mask = make_setup(num_hidden_layers=layers)
+    if kind == "mla":  # latent attention, which recomputes its own projections inside each step
+        from test_mla import mla_drafter
+
+        drafter = mla_drafter()
+        drafter.set_vocab(draft_ids)
     if kind == "peagle":
         cfg = tiny_config(num_hidden_layers=layers, mask_token_id=5, drafter="peagle")
         peagle = PEagleDrafter(cfg, drafter.embed_tokens.weight.detach())
