@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from jinja2 import TemplateError
 from tqdm import tqdm
 from transformers import AutoConfig
 
@@ -178,7 +177,7 @@ class Packer:
         joined = [m for _, messages, _, _ in group for m in messages]
         try:
             ids, mask, truncated = encode_conversation(self.tokenizer, joined, self.max_len)
-        except (BadRecord, TemplateError):
+        except BadRecord:  # the template refused the joined chat
             truncated = True
         if truncated:
             return self._encode(group[:-1]) + [group[-1]]
