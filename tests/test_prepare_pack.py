@@ -77,3 +77,24 @@ def test_packed_smollm2_sharegpt_keeps_every_conversation_and_its_trained_tokens
         assert len(packed[n].input_ids) <= min(4096, sum(len(alone[i].input_ids) for i in parts))
     assert k == len(alone) and summary["packed_conversations"] > 0
     assert len(packed) < k  # some were joined
+
+
+def test_a_joined_chat_the_template_refuses_keeps_its_last_conversation_apart(tiny_tokenizer_dir):
+    """A template that refuses more than four messages: three two-message conversations join as
+    the first two, and the third is a sample of its own; nothing is lost or trained otherwise."""
+    from transformers import AutoTokenizer
+
+    from eyas.data.prepare import Packer
+    from eyas.data.template import encode_conversation
+    from tiny import CHATML
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    tokenizer.chat_template = "{% if messages|length > 4 %}{{ raise_exception('too long') }}{% endif %}" + CHATML
+    packer, conversations = Packer(tokenizer, 4096), [_pair(1), _pair(2), _pair(3)]
+    encoded = [encode_conversation(tokenizer, c, 4096) for c in conversations]
+    closed = [s for i, (c, (ids, mask, _)) in enumerate(zip(conversations, encoded)) for s in packer.add(i, c, ids, mask)]
+    samples = closed + packer.flush()
+    assert [s[1] for s in samples] == [conversations[0] + conversations[1], conversations[2]]
+    assert [s[0] for s in samples] == [0, 2] and packer.joined == 2
+    assert int(samples[0][3].sum()) == int(encoded[0][1].sum() + encoded[1][1].sum())
+    assert (samples[1][2] == encoded[2][0]).all()
