@@ -44,6 +44,11 @@ def main() -> None:
     from eyas.prompts import load_prompts
 
     t0 = time.monotonic()
+    if args.random_shape:  # speed only: a model folder built here, no weights to carry to the machine
+        from random_target import build_target
+
+        args.model = str(Path(args.out) / "random-target")
+        build_target(Path(args.model), args.random_shape, "cpu")
     if args.profile_tokens and args.device.startswith("cuda"):
         import torch.profiler._utils
 
@@ -300,6 +305,9 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="packaged:smollm2-135m", help="the target: any model eyas loads")
     p.add_argument("--drafter", help="a trained drafter folder (its chain and, for EAGLE-3, tree are decoded)")
+    p.add_argument("--random-shape", choices=["135m", "1b", "8b"],
+                   help="instead of --model, a random-weight Llama of this shape (135m: SmolLM2's), built under --out: "
+                        "step times only, as answers run to --max-new-tokens and nothing is accepted")
     p.add_argument("--mt-bench", default="mt-bench", help="MT-bench question.jsonl (default: the packaged one)")
     p.add_argument("--out", required=True)
     p.add_argument("--device", default="cuda")
@@ -322,6 +330,8 @@ def parse_args():
                    help="comma-separated, eager first: the paths decoded side by side (default all)")
     p.add_argument("--smoke", action="store_true", help="CPU, 2 questions, 24 tokens: checks the script runs")
     args = p.parse_args()
+    if args.random_shape and args.drafter:
+        p.error("--random-shape builds a new random target, which no trained --drafter was made for")
     if args.smoke:
         args.device, args.questions, args.max_new_tokens, args.timing_questions = "cpu", 2, 24, 1
         args.profile_tokens, args.regen_rows, args.regen_new_tokens = 8, 24, 16

@@ -12,6 +12,7 @@ import torch
 SHAPES = {  # Llama-family shapes: hidden, layers, intermediate, heads, kv heads, vocab
     "8b": (4096, 32, 14336, 32, 8, 128256),
     "1b": (2048, 16, 8192, 32, 8, 128256),
+    "135m": (576, 30, 1536, 9, 3, 49152),  # SmolLM2-135M's
     "tiny": (128, 8, 256, 4, 2, 4096),
 }
 # The seed's target, Kimi-K2 (a DeepseekV3 text model): the sizes its drafter is built from.
