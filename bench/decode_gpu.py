@@ -217,7 +217,7 @@ def regen(args) -> dict:
     prompts of `--regen-prompts` (a conversation: its last user turn after what precedes it),
     with each decode step a CUDA graph and launched kernel by kernel, on the same prompts:
     answer tokens a second, where the time goes, and the answers compared token for token."""
-    from eyas.evaluate.prompts import render
+    from eyas.prompts import render
     from eyas.prompts import load_prompts
     from eyas.regenerate.generate import HFGenerator
     from eyas.regenerate.static import StaticGreedy
@@ -277,7 +277,7 @@ def ops_per_pass(model, aux: tuple[int, ...], tok, prompt) -> dict:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from eyas.evaluate.prompts import render
+    from eyas.prompts import render
     from eyas.evaluate.static_target import StaticTargetSession
     from eyas.evaluate.tree import DraftTree
 

@@ -249,7 +249,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from eyas.data.template import ChatTemplate
     from eyas.draft import load_config
     from eyas.errors import EyasError
-    from eyas.evaluate.prompts import render
+    from eyas.prompts import render
     from eyas.export import export_drafter
     from eyas.export.config import ExportConfig
     from eyas.models import load_tokenizer, resolve_model

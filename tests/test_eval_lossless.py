@@ -13,7 +13,7 @@ import torch
 from eyas.draft import DraftConfig, Eagle3Drafter, save_drafter
 from eyas.evaluate.drafter import DrafterSession
 from eyas.evaluate.generate import generate
-from eyas.evaluate.prompts import render
+from eyas.prompts import render
 from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
 from eyas.evaluate.run import load_checked_drafter
 from eyas.evaluate.static_target import StaticTargetSession

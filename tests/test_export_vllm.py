@@ -186,7 +186,7 @@ def plain_and_captured(smollm2_dir: Path) -> tuple[list[list[int]], list[list[in
     on: each prompt and the first half of its answer (memorised there, guessing after, so
     acceptance varies from step to step and the step-by-step comparison means something).
     Computed once per session (conftest's `smollm2_vllm_plain`) for every module that uses it."""
-    from eyas.evaluate.prompts import render
+    from eyas.prompts import render
     from eyas.models import load_tokenizer
 
     tokenizer = load_tokenizer(SMOLLM2)

@@ -37,7 +37,7 @@ TARGETS = ["deepseek_v3_576", "kimi_k25"]
 def serve_and_measure(tmp: Path, family: str, tokenizer_dir: Path) -> dict:
     from transformers import AutoConfig
 
-    from eyas.evaluate.prompts import render
+    from eyas.prompts import render
     from eyas.models import load_tokenizer
 
     model = str(build_model(tmp / family, family, tokenizer_dir=tokenizer_dir))

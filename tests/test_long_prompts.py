@@ -14,7 +14,7 @@ from eyas.data.long_prompts import load_prompt_set, parse_long
 from eyas.data.prepared import PreparedData
 from eyas.data.synthetic import contaminated, ngram_set
 from eyas.errors import EyasError
-from eyas.evaluate.prompts import render
+from eyas.prompts import render
 from eyas.models import load_tokenizer
 from eyas.prompts import mt_bench_turns
 

@@ -210,7 +210,7 @@ def test_mla_drafter_decodes_losslessly_chain_and_tree(tmp_path, tiny_tokenizer_
     from tiny import build_model
     from eyas.evaluate.drafter import DrafterSession
     from eyas.evaluate.generate import generate
-    from eyas.evaluate.prompts import render
+    from eyas.prompts import render
     from eyas.evaluate.proposers import Eagle3
     from eyas.evaluate.run import load_checked_drafter
     from eyas.models.eos import eos_ids

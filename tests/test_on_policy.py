@@ -61,7 +61,7 @@ def drafter(smollm2, tmp_path_factory):
     from eyas.capture.run import capture
     from eyas.data.config import PrepareConfig
     from eyas.data.prepare import prepare
-    from eyas.evaluate.prompts import render
+    from eyas.prompts import render
     from eyas.models.eos import eos_ids
     from eyas.train import TrainConfig, train
 
@@ -92,7 +92,7 @@ def hand_run(smollm2, drafter_dir: Path) -> tuple[list[int], list[bool], list[tu
     step's (row the chain was drafted from, drafts accepted)."""
     from eyas.evaluate.drafter import DrafterSession
     from eyas.evaluate.generate import generate
-    from eyas.evaluate.prompts import render
+    from eyas.prompts import render
     from eyas.evaluate.proposers import Eagle3
     from eyas.evaluate.run import load_checked_drafter
     from eyas.evaluate.target import TargetSession

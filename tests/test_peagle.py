@@ -176,7 +176,7 @@ def test_mla_peagle_decodes_losslessly_and_vllm_export_is_refused(deepseek_dir, 
     with drafts accepted. vLLM 0.32's MLA head (Eagle3DeepseekV3ForCausalLM) has no mask_hidden
     for parallel drafting, so `export --to vllm` refuses it in one line and writes nothing."""
     from test_export_vllm import capture, fit_drafter
-    from eyas.evaluate.prompts import render
+    from eyas.prompts import render
     from eyas.evaluate.run import load_checked_drafter
     from eyas.export import export_drafter
     from eyas.export.config import ExportConfig

@@ -132,7 +132,7 @@ def test_a_peer_saved_drafter_decodes_losslessly(smollm2_dir, tmp_path):
     """Chain and tree, against transformers' own greedy generate."""
     from eyas.evaluate.drafter import DrafterSession
     from eyas.evaluate.generate import generate
-    from eyas.evaluate.prompts import render
+    from eyas.prompts import render
     from eyas.evaluate.proposers import Eagle3
     from eyas.evaluate.run import load_checked_drafter
     from eyas.models.eos import eos_ids

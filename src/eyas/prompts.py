@@ -1,5 +1,5 @@
 """Prompt sets that `prepare` and `eval` share: MT-bench (the standard EAGLE benchmark) or a
-JSONL file. Eval answers them; prepare keeps their text out of training (--exclude-prompts, and
+JSONL file, and how a prompt is rendered into the target's tokens (`render`). Eval answers them; prepare keeps their text out of training (--exclude-prompts, and
 the synthetic source always leaves out MT-bench). Kept below data/ and evaluate/ so that
 neither package imports the other.
 
@@ -48,6 +48,14 @@ class EvalPrompt:
     turns: list[str]  # user messages, asked in order
     history: list[dict[str, str]] = field(default_factory=list)  # fixed messages before the first turn
     category: str = ""  # MT-bench's (writing, roleplay, ...), or a file's "category" field
+
+
+def render(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of `messages` under the chat template, ending with the assistant prompt."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise EyasError("The target's tokenizer has no chat template; eyas eval needs one to build prompts.")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def load_prompts(source: str, limit: int | None = None) -> list[EvalPrompt]:

@@ -34,7 +34,7 @@ from typing import Any
 from eyas.data.sources import BadRecord, iter_records, normalize
 from eyas.data.synthetic import contaminated, ngram_set
 from eyas.errors import EyasError
-from eyas.prompts import EvalPrompt, load_prompts, mt_bench_turns
+from eyas.prompts import EvalPrompt, load_prompts, mt_bench_turns, render
 
 LONG = "long"
 LENGTHS = (8192, 32768, 65536)
@@ -84,8 +84,6 @@ def load_prompt_set(source: str, tokenizer: Callable[[], Any], limit: int | None
 
 def long_prompts(lengths: tuple[int, ...], count: int, tokenizer) -> list[EvalPrompt]:
     """`count` prompts of each length in `lengths`, by the module's rule."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise EyasError("The target's tokenizer has no chat template; long prompts are rendered with it.")
     material = _material()
     prompts = []
     for length in lengths:
@@ -161,6 +159,4 @@ def _message_tokens(tokenizer) -> Callable[[dict[str, str]], int]:
 
 def _tokens(tokenizer, history: list[dict[str, str]], question: str) -> int:
     """Tokens of the prompt `history` + `question` as eval renders it."""
-    text = tokenizer.apply_chat_template([*history, {"role": "user", "content": question}], tokenize=False,
-                                         add_generation_prompt=True)
-    return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return len(render(tokenizer, [*history, {"role": "user", "content": question}]))

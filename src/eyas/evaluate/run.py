@@ -39,7 +39,7 @@ from eyas.evaluate.drafter import DrafterSession
 from eyas.evaluate.generate import generate
 from eyas.evaluate.peagle import PEagle
 from eyas.evaluate.plot import plot_acceptance
-from eyas.evaluate.prompts import render, stratified
+from eyas.evaluate.prompts import stratified
 from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
 from eyas.evaluate.report import (RATE_DEFINITION, TAU_DEFINITION, differing, format_breakdown, format_table, summarize,
                                   tau_by)
@@ -49,7 +49,7 @@ from eyas.models import ModelIdentity, load_target, load_tokenizer, model_identi
 from eyas.models.identity import text_config
 from eyas.models.eos import eos_ids
 from eyas.paths import atomic_write_json
-from eyas.prompts import EvalPrompt
+from eyas.prompts import EvalPrompt, render
 from eyas.timing import StepTimer
 from eyas.train.checkpoint import unfinished_note
 
@@ -171,8 +171,9 @@ def check_positions(config, tokenizer, prompts: list[EvalPrompt], cfg: EvalConfi
                             f"prompts (long:{limit - cfg.max_new_tokens} for long ones) or fewer new tokens.")
 
 
-def _answer(cfg: EvalConfig, indices: list[int], progress: bool = True) -> tuple[list[dict], dict]:
-    """Load the target (and drafter) and answer the prompts at `indices` with every method:
+def _answer(cfg: EvalConfig, prompts: list[EvalPrompt], indices: list[int], progress: bool = True
+            ) -> tuple[list[dict], dict]:
+    """Load the target (and drafter) and answer `prompts` at `indices` with every method:
     (records, the target's identity)."""
     device = str(resolve_device(cfg.device))
     model, tokenizer = load_target(cfg.model, dtype=cfg.dtype, device=device)
@@ -188,7 +189,6 @@ def _answer(cfg: EvalConfig, indices: list[int], progress: bool = True) -> tuple
         aux_ids = drafter.config.aux_layer_ids
         gen = torch.Generator(device=device).manual_seed(cfg.seed) if cfg.temperature > 0 else None
         proposers.append(drafter_proposer(drafter, cfg, gen))
-    prompts = load_prompt_set(cfg.prompts, lambda: tokenizer, cfg.limit)
     check_positions(model.config, tokenizer, [prompts[i] for i in indices], cfg)
     target = target_session(model, aux_ids, cfg)
     eos = set(eos_ids(model.generation_config, tokenizer))
@@ -213,8 +213,9 @@ def _die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def _worker(cfg: EvalConfig, indices: list[int], threads: int, parent: int, results: Connection) -> None:
-    """A worker process: answer the prompts at `indices` and send back (records, the target's
+def _worker(cfg: EvalConfig, prompts: list[EvalPrompt], indices: list[int], threads: int, parent: int,
+            results: Connection) -> None:
+    """A worker process: answer `prompts` at `indices` and send back (records, the target's
     identity), or the exception that stopped it, its traceback in a note (for --debug)."""
     _die_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent ends the workers
@@ -224,7 +225,7 @@ def _worker(cfg: EvalConfig, indices: list[int], threads: int, parent: int, resu
     torch.set_num_threads(threads)
     torch.manual_seed(cfg.seed)
     try:
-        answer = _answer(cfg, indices, progress=False)
+        answer = _answer(cfg, prompts, indices, progress=False)
     except Exception as e:  # noqa: BLE001  (raised again by the parent)
         e.add_note(f"in eval worker process {os.getpid()}:\n{traceback.format_exc()}")
         answer = e
@@ -259,7 +260,7 @@ def _answer_in_workers(cfg: EvalConfig, prompts: list[EvalPrompt], workers: int)
     try:
         for share in shares:
             receive, send = context.Pipe(duplex=False)
-            process = context.Process(target=_worker, args=(cfg, share, threads, os.getpid(), send),
+            process = context.Process(target=_worker, args=(cfg, prompts, share, threads, os.getpid(), send),
                                       name="eyas-eval-worker")
             process.start()
             send.close()  # the worker holds the only writer: its death ends the pipe
@@ -319,7 +320,7 @@ def evaluate(cfg: EvalConfig) -> dict:
     if workers > 1:
         records, identity = _answer_in_workers(cfg, prompts, workers)
     else:
-        records, identity = _answer(cfg, list(range(len(prompts))))
+        records, identity = _answer(cfg, prompts, list(range(len(prompts))))
     summaries = summarize(records, {m: cfg.steps for m in {r["method"] for r in records} - {"plain"}},
                           greedy=cfg.temperature == 0)
     if workers > 1:  # timings taken while the workers shared the machine compare nothing
