@@ -324,17 +324,21 @@ def test_labels_are_the_targets_softmax_over_the_draft_vocab_and_its_argmax(setu
     assert (expected >= 0).any() and (expected < 0).any()  # both kinds occur
 
 
-def test_labels_do_not_depend_on_how_rows_are_chunked(setup, monkeypatch):
+def test_labels_do_not_depend_on_how_tokens_are_chunked(setup, monkeypatch):
+    """Chunks of 3 tokens: they cross sample boundaries and do not divide a sample's length, so
+    one long sample's logits are never held whole and nothing shifts at the seams."""
     import eyas.train.labels as objective
 
-    _, head, draft_ids, _, hidden, loss_mask = setup
-    whole = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids)
+    _, head, draft_ids, input_ids, hidden, loss_mask = setup
+    whole = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids, input_ids)
     T, V = hidden.shape[1], head.lm_head_weight.shape[0]
-    monkeypatch.setattr(objective, "LABEL_CHUNK", 2 * T * V - 1)  # one row per chunk
-    rows = objective.make_labels(head, hidden[:, :, -1], loss_mask, draft_ids)
-    assert hidden.shape[0] >= 2
-    torch.testing.assert_close(rows.probs(), whole.probs())
-    assert torch.equal(rows.target_draft, whole.target_draft) and torch.equal(rows.trained, whole.trained)
+    monkeypatch.setattr(objective, "LABEL_CHUNK", 4 * V - 1)  # 3 tokens per chunk
+    assert hidden.shape[0] >= 2 and T % 3
+    chunked = objective.make_labels(head, hidden[:, :, -1], loss_mask, draft_ids, input_ids)
+    torch.testing.assert_close(chunked.probs(), whole.probs())
+    torch.testing.assert_close(chunked.full_lse, whole.full_lse)
+    for name in ("target_draft", "trained", "greedy"):
+        assert torch.equal(getattr(chunked, name), getattr(whole, name)), name
 
 
 def test_a_batch_with_nothing_to_score_still_trains_every_weight(setup):

@@ -1,9 +1,9 @@
 """The labels a drafter learns: the target's next-token distribution over the draft
 vocabulary at every position, from the stored last state through the target's own output
 head (models/target_head.py: the family's transforms included). Only the argmax and the
-full distribution's normaliser are computed here, in row chunks so the full-vocabulary logits
-of a batch are never held at once; the distribution is computed by the loss, chunk by chunk,
-at the pairs it scores (draft/loss.py)."""
+full distribution's normaliser are computed here, in chunks of tokens so that the
+full-vocabulary logits of a batch, or of one long sample, are never held at once; the
+distribution is computed by the loss, chunk by chunk, at the pairs it scores (draft/loss.py)."""
 
 from __future__ import annotations
 
@@ -28,19 +28,21 @@ def make_labels(head: TargetHead, last_hidden: torch.Tensor, loss_mask: torch.Te
     # contiguous, in the loss (`head.restricted`), instead of a column gather out of the full
     # logits: for a small target those copies and gathers move more bytes than its matrix
     # products. Both go through the family's own transform (Granite's scale, Gemma-2's cap).
-    rows = max(1, LABEL_CHUNK // (T * head.lm_head_weight.shape[0]))  # bounds the [rows, T, V] logits
-    target_draft, full_lse, greedy = [], [], []
-    for b in range(0, B, rows):
-        logits = head.logits(last_hidden[b : b + rows])  # [rows, T, V]
-        argmax = logits.argmax(-1)  # [rows, T] target ids
-        target_draft.append(target_to_draft[argmax])
-        full_lse.append(torch.logsumexp(logits.float(), -1))  # [rows, T]
-        if input_ids is not None:
-            follows = torch.zeros_like(argmax, dtype=torch.bool)
-            follows[:, :-1] = argmax[:, :-1] == input_ids[b : b + rows, 1:]
-            greedy.append(follows)
-    return Labels(last_hidden, head.restricted(draft_ids), torch.cat(target_draft), trained_positions(loss_mask),
-                  torch.cat(full_lse), torch.cat(greedy) if input_ids is not None else None)
+    # Chunks of tokens, not of samples: one 131,072-token sample's float32 logits over a
+    # 128,256-token vocabulary alone are 63 GiB.
+    flat = last_hidden.reshape(B * T, -1)  # [B*T, H]
+    size = max(1, LABEL_CHUNK // head.lm_head_weight.shape[0])  # tokens whose [size, V] logits are held at once
+    argmax, full_lse = torch.empty(B * T, dtype=torch.long, device=flat.device), torch.empty(B * T, device=flat.device)
+    for i in range(0, B * T, size):
+        logits = head.logits(flat[i : i + size])  # [size, V]
+        argmax[i : i + size] = logits.argmax(-1)
+        full_lse[i : i + size] = torch.logsumexp(logits.float(), -1)
+    argmax, full_lse = argmax.view(B, T), full_lse.view(B, T)  # target ids; float32
+    greedy = None
+    if input_ids is not None:
+        greedy = torch.zeros_like(argmax, dtype=torch.bool)
+        greedy[:, :-1] = argmax[:, :-1] == input_ids[:, 1:]
+    return Labels(last_hidden, head.restricted(draft_ids), target_to_draft[argmax], trained_positions(loss_mask),
+                  full_lse, greedy)
 
-
-LABEL_CHUNK = 1 << 28  # target logits computed at once (1 GiB in float32): rows, not the batch
+LABEL_CHUNK = 1 << 28  # target logits computed at once (1 GiB in float32): tokens, not the batch
