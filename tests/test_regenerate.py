@@ -255,17 +255,23 @@ def test_static_path_drops_stopped_rows_and_stays_greedy(smollm2_dir, monkeypatc
     """When a quarter of a batch has stopped, the fast path compacts it (the cache keeps only
     live rows), and each decode step reads only the cache slots written so far (rounded up to
     KV_ALIGN); the tokens are still plain `model.generate`'s, exactly."""
+    import eyas.models.attention as attention
     import eyas.regenerate.static as static
     from eyas.regenerate.generate import HFGenerator
 
     read: list[tuple[int, int]] = []  # (rows, cache slots) each attention call reads
-    sdpa = static.F.scaled_dot_product_attention
 
-    def spy(q, k, v, **kw):
-        read.append((k.shape[0], k.shape[2]))
-        return sdpa(q, k, v, **kw)
+    def spy(name):
+        inner = getattr(attention, name)
 
-    monkeypatch.setattr(static.F, "scaled_dot_product_attention", spy)
+        def call(module, q, k, v, *args, **kw):
+            read.append((k.shape[0], k.shape[2]))
+            return inner(module, q, k, v, *args, **kw)
+
+        return call
+
+    for name in ("folded_attention", "sdpa_attention_forward"):  # the paths few_rows_attention takes
+        monkeypatch.setattr(attention, name, spy(name))
 
     monkeypatch.setattr(static, "KV_ALIGN", 8)  # a few reads below the cache's whole length
     gen = HFGenerator(SMOLLM2, dtype="float32", cache_tokens=1 << 14)

@@ -8,7 +8,7 @@ launch overhead (16 ms a token for SmolLM2 on an H200, bench/README.md). Here:
 - every layer's keys and values live in one buffer [1, nKV, capacity, d] (`SlotCache`), slot
   = position for committed tokens; a pass writes its rows at the slots after the committed
   ones and attends over the whole buffer through a 4D mask, which transformers passes through
-  as it is. Sliding-window layers keep every slot too; their mask hides what lies outside
+  as it is; a pass of few rows attends on the math path (models/attention.py). Sliding-window layers keep every slot too; their mask hides what lies outside
   the window (key position > query position - window, transformers' rule).
 - `commit` moves the accepted rows of a tree to the slots after the committed ones (a chain's
   are already there); rejected rows stay behind as garbage no mask ever shows.
@@ -24,6 +24,7 @@ import inspect
 
 import torch
 
+from eyas.models.attention import few_rows
 from eyas.models.slots import SlotCache
 from eyas.evaluate.target import attention_windows
 from eyas.evaluate.tree import DraftTree
@@ -100,8 +101,10 @@ class StaticTargetSession:
         written at the slots from `start` on, reading the first `width` slots."""
         masks = self._masks(positions, ancestors, start, width)
         self.cache.aim(start + torch.arange(len(ids), device=self.device), width)
-        out = self.model(input_ids=ids[None], position_ids=positions[None], past_key_values=self.cache, use_cache=True,
-                         attention_mask=next(iter(masks.values())) if len(masks) == 1 else masks, **extra)
+        with few_rows(self.model):
+            out = self.model(input_ids=ids[None], position_ids=positions[None], past_key_values=self.cache,
+                             use_cache=True, attention_mask=next(iter(masks.values())) if len(masks) == 1 else masks,
+                             **extra)
         return out.logits, self._take_aux()
 
     def _pass(self, ids: torch.Tensor, positions: torch.Tensor, ancestors: torch.Tensor, last_only: bool = False):

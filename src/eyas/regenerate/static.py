@@ -8,31 +8,24 @@ to KV_ALIGN. On a GPU each decode step is one CUDA graph replay (models/graphs.p
 per (rows, slots read): a forward of a small target is hundreds of kernels, and launching them
 one by one from Python cost as much as running them.
 
-transformers repeats a grouped-query model's K/V once per query group whenever a mask is
-given, which at decode time moves several times the cache's bytes each step. The decode
-step's attention therefore folds the query heads that share a KV head into the query axis
-([B, nKV, group, d] against the cache's own [B, nKV, S, d]): the same scores, read once.
+Attention runs as models/attention.py computes it for few query rows: the query heads that
+share a KV head folded into the query axis, on the math path.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Iterator
 
 import torch
-import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from eyas.device import synchronize
 from eyas.errors import EyasError
+from eyas.models import attention
 from eyas.models.eos import cut_at_stop
 from eyas.models.graphs import Recorder
 from eyas.models.slots import SlotCache
 
-ATTENTION = "eyas_grouped_sdpa"
 # `StaticGreedy` rounds its cache reads up to a multiple of this many slots by default (the
 # extra slots are masked). Cut at the exact written length, the cache slice and its mask lose
 # the alignment sdpa's kernels want, and on an H200 a decode step took 110 ms instead of the
@@ -41,32 +34,10 @@ ATTENTION = "eyas_grouped_sdpa"
 KV_ALIGN = 64
 
 
-def grouped_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                 attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, **kwargs):
-    """transformers' attention-function contract: query [B, nH, q, d], key/value [B, nKV, S, d],
-    mask [B, 1, q, S] -> output [B, q, nH, d]. One query position per row (decoding) with
-    grouped heads takes the folded path; anything else is transformers' own sdpa."""
-    B, n_heads, q_len, d = query.shape
-    n_kv = key.shape[1]
-    if q_len != 1 or n_heads == n_kv:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      **kwargs)
-    group = n_heads // n_kv
-    folded = query.reshape(B, n_kv, group, d)  # head h reads KV head h // group, as repeat_kv pairs them
-    out = F.scaled_dot_product_attention(folded, key, value, attn_mask=attention_mask, scale=scaling)  # [B, nKV, g, dv]
-    return out.reshape(B, n_heads, 1, -1).transpose(1, 2).contiguous(), None
-
-
-@functools.cache
-def _register() -> None:
-    AttentionInterface.register(ATTENTION, grouped_sdpa)
-    AttentionMaskInterface.register(ATTENTION, sdpa_mask)
-
-
 def supports_static(model) -> bool:
     """Full-attention decoders only: a sliding-window layer needs a mask this loop does not build.
     Nor a model that soft-caps its attention scores (Gemma-2's `attn_logit_softcapping`): this
-    loop's sdpa would drop the cap, so such a model decodes with `model.generate` and its own
+    loop's attention would drop the cap, so such a model decodes with `model.generate` and its own
     (eager, see eyas.models.load) attention."""
     config = model.config.get_text_config(decoder=True)
     types = getattr(config, "layer_types", None) or []
@@ -88,8 +59,8 @@ class StaticGreedy:
         if not supports_static(model):
             raise EyasError(f"{type(model).__name__} has sliding-window layers or soft-capped attention scores, which "
                             f"this greedy loop would not compute; decode it with model.generate (HFGenerator does).")
-        _register()
-        model.set_attn_implementation(ATTENTION)
+        attention.register()
+        model.set_attn_implementation(attention.NAME)
         self.model, self.pad, self.stops = model, pad_id, stops
         self.cache_tokens, self.max_rows = cache_tokens, max_rows
         self.kv_align = kv_align or KV_ALIGN
