@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import eyas.draft.model as dm
 from eyas.draft import DraftConfig, Eagle3Drafter, ttt_attention
 from eyas.models.target_head import TargetHead
 from eyas.draft.loss import step_counts, trained_positions
@@ -270,8 +271,6 @@ def test_flex_ttt_attention_with_padded_positions_equals_dense(monkeypatch):
     runs it compiled; here flex attention runs eagerly, forward only, as the CPU allows.)"""
     from torch.nn.attention.flex_attention import flex_attention
 
-    import eyas.draft.model as dm
-
     monkeypatch.setattr(dm, "_compiled_flex", lambda: flex_attention)
     g = torch.Generator().manual_seed(3)
     for T, steps in ((150, 3), (dm.FLEX_PAD, 2), (5, 1)):
@@ -287,7 +286,7 @@ def test_merging_later_steps_into_step0_attention_by_its_logsumexp_equals_dense_
     through the step-0 log-sum-exp. CPU flex has no backward, so step-0's (out, lse) here come
     from plain causal scores: values and gradients of every input, through lse included, must
     be the dense path's (float32, 1e-5; MLA-like dims, q/k 24 and v 16)."""
-    import eyas.draft.model as dm
+
 
     g = torch.Generator().manual_seed(6)
     T, steps, scale = 37, 4, 0.3
@@ -364,7 +363,7 @@ def test_compiled_flex_on_cuda_equals_dense_across_lengths():
     float32 within 1e-4 at head dim 64. MLA's head dims (q/k 192, v 128) run in bf16, as training
     runs them (flex's float32 kernel at 192 needs more shared memory than an H200 has), against
     the dense path in float32 on the same bf16 inputs, within bf16's rounding (2e-2)."""
-    import eyas.draft.model as dm
+
 
     g = torch.Generator(device="cuda").manual_seed(5)
     for T, steps, dk, dv in ((300, 7, 64, 64), (1000, 7, 64, 64), (130, 3, 64, 64), (700, 7, 192, 128),
@@ -382,3 +381,21 @@ def test_compiled_flex_on_cuda_equals_dense_across_lengths():
         torch.testing.assert_close(out["flex"][0], out["dense"][0], atol=tol, rtol=tol)
         for a, b in zip(out["flex"][1], out["dense"][1]):
             torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("T", [dm.FLEX_PAD, 5 * dm.FLEX_PAD])
+def test_causal_block_mask_built_from_blocks_equals_create_block_mask(T):
+    """TTT's causal block mask is built from its blocks (create_block_mask evaluates all T^2
+    pairs first: 128 GiB at 128k positions); it must be the same mask, block for block."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    ours = dm.causal_block_mask.__wrapped__(T, torch.device("cpu"))
+    ref = create_block_mask(lambda b, h, q, k: k <= q, B=None, H=None, Q_LEN=T, KV_LEN=T, device="cpu")
+    assert torch.equal(ours.to_dense(), ref.to_dense()) and ours.seq_lengths == ref.seq_lengths
+    for counts, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                            ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+        n = getattr(ours, counts)
+        assert torch.equal(n, getattr(ref, counts)), counts
+        for i in range(n.shape[-1]):  # the blocks each row reads (the rest of a row is never read)
+            read = [getattr(m, indices)[0, 0, i, : n[0, 0, i]].sort().values for m in (ours, ref)]
+            assert torch.equal(*read), (indices, i)

@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask
 from torch.utils.checkpoint import checkpoint
 
 from eyas.draft.base import Drafter
@@ -336,8 +336,18 @@ def _compiled_flex():
 
 
 @functools.lru_cache(maxsize=512)
-def causal_block_mask(T: int, device: torch.device):
-    """The causal flex block mask of `ttt_attention_flex` for T (padded) positions, cached per
-    length (`cache_info()` tells a benchmark how often it was built)."""
-    return create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, B=None, H=None, Q_LEN=T, KV_LEN=T,
-                             device=device)
+def causal_block_mask(T: int, device: torch.device) -> BlockMask:
+    """The causal flex block mask of `ttt_attention_flex` for T positions (a multiple of
+    FLEX_PAD), cached per length (`cache_info()` tells a benchmark how often it was built).
+
+    Built from its blocks: query block i reads key blocks 0..i-1 whole and block i through the
+    mask. `create_block_mask` would evaluate the mask at every (query, key) pair first, T^2
+    int64 values: 128 GiB at 131,072 positions, more than the step itself."""
+    n = T // FLEX_PAD
+    blocks = torch.arange(n, device=device, dtype=torch.int32)  # [n]
+    below = blocks.expand(n, n).contiguous().view(1, 1, n, n)  # row i: 0..i-1 whole (the rest unread)
+    diagonal = torch.zeros_like(below)
+    diagonal[..., 0] = blocks  # row i: block i, partial
+    return BlockMask.from_kv_blocks(torch.ones(1, 1, n, device=device, dtype=torch.int32), diagonal,
+                                    blocks.view(1, 1, n), below, BLOCK_SIZE=FLEX_PAD,
+                                    mask_mod=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, seq_lengths=(T, T))
