@@ -383,14 +383,16 @@ def test_compiled_flex_on_cuda_equals_dense_across_lengths():
             torch.testing.assert_close(a, b, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("T", [dm.FLEX_PAD, 5 * dm.FLEX_PAD])
-def test_causal_block_mask_built_from_blocks_equals_create_block_mask(T):
+@pytest.mark.parametrize("T,S,offset", [(1, 1, 0), (5, 5, 0), (2, 6, 2), (2, 6, 4)])  # in blocks of FLEX_PAD
+def test_causal_block_mask_built_from_blocks_equals_create_block_mask(T, S, offset):
     """TTT's causal block mask is built from its blocks (create_block_mask evaluates all T^2
-    pairs first: 128 GiB at 128k positions); it must be the same mask, block for block."""
+    pairs first: 128 GiB at 128k positions); it must be the same mask, block for block, also
+    for a context-parallel shard's queries (at positions offset..) against all keys."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    ours = dm.causal_block_mask.__wrapped__(T, torch.device("cpu"))
-    ref = create_block_mask(lambda b, h, q, k: k <= q, B=None, H=None, Q_LEN=T, KV_LEN=T, device="cpu")
+    T, S, offset = (n * dm.FLEX_PAD for n in (T, S, offset))
+    ours = dm.causal_block_mask.__wrapped__(T, torch.device("cpu"), S, offset)
+    ref = create_block_mask(lambda b, h, q, k: k <= q + offset, B=None, H=None, Q_LEN=T, KV_LEN=S, device="cpu")
     assert torch.equal(ours.to_dense(), ref.to_dense()) and ours.seq_lengths == ref.seq_lengths
     for counts, indices in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
                             ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
@@ -399,3 +401,20 @@ def test_causal_block_mask_built_from_blocks_equals_create_block_mask(T):
         for i in range(n.shape[-1]):  # the blocks each row reads (the rest of a row is never read)
             read = [getattr(m, indices)[0, 0, i, : n[0, 0, i]].sort().values for m in (ours, ref)]
             assert torch.equal(*read), (indices, i)
+
+
+def test_flex_ttt_attention_of_a_shard_equals_dense(monkeypatch):
+    """A context-parallel shard's queries (positions 128..383) against all 512 step-0 keys and
+    their own later steps' keys: flex (eager here, forward only) equals the dense path."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    monkeypatch.setattr(dm, "_compiled_flex", lambda: flex_attention)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 4, 256, 16, generator=g)
+    k0, v0 = torch.randn(1, 2, 512, 16, generator=g), torch.randn(1, 2, 512, 16, generator=g)
+    extra = [(torch.randn(1, 2, 256, 16, generator=g), torch.randn(1, 2, 256, 16, generator=g))]
+    flex = dm.ttt_attention_flex(q, k0, v0, extra, offset=dm.FLEX_PAD)
+    dense = dm.ttt_attention_dense(q, k0, v0, extra, offset=dm.FLEX_PAD)
+    torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="not on a 128-position block"):
+        dm.ttt_attention_flex(q, k0, v0, extra, offset=64)

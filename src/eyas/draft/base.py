@@ -9,6 +9,7 @@ import torch
 import torch.nn as nn
 
 from eyas.draft.config import DraftConfig
+from eyas.draft.context import Shard
 from eyas.draft.layers import RMSNorm, RotaryEmbedding
 from eyas.draft.loss import Labels, ttt_loss
 from eyas.draft.objective import Objective
@@ -37,8 +38,9 @@ class Drafter(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def forward_ttt_states(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int | None = None,
-                           rows: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """`steps` normed outputs [B, T, H] aligned as draft/loss.py says (the kind's own unroll)."""
+                           rows: torch.Tensor | None = None, shard: Shard | None = None) -> list[torch.Tensor]:
+        """`steps` normed outputs [B, T, H] aligned as draft/loss.py says (the kind's own unroll);
+        with a context-parallel `shard`, the shard's positions (draft/context.py)."""
         raise NotImplementedError
 
     def forward_ttt(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int | None = None,
@@ -47,12 +49,12 @@ class Drafter(nn.Module):
         return [self.lm_head(n) for n in self.forward_ttt_states(input_ids, aux_hidden, steps, rows)]
 
     def forward(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, labels: Labels, weights: torch.Tensor,
-                rows: torch.Tensor | None = None, objective: Objective = Objective()
+                rows: torch.Tensor | None = None, objective: Objective = Objective(), shard: Shard | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """input_ids [B, T], aux_hidden [B, T, L_aux, H], weights [K] -> (loss, statistics [K, 4],
         per-row loss [B]) of draft/loss.py `ttt_loss`; one call per micro-batch, so DDP and
-        FSDP wrap the drafter itself."""
-        states = self.forward_ttt_states(input_ids, aux_hidden, len(weights), rows)  # K x [B, T, H]
+        FSDP wrap the drafter itself. Under context parallelism, the shard's part of them."""
+        states = self.forward_ttt_states(input_ids, aux_hidden, len(weights), rows, shard)  # K x [B, T, H]
         return ttt_loss(self.lm_head, states, labels, weights, rows, objective)
 
     @classmethod

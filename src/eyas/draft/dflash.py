@@ -108,12 +108,15 @@ class DFlashDrafter(Drafter):
         return self.embed_tokens(torch.cat([first[:, None], mask], dim=1))
 
     def forward_ttt_states(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int | None = None,
-                           rows: torch.Tensor | None = None):
+                           rows: torch.Tensor | None = None, shard=None):
         """The blocks anchored at `rows` [B, T] bool (default every row; see the module docstring).
         input_ids [B, T], aux_hidden [B, T, L_aux, H]. Returns `steps` normed outputs [B, T, H]:
         entry k at an anchored row i is slot k+1, which predicts the target's distribution at
         position i+1+k; rows that anchor no block hold zeros, and entries whose slot lies past
-        the end are garbage: the caller scores neither (as for EAGLE-3)."""
+        the end are garbage: the caller scores neither (as for EAGLE-3). No context parallelism:
+        a block attends to its own slots, which a shard's end would cut."""
+        if shard is not None:
+            raise ValueError("DFlash drafters do not train with context parallelism")
         K = steps or self.config.ttt_steps
         S = K + 1
         B, T = input_ids.shape

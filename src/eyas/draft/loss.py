@@ -106,7 +106,8 @@ def _at_rows(pairs: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
 def ttt_loss(lm_head: nn.Linear, states: list[torch.Tensor], labels: Labels, weights: torch.Tensor,
              rows: torch.Tensor | None = None, objective: Objective = Objective()
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """states: K normed outputs [B, T, H] (a drafter's `forward_ttt_states`), weights [K]
+    """states: K normed outputs [B, R, H] (a drafter's `forward_ttt_states`; R = T, the labels'
+    positions, except on a context-parallel shard, whose labels reach past its rows), weights [K]
     (each step's weight over its normaliser), rows [B, T] bool: the rows anchoring a block,
     the only ones scored; `objective`: the pairs' loss, and with its `dpace_alpha` each pair's
     weight is further its D-PACE weight (`dpace_weights`), from the drafter's own current
@@ -127,9 +128,12 @@ def ttt_loss(lm_head: nn.Linear, states: list[torch.Tensor], labels: Labels, wei
     # ~30% of a batch); a pair whose target token lies outside the draft vocabulary weighs 0
     # in the loss and still has its acceptance measured. One nonzero for all steps, the
     # per-step counts and the chunks' spans are the micro-batch's three host syncs.
+    # A context-parallel shard's labels run `halo` positions past its states' rows (draft/context.py).
+    R = states[0].shape[1] if states else T  # rows with states
     pairs = torch.zeros(K, B, T, dtype=torch.bool, device=device)
     for k in range(min(K, T - 1)):
-        pairs[k, :, : T - 1 - k] = _at_rows(labels.trained[:, 1 + k :], rows)
+        n = min(T - 1 - k, R)
+        pairs[k, :, :n] = _at_rows(labels.trained[:, 1 + k : 1 + k + n], rows)
     where = pairs.nonzero()  # [N, 3]: (k, b, i), ordered by step
     # Gathering from each step's states, empty slices included, keeps every weight in the
     # graph when nothing is scored: backward and DDP need a gradient for each.

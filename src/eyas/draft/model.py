@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from eyas.draft.base import Drafter
 from eyas.draft.config import DraftConfig
+from eyas.draft.context import Shard
 from eyas.draft.flex import compiled, limited
 from eyas.draft.layers import GatedMLP, RMSNorm, apply_rotary_pos_emb
 from eyas.draft.mla import MLAAttention
@@ -154,7 +155,7 @@ class Eagle3Drafter(Drafter):
         return self.embed_tokens(tokens), hidden
 
     def forward_ttt_states(self, input_ids: torch.Tensor, aux_hidden: torch.Tensor, steps: int | None = None,
-                           rows: torch.Tensor | None = None):
+                           rows: torch.Tensor | None = None, shard: Shard | None = None):
         """Training-time test over whole sequences, up to the final norm (at every row: `rows`,
         when given, restricts only the scoring).
 
@@ -165,19 +166,22 @@ class Eagle3Drafter(Drafter):
         of each step 1..k. Returns a list of `steps` normed outputs [B, T, H], whose
         `lm_head` gives the logits (training applies it only where a position is scored);
         entries whose input token lies past the end are garbage and must be masked by the caller.
+
+        With a context-parallel `shard` (draft/context.py), aux_hidden holds the shard's T
+        positions and input_ids [B, T + h] those and the h <= steps tokens after them.
         """
         steps = steps or self.config.ttt_steps
-        B, T = input_ids.shape
+        B, T = aux_hidden.shape[:2]
         hidden = self.combine(aux_hidden)  # [B, T, H]
-        padded = F.pad(input_ids, (0, steps))  # [B, T + steps]
-        base_pos = torch.arange(T, device=input_ids.device).expand(B, T)
+        padded = F.pad(input_ids, (0, T + steps - input_ids.shape[1]))  # [B, T + steps]
+        base_pos = torch.arange(T, device=input_ids.device).expand(B, T) + (shard.start if shard else 0)
         # Per layer: its step-0 keys and values, then the later steps' (same-position) ones.
         seen: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(1 + len(self.stack))]
         states = []
         recompute = self.checkpoint_steps and torch.is_grad_enabled()
         for k in range(steps):
             # `seen` as it is now: a recomputation in backward must see what this step saw.
-            args = (k, padded[:, 1 + k : 1 + k + T], hidden, base_pos + k, [tuple(kv) for kv in seen])
+            args = (k, padded[:, 1 + k : 1 + k + T], hidden, base_pos + k, [tuple(kv) for kv in seen], shard)
             normed, hidden, new = (checkpoint(self._ttt_step, *args, use_reentrant=False) if recompute
                                    else self._ttt_step(*args))
             for layer_seen, kv in zip(seen, new):
@@ -186,10 +190,11 @@ class Eagle3Drafter(Drafter):
         return states
 
     def _ttt_step(self, k: int, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                  seen: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]]):
+                  seen: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]], shard: Shard | None = None):
         """Step k through every layer: tokens [B, T] (read at step k), hidden [B, T, H], positions
         [B, T], `seen` each layer's keys and values of the earlier steps -> the normed output
-        [B, T, H], the hidden state step k+1 reads, and each layer's (k, v) of this step."""
+        [B, T, H], the hidden state step k+1 reads, and each layer's (k, v) of this step (the
+        shard's own, under context parallelism)."""
         layers = [self.midlayer, *self.stack]
         pre, stacked_pre, mid, post = _step_parts(tokens.is_cuda and COMPILE_STEP_PARTS)
         x, residual = pre(self.midlayer, *self.step_inputs(k, tokens, hidden))
@@ -200,7 +205,7 @@ class Eagle3Drafter(Drafter):
             q, kk, vv = attn.qkv(x, cos, sin)  # q [B, nH, T, d], k/v [B, nKV, T, d(_v)]
             new.append((kk, vv))
             (k0, v0), *extra = [*seen[n], (kk, vv)]
-            out = attn.merge_heads(ttt_attention(q, k0, v0, extra, attn.scale))  # [B, T, nH*d_v]
+            out = attn.merge_heads(ttt_attention(q, k0, v0, extra, attn.scale, shard))  # [B, T, nH*d_v]
             if n + 1 < len(layers):  # the residual stream [B, T, H] into the next layer
                 x, residual = stacked_pre(layers[n + 1], mid(layer, out, residual))
             else:
@@ -243,34 +248,44 @@ def _step_parts(compiled: bool):
 
 
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
-                  extra: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None) -> torch.Tensor:
+                  extra: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None,
+                  shard: Shard | None = None) -> torch.Tensor:
     """Exact TTT attention without a per-position loop: flex attention with a block-sparse
-    mask on CUDA, dense scores elsewhere. Same inputs and output as `ttt_attention_dense`."""
+    mask on CUDA, dense scores elsewhere. Same inputs and output as `ttt_attention_dense`.
+    With a context-parallel `shard`, q and the keys are the shard's positions; the step-0 keys
+    and values of every shard are gathered first and the queries attend from their global
+    positions."""
+    offset = 0
+    if shard is not None:
+        k0, v0 = shard.gather(k0, v0)
+        offset = shard.start
     if q.is_cuda:
-        return ttt_attention_flex(q, k0, v0, extra, scale)
-    return ttt_attention_dense(q, k0, v0, extra, scale)
+        return ttt_attention_flex(q, k0, v0, extra, scale, offset)
+    return ttt_attention_dense(q, k0, v0, extra, scale, offset)
 
 
 def ttt_attention_dense(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
-                        extra: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None) -> torch.Tensor:
-    """q [B, nH, T, d], k0 [B, nKV, T, d], v0 [B, nKV, T, d_v]; extra: (k_j, v_j) for steps 1..k
-    (nKV divides nH: GQA). Scores against step-0 keys are causal [B, nH, T, T]; each later step
-    contributes one same-position score [B, nH, T, 1]; one softmax runs over all T + k of them.
-    `scale` defaults to d^-0.5.
+                        extra: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None,
+                        offset: int = 0) -> torch.Tensor:
+    """q [B, nH, T, d], k0 [B, nKV, S, d], v0 [B, nKV, S, d_v] (S = T unless the queries are a
+    shard's: query i sits at position offset + i); extra: (k_j, v_j) [B, nKV, T, .] for steps
+    1..k (nKV divides nH: GQA). Scores against step-0 keys are causal [B, nH, T, S]; each later
+    step contributes one same-position score [B, nH, T, 1]; one softmax runs over all S + k of
+    them. `scale` defaults to d^-0.5.
     """
-    T, heads = q.shape[-2], q.shape[1]
+    T, S, heads = q.shape[-2], k0.shape[-2], q.shape[1]
     k0, v0 = _per_query_head(k0, heads), _per_query_head(v0, heads)
     extra = [(_per_query_head(kj, heads), _per_query_head(vj, heads)) for kj, vj in extra]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    causal = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(diagonal=offset)
     scores = (q @ k0.transpose(-1, -2)).float().mul(scale).masked_fill(~causal, float("-inf"))
     if extra:
         diag = torch.stack([(q * kj).sum(-1) for kj, _ in extra], dim=-1).float() * scale  # [B, nH, T, k]
         scores = torch.cat([scores, diag], dim=-1)
     probs = scores.softmax(-1).to(q.dtype)
-    out = probs[..., :T] @ v0
+    out = probs[..., :S] @ v0
     for j, (_, vj) in enumerate(extra):
-        out = out + probs[..., T + j : T + j + 1] * vj
+        out = out + probs[..., S + j : S + j + 1] * vj
     return out
 
 
@@ -280,7 +295,8 @@ def _per_query_head(t: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def ttt_attention_flex(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
-                       extra: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None) -> torch.Tensor:
+                       extra: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None,
+                       offset: int = 0) -> torch.Tensor:
     """The same attention as one causal flex-attention call over the step-0 keys, which also
     returns its log-sum-exp, merged with the later steps' same-position keys (`merge_same_position`).
 
@@ -293,12 +309,17 @@ def ttt_attention_flex(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
     Positions are padded to T' (a multiple of FLEX_PAD): building a block mask costs more
     than the attention itself, and batches come in every length, so masks are built once per
     padded length and reused. Real queries never see a padded key (causal); the padded
-    queries' rows are dropped."""
-    T = q.shape[-2]
+    queries' rows are dropped. A context-parallel shard's queries (at positions offset..)
+    attend to every shard's keys: the shards are whole blocks, so only the mask's rows move."""
+    T, S = q.shape[-2], k0.shape[-2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    pad = -T % FLEX_PAD
-    qp, kp, vp = (F.pad(t, (0, 0, 0, pad)) if pad else t for t in (q, k0, v0))
-    out0, aux = _compiled_flex()(qp, kp, vp, block_mask=causal_block_mask(T + pad, q.device), scale=scale,
+    pad, kv_pad = -T % FLEX_PAD, -S % FLEX_PAD
+    if offset % FLEX_PAD:
+        raise ValueError(f"a context-parallel shard starts at {offset}, not on a {FLEX_PAD}-position block")
+    qp = F.pad(q, (0, 0, 0, pad)) if pad else q
+    kp, vp = (F.pad(t, (0, 0, 0, kv_pad)) if kv_pad else t for t in (k0, v0))
+    mask = causal_block_mask(T + pad, q.device, S + kv_pad, offset)
+    out0, aux = _compiled_flex()(qp, kp, vp, block_mask=mask, scale=scale,
                                  return_aux=AuxRequest(lse=True), enable_gqa=kp.shape[1] != qp.shape[1])
     # the padded q's real rows (a view: flex keeps qp for backward anyway, so q is not kept twice)
     return merge_same_position(out0[..., :T, :], aux.lse[..., :T], qp[..., :T, :], extra, scale)
@@ -336,18 +357,23 @@ def _compiled_flex():
 
 
 @functools.lru_cache(maxsize=512)
-def causal_block_mask(T: int, device: torch.device) -> BlockMask:
-    """The causal flex block mask of `ttt_attention_flex` for T positions (a multiple of
-    FLEX_PAD), cached per length (`cache_info()` tells a benchmark how often it was built).
+def causal_block_mask(T: int, device: torch.device, S: int | None = None, offset: int = 0) -> BlockMask:
+    """The causal flex block mask of `ttt_attention_flex` for T query positions against S keys
+    (S = T by default; all multiples of FLEX_PAD), the queries at positions offset.. (a
+    context-parallel shard's), cached per shape (`cache_info()` tells a benchmark how often it
+    was built).
 
-    Built from its blocks: query block i reads key blocks 0..i-1 whole and block i through the
-    mask. `create_block_mask` would evaluate the mask at every (query, key) pair first, T^2
-    int64 values: 128 GiB at 131,072 positions, more than the step itself."""
-    n = T // FLEX_PAD
-    blocks = torch.arange(n, device=device, dtype=torch.int32)  # [n]
-    below = blocks.expand(n, n).contiguous().view(1, 1, n, n)  # row i: 0..i-1 whole (the rest unread)
-    diagonal = torch.zeros_like(below)
-    diagonal[..., 0] = blocks  # row i: block i, partial
+    Built from its blocks: query block i, at key block g = offset / FLEX_PAD + i, reads key
+    blocks 0..g-1 whole and block g through the mask. `create_block_mask` would evaluate the
+    mask at every (query, key) pair first, T * S int64 values: 128 GiB at 131,072 positions,
+    more than the step itself."""
+    S = T if S is None else S
+    n, m, first = T // FLEX_PAD, S // FLEX_PAD, offset // FLEX_PAD
+    at = torch.arange(first, first + n, device=device, dtype=torch.int32)  # [n]: each query block's own key block
+    below = torch.arange(m, device=device, dtype=torch.int32).expand(n, m).contiguous().view(1, 1, n, m)
+    diagonal = torch.zeros_like(below)  # row i: key block at[i], partial (the rest unread)
+    diagonal[..., 0] = at
     return BlockMask.from_kv_blocks(torch.ones(1, 1, n, device=device, dtype=torch.int32), diagonal,
-                                    blocks.view(1, 1, n), below, BLOCK_SIZE=FLEX_PAD,
-                                    mask_mod=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx, seq_lengths=(T, T))
+                                    at.view(1, 1, n), below, BLOCK_SIZE=FLEX_PAD,
+                                    mask_mod=lambda b, h, q_idx, kv_idx: kv_idx <= q_idx + offset,
+                                    seq_lengths=(T, S))

@@ -1,0 +1,61 @@
+"""Context parallelism: one long sample's positions split over processes.
+
+Process r of W holds positions [start, start + length) of a sample padded to W * length. In a
+TTT step only step 0's keys and values cross positions (each later step adds one key at the
+query's own position, draft/model.py), so each process computes its own positions through
+every layer and step, and before each layer's step-0 attention gathers every process's keys
+and values with PyTorch's context-parallel all-gather (`flex_cp_allgather`, whose backward
+reduce-scatters the keys' and values' gradients back to their owners). Its queries then
+attend causally from their global positions. What else crosses the shard's end is read, not
+computed: the tokens a later step embeds and the labels it is scored on, the `halo` of
+positions after the shard.
+
+The loss on each process is its share of the whole sample's loss (the normaliser is the
+whole sample's), so summing the processes' gradients gives the one-process gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _get_process_group_name
+from torch.distributed.tensor.experimental._context_parallel import flex_cp_allgather
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This process's part of a sample: positions [start, start + length) of `world` * length."""
+
+    group: dist.ProcessGroup
+    rank: int
+    world: int
+    length: int
+
+    @property
+    def start(self) -> int:
+        return self.rank * self.length
+
+    def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every process's step-0 keys and values, in position order: k [B, nKV, length, d],
+        v [B, nKV, length, d_v] -> [B, nKV, world * length, .]."""
+        return flex_cp_allgather(k.contiguous(), v.contiguous(), 2, _get_process_group_name(self.group))
+
+    @property
+    def total(self) -> int:
+        return self.world * self.length
+
+    def slice(self, t: torch.Tensor, halo: int = 0) -> torch.Tensor:
+        """t [B, T, ...] (a whole sample, T <= total) -> this shard's positions and the `halo`
+        after them, [B, length + h, ...]: zeros (False) past T, no halo after the last shard."""
+        if t.shape[1] < self.total:
+            t = torch.cat([t, t.new_zeros(t.shape[0], self.total - t.shape[1], *t.shape[2:])], dim=1)
+        return t[:, self.start : self.start + self.length + halo]
+
+
+def shard_length(tokens: int, world: int, align: int = 1) -> int:
+    """Positions per process for a sample of `tokens`: equal shards (the all-gather needs them),
+    each a multiple of `align` (flex attention's block, so every shard starts on a block)."""
+    per = -(-tokens // world)
+    return -(-per // align) * align
