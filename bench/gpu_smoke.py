@@ -1,6 +1,7 @@
 """A one-minute check of the GPU-only code paths on a tiny random Llama, before a long
 bench spends device time on them: the static-cache greedy path (each decode step a CUDA
-graph) against `model.generate`, the compiled TTT step loss against the eager one, a few
+graph) against `model.generate`, the compiled TTT step loss against the eager one, the
+compiled flex TTT attention of a context-parallel shard against the dense path, a few
 online training steps through the real trainer (compiled loss, flex attention) and every
 decoding method of `eyas eval` on both decoding paths (eager, and CUDA graphs).
 
@@ -35,9 +36,11 @@ def main() -> None:
     t0 = time.monotonic()
     checks["static_greedy_equals_generate"] = static_greedy(folder, dev)
     checks["compiled_loss_equals_eager"] = compiled_loss(dev)
+    checks["shard_flex_equals_dense"] = shard_flex(dev)
     checks["train_and_eval"] = train_and_eval(folder, work, dev, texts)
     print(json.dumps(checks, indent=1, default=str))
-    print(f"gpu smoke: {'ok' if all(v is True or isinstance(v, dict) for v in checks.values()) else 'FAILED'} "
+    passed = all(v is True for k, v in checks.items() if k != "train_and_eval")
+    print(f"gpu smoke: {'ok' if passed and isinstance(checks['train_and_eval'], dict) else 'FAILED'} "
           f"in {time.monotonic() - t0:.0f} s")
 
 
@@ -68,6 +71,27 @@ def compiled_loss(dev: str) -> bool:
         for a, b in zip(fused, eager):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     return True
+
+
+def shard_flex(dev: str) -> bool | dict:
+    """A shard's queries (positions 256..639 of 1,024) against every step-0 key plus two later
+    steps' same-position keys: the compiled flex path (its block mask's rows shifted) equals
+    the dense path in value and in every input's gradient, in float32 (to 1e-3 relative)."""
+    from eyas.draft.model import ttt_attention_dense, ttt_attention_flex
+
+    g = torch.Generator(device=dev).manual_seed(1)
+    shape = lambda n, h: (1, h, n, 64)  # noqa: E731
+    q = torch.randn(*shape(384, 8), device=dev, generator=g).requires_grad_()
+    k0, v0 = (torch.randn(*shape(1024, 2), device=dev, generator=g).requires_grad_() for _ in range(2))
+    extra = [tuple(torch.randn(*shape(384, 2), device=dev, generator=g).requires_grad_() for _ in range(2))
+             for _ in range(2)]
+    inputs = [q, k0, v0, *[t for kv in extra for t in kv]]
+    results = []
+    for fn in (ttt_attention_flex, ttt_attention_dense):
+        out = fn(q, k0, v0, extra, offset=256)
+        results.append([out, *torch.autograd.grad(out.pow(2).sum(), inputs)])
+    worst = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(*results))
+    return True if worst < 1e-3 else {"largest_relative_difference": worst}
 
 
 def train_and_eval(folder: Path, work: Path, dev: str, texts: list[str]) -> dict:

@@ -443,6 +443,34 @@ def test_torchrun_fsdp_cli_trains_like_one_process(two_batch_store, tmp_path):
         torch.testing.assert_close(b[key], a[key], atol=1e-6, rtol=0)
 
 
+def test_torchrun_context_parallel_cli_trains_like_one_process(two_batch_store, tmp_path):
+    """`torchrun -m eyas train --context-parallel` (2 gloo processes, each training its half of
+    every sample, with --checkpoint-steps) ends 2 steps with the weights of one process on the
+    same batches (1e-6), and says how it splits the samples."""
+    args = ["train", "--store", str(two_batch_store), "--steps", "2", "--batch-tokens", "128", "--ttt-steps", "3",
+            "--draft-vocab", "4096", "--eval-fraction", "0.25", "--log-every", "1", "--no-progress",
+            "--grad-accum", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas"]
+    result = subprocess.run(torchrun + args + ["--out", str(tmp_path / "cp"), "--context-parallel",
+                                               "--checkpoint-steps"], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 process(es) on cpu, each sample split over them (context parallel)" in result.stdout
+    one = subprocess.run([sys.executable, "-m", "eyas"] + args + ["--out", str(tmp_path / "one")], env=env,
+                         capture_output=True, text=True)
+    assert one.returncode == 0, one.stderr[-3000:]
+    split, whole = rows(tmp_path / "cp"), rows(tmp_path / "one")
+    assert [r["step"] for r in split] == [1, 2] and split[0]["positions"] == whole[0]["positions"] > 0
+    assert split[-1]["loss"] == pytest.approx(whole[-1]["loss"], abs=1e-5)
+    a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "cp" / "model.safetensors")
+    for key in a:
+        torch.testing.assert_close(b[key], a[key], atol=1e-6, rtol=0)
+    alone = subprocess.run([sys.executable, "-m", "eyas"] + args + ["--out", str(tmp_path / "alone"),
+                                                                    "--context-parallel"],
+                           env=env, capture_output=True, text=True)
+    assert alone.returncode != 0 and "run it under torchrun with --nproc-per-node 2 or more" in alone.stderr
+
+
 BUDGETED_RANKS = """
 import os, sys
 from eyas.train import budget, loop, train, TrainConfig

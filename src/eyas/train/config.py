@@ -22,7 +22,7 @@ ANCHORS = 512  # SpecForge's and speculators' default: bounds a sample's block t
 # Options added after runs were recorded, with the value such a run had (its drafter, restored
 # from the checkpoint, keeps the attention it was built with).
 ADDED = {"draft_attention": AUTO_ATTENTION, "optimizer": "adamw", "position_weights": "decay", "dpace_alpha": 0.5,
-         "loss": "soft-ce", "lk_eta": 3.0, "init": None}
+         "loss": "soft-ce", "lk_eta": 3.0, "init": None, "context_parallel": False}
 
 
 DATA, DRAFTER, SCHEDULE, RUN = "data", "drafter", "schedule", "run"  # the --help sections
@@ -133,6 +133,10 @@ class TrainConfig:
     resume: bool = option("continue the run in --out from its last checkpoint", False, group=RUN)
     device: str | None = device_option(TORCHRUN_NOTE, group=RUN)  # None: auto
     fsdp: bool = option("under torchrun: shard the drafter across GPUs (FSDP2)", False, group=RUN)
+    context_parallel: bool = option(
+        "under torchrun: split each sample's positions over the processes (context parallelism), for samples "
+        "longer than one GPU trains; every process trains the same batches, each its own part of them, and a step "
+        "is --grad-accum micro-batches (EAGLE-3, P-EAGLE)", False, group=RUN)
     checkpoint_steps: bool = option(
         "recompute each TTT step's activations in backward instead of keeping them (activation checkpointing): "
         "less memory per token, for long samples, for about one more drafter forward's time; the same "
@@ -162,6 +166,8 @@ class TrainConfig:
         check_rules(self)
         if self.steps is not None and self.epochs is not None:
             raise EyasError("give --steps or --epochs, not both.")
+        if self.fsdp and self.context_parallel:
+            raise EyasError("--context-parallel replicates the drafter on every process; drop --fsdp.")
         if self.fsdp and self.optimizer == "muon":
             # Muon's bf16 Newton-Schulz on sharded matrices: a step's update then differs from one
             # process's by up to ~20% (measured on 4 gloo processes); under DDP by ~0.5%, as between any two runs.
@@ -178,6 +184,9 @@ class TrainConfig:
             if value is not None and not getattr(kind, feature):
                 raise EyasError(f"{flag} is for --drafter {kinds.names(lambda k: getattr(k, feature))}, not "
                                 f"{kind.name}.")
+        if kind.anchored and self.context_parallel:
+            raise EyasError(f"--context-parallel splits the positions of {kinds.names(lambda k: not k.anchored)} "
+                            f"drafters' samples; {kind.a_title()} drafter's blocks attend across a split.")
         if kind.anchored and self.checkpoint_steps:
             raise EyasError(f"--checkpoint-steps recomputes the TTT steps of {kinds.names(lambda k: not k.anchored)} "
                             f"drafters; {kind.a_title()} drafter drafts its block in one pass.")

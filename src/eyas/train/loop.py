@@ -3,6 +3,8 @@
 One step = G = processes x grad_accum token-budget micro-batches. The loss of a step is the
 token mean over all of them (per TTT step k, weighted decay^k), whatever the number of
 processes, so a DDP run and a single process over the same global batch take the same step.
+Under --context-parallel every process trains the same grad_accum micro-batches, each its own
+positions of them (draft/context.py), and the step is again one process's.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from eyas.draft.base import Drafter
 from eyas.draft.build import drafter_class, new_drafter
 from eyas.draft.checkpoint import load_drafter
 from eyas.draft.config import DraftConfig
+from eyas.draft.context import Shard, shard_length
+from eyas.draft.model import FLEX_PAD
 from eyas.draft.loss import STATS, step_counts
 from eyas.draft.objective import Objective
 from eyas.draft.vocab import TokenCounter, build_draft_vocab, coverage, default_draft_vocab_size
@@ -80,8 +84,17 @@ class Run:
         return getattr(self.model, "module", self.model)
 
     @property
+    def dp(self) -> int:
+        """Processes training different batches: one under context parallelism."""
+        return data_parallel(self.cfg, self.d)
+
+    @property
     def group(self) -> int:
-        return self.d.world * self.cfg.grad_accum
+        return self.dp * self.cfg.grad_accum
+
+
+def data_parallel(cfg: TrainConfig, d: distributed.Dist) -> int:
+    return 1 if cfg.context_parallel else d.world
 
 
 def train(cfg: TrainConfig, stop_at: int | None = None) -> dict[str, Any]:
@@ -133,6 +146,9 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device, memory: I
         raise EyasError("No training sample left after the held-out split; lower --eval-fraction or add data.")
     stream = BatchStream(train_pos, source.lengths, source.sample_index, cfg.batch_tokens, cfg.seed)
     _check_group(cfg, len(stream), d)
+    if cfg.context_parallel and d.world < 2:
+        raise EyasError("--context-parallel splits each sample over torchrun's processes: run it under torchrun "
+                        "with --nproc-per-node 2 or more.")
     head = load_target_head(folder).to(device) if memory is None else memory.head
     if previous is not None:
         draft, trainer = ckpt.read_checkpoint(previous)
@@ -156,7 +172,7 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device, memory: I
     drafter.checkpoint_steps = cfg.checkpoint_steps
     model = distributed.wrap(drafter.to(device), d, device)
     optimizers = build_optimizers(model, cfg.optimizer, cfg.lr, cfg.weight_decay)
-    per_epoch = len(stream) / (d.world * cfg.grad_accum)
+    per_epoch = len(stream) / (data_parallel(cfg, d) * cfg.grad_accum)
     cap = cfg.steps or (math.ceil(cfg.epochs * per_epoch) if cfg.epochs else None)
     # Under --minutes this is provisional, long enough to reach the steady state, whose rate then
     # plans the run; it does not depend on time, so neither do the first steps' learning rates.
@@ -301,13 +317,14 @@ def _check_group(cfg: TrainConfig, batches: int, d: distributed.Dist) -> None:
     Refused where --epochs or --minutes set the length (one such step already passes over the
     data more often than asked, under a step count that hides it); said in a note where --steps
     asks for such steps."""
-    group = d.world * cfg.grad_accum
+    world = data_parallel(cfg, d)
+    group = world * cfg.grad_accum
     if group <= batches:
         return
-    what = (f"a step of {group} micro-batches ({d.world} process(es) x --grad-accum {cfg.grad_accum}) is more than "
+    what = (f"a step of {group} micro-batches ({world} process(es) x --grad-accum {cfg.grad_accum}) is more than "
             f"the {batches} batch(es) of <= {cfg.batch_tokens} tokens an epoch holds")
     if cfg.steps is None:
-        most = batches // d.world
+        most = batches // world
         fix = f"Lower --grad-accum to at most {most}" if most else f"Run at most {batches} process(es)"
         raise EyasError(f"--grad-accum {cfg.grad_accum}: {what}, so its samples would repeat within the step. {fix} "
                         f"(or lower --batch-tokens, for more batches an epoch), or give --steps to train such steps "
@@ -380,13 +397,20 @@ def forward(run: Run, batch: Batch, weights: torch.Tensor, wrapped: bool = True,
     DDP/FSDP wrapper when `wrapped`, which training needs for its gradient hooks), scoring
     the rows [B, T] that anchor a block when given."""
     model = run.model if wrapped else run.drafter
+    input_ids, hidden, loss_mask, last, shard = batch.input_ids, batch.hidden, batch.loss_mask, batch.hidden[:, :, -1], None
+    if run.cfg.context_parallel:  # this process's positions, and the tokens and labels its last rows read
+        shard = Shard(torch.distributed.group.WORLD, run.d.rank, run.d.world,
+                      shard_length(input_ids.shape[1], run.d.world, FLEX_PAD if run.device.type == "cuda" else 1))
+        halo = run.draft.ttt_steps + 1  # step k at row i reads token i+1+k, scored at i+1+k, trained by mask i+2+k
+        input_ids, loss_mask, last = (shard.slice(t, halo) for t in (input_ids, loss_mask, last))
+        hidden = shard.slice(hidden)
     with _autocast(run.device):
         with timed(timer, "labels"):
             # The samples' greedy path only where the loss walks it: the walk waits for the GPU.
-            greedy = batch.input_ids if run.cfg.position_weights == "on-policy" else None
-            labels = make_labels(run.head, batch.hidden[:, :, -1], batch.loss_mask, _draft_ids(run), greedy)
+            greedy = input_ids if run.cfg.position_weights == "on-policy" else None
+            labels = make_labels(run.head, last, loss_mask, _draft_ids(run), greedy)
         with timed(timer, "forward"):
-            return model(batch.input_ids, batch.hidden[:, :, :-1], labels, weights, rows, objective(run.cfg))
+            return model(input_ids, hidden[:, :, :-1], labels, weights, rows, objective(run.cfg), shard)
 
 
 def _anchor_rows(source, positions: list[int], steps: int, anchors: int | None, seed: int, step: int,
@@ -423,7 +447,9 @@ def _weights(run: Run, positions: list[list[int]]) -> torch.Tensor:
         else:  # anchored blocks: the trained pairs of their anchor rows
             rows = batch_rows(run.source, batch, K, run.cfg.anchors, run.cfg.seed, run.step)
             counts += step_counts(loss_masks(run.source, batch), K, rows)
-    counts = distributed.all_reduce(_to_device(counts, run.device), run.d)
+    counts = _to_device(counts, run.device)
+    if not run.cfg.context_parallel:  # under it every process counted the same batches
+        counts = distributed.all_reduce(counts, run.d)
     if objective(run.cfg).dpace_alpha is not None:
         return torch.where(counts > 0, run.d.world / counts.sum().clamp_min(1), torch.zeros_like(counts))
     if objective(run.cfg).on_policy:
@@ -438,8 +464,13 @@ def _upcoming(run: Run) -> Iterator[list[int]]:
     end = (run.cap or math.inf) if run.cfg.minutes else run.total_steps
     step = run.step
     while step < end:
-        yield from run.train_stream.for_step(step, run.group, run.d.rank, run.d.world)
+        yield from run.train_stream.for_step(step, run.group, *_data_rank(run))
         step += 1
+
+
+def _data_rank(run: Run) -> tuple[int, int]:
+    """(rank, world) among the processes training different batches."""
+    return (0, 1) if run.cfg.context_parallel else (run.d.rank, run.d.world)
 
 
 def accumulate(run: Run, timer: StepTimer | None = None
@@ -449,7 +480,7 @@ def accumulate(run: Run, timer: StepTimer | None = None
     prepared indices with [B] device flags: NaN/inf hidden states, a loss that is not finite.
     The flags are read on the host once per step (`train_step`), so nothing here waits for the GPU."""
     run.source.read_ahead(_upcoming(run), run.device)  # a store's next batches, read on the host in a thread
-    micro = run.train_stream.for_step(run.step, run.group, run.d.rank, run.d.world)
+    micro = run.train_stream.for_step(run.step, run.group, *_data_rank(run))
     with timed(timer, "weights"):
         weights = _weights(run, micro)
     stats, checks = torch.zeros(run.draft.ttt_steps, STATS, device=run.device), []
@@ -597,7 +628,8 @@ def fit(run: Run, stop_at: int | None = None) -> dict[str, Any]:
     cfg, d = run.cfg, run.d
     log = MetricsLog(Path(cfg.out), run.resumed_from) if d.main else None
     _log(d, f"{len(run.train_stream)} batches of <= {cfg.batch_tokens} tokens per epoch, {run.total_steps} steps, "
-            f"{d.world} process(es) on {run.device}" + (", FSDP" if cfg.fsdp else ""))
+            f"{d.world} process(es) on {run.device}" + (", FSDP" if cfg.fsdp else "")
+            + (", each sample split over them (context parallel)" if cfg.context_parallel else ""))
     bar = tqdm(total=run.total_steps, initial=run.step, desc="train", unit="step", disable=not (cfg.progress and d.main))
     window = torch.zeros(run.draft.ttt_steps, STATS, device=run.device)
     window_start, tokens, last = time.monotonic(), 0, {}
