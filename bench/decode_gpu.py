@@ -80,6 +80,11 @@ def main() -> None:
         report["profile"] = profile_steps(sessions, tok, methods, order[0], args.profile_tokens, eos)
         report["replay_ms"] = {p: replay_ms(s) for p, s in sessions.items() if replay_ms(s) is not None}
         dump(out / "decode_gpu_profile.json", report)
+        if args.regen_profile_rows:
+            say("profile regeneration")
+            report["regen_profile"] = regen_profile(args)
+            dump(out / "decode_gpu_profile.json", report)
+            say(report["regen_profile"])
         say(report["profile"])
         return
     records: dict[str, list[dict]] = {p: [] for p in paths}
@@ -246,6 +251,39 @@ def regen(args) -> dict:
             "answers_equal": answers["graphs"] == answers["eager"], "graph_replays": gen.greedy.graphs.replays}
 
 
+def regen_profile(args) -> dict:
+    """Where a regeneration decode step's milliseconds go: `eyas regenerate`'s greedy loop (bf16,
+    each step a CUDA graph) on `--regen-profile-rows` prompts of random token ids, 128 to 768
+    long, `--profile-tokens` new tokens each, once unprofiled (graphs recorded) and once under
+    torch.profiler. Ids, not text, so that any target (a random one included) runs the same shapes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from eyas.regenerate.generate import HFGenerator
+
+    gen = HFGenerator(args.model, dtype="bf16", device=args.device)
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(128, 769, (args.regen_profile_rows,), generator=g).tolist()
+    prompts = [torch.randint(10, gen.model.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    budgets = [args.profile_tokens] * len(prompts)
+    loop = gen.greedy
+    loop.generate(prompts, budgets)
+    loop.stats = dict.fromkeys(loop.stats, 0)
+    replays = loop.graphs.replays
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        loop.generate(prompts, budgets)
+        sync(args.device)
+    steps = max(loop.graphs.replays - replays, 1)
+    table = profile_table(prof, limit=14)
+    return {"rows": len(prompts), "new_tokens": args.profile_tokens, "decode_steps": steps,
+            **{k: round(v, 3) for k, v in loop.stats.items()},
+            "decode_ms_per_step_profiled": round(1e3 * loop.stats["decode_s"] / steps, 2),
+            "device_ms_total": table["device_ms"], "kernels": table["kernel_launches"],
+            "top_kernels_ms_per_step": {r["kernel"]: round(r["ms"] / steps, 3) for r in table["top"]},
+            "top_kernel_calls": {r["kernel"][:60]: r["calls"] for r in table["top"]},
+            "top_host_ms": {r["op"]: r["ms"] for r in table["host_top"][:8]}}
+
+
 def replay_ms(session) -> float | None:
     """A recorded path's one-row verification graph replayed back to back, alone: the GPU's
     share of a plain step (None where nothing was recorded)."""
@@ -322,6 +360,9 @@ def parse_args():
     p.add_argument("--regen-prompts", help="a JSONL of prompts or conversations: also time regeneration's greedy "
                                            "loop over their first user turns, with CUDA graphs and without")
     p.add_argument("--regen-rows", type=int, default=4096, help="prompts regenerated (the recipe's group size)")
+    p.add_argument("--regen-profile-rows", type=int, default=0,
+                   help="with --profile-only: also profile regeneration's decode steps on this many rows of random "
+                        "ids (--profile-tokens new tokens each)")
     p.add_argument("--regen-new-tokens", type=int, default=256, help="answer budget, as the SmolLM2 recipe's")
     p.add_argument("--profile-only", action="store_true",
                    help="only the profile (and the one-row replay), into decode_gpu_profile.json: run it per path "
