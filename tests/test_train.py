@@ -537,6 +537,26 @@ if __name__ == "__main__":
     _first_step(sys.argv[1:])
 
 
+def test_store_source_reads_only_a_shards_rows(smollm2_store):
+    """Under --context-parallel a process reads only its shard's (and halo's) states: a slice of
+    each sample in the shard file, zeros past a sample's end and past the batch, ids whole."""
+    from eyas.train.data import StoreSource
+
+    source = StoreSource(smollm2_store, crop=10_000)
+    by_length = sorted(range(len(source.lengths)), key=lambda p: source.lengths[p])
+    positions = [by_length[-1], by_length[0], by_length[len(by_length) // 2]]
+    assert len({source.lengths[p] for p in positions}) > 1  # rows of different lengths
+    whole = source.read(positions)
+    T = whole.hidden.shape[1]
+    padded = torch.cat([whole.hidden, whole.hidden.new_zeros(len(positions), 16, *whole.hidden.shape[2:])], dim=1)
+    for lo, hi in ((0, 10), (7, T + 5), (T + 2, T + 9)):
+        part = source.read(positions, rows=(lo, hi))
+        assert part.rows == (lo, hi) and torch.equal(part.hidden, padded[:, lo:hi])
+        assert torch.equal(part.input_ids, whole.input_ids) and torch.equal(part.loss_mask, whole.loss_mask)
+        batch = source.load(positions, torch.device("cpu"), (lo, hi))
+        assert batch.rows == (lo, hi) and torch.equal(batch.hidden, padded[:, lo:hi].float())
+
+
 def _old_load(source, positions: list[int]):
     """The batch as training loaded it before the host/device split: every sample dequantised to
     float32 on the CPU (hidden_fp8.float() * scale), zero-padded, then moved."""
@@ -574,7 +594,8 @@ def test_batches_are_the_same_read_ahead_or_not(smollm2_store, tmp_path, dtype):
     items = [stream.item(s) for s in range(3 * len(stream))]  # three epochs, reshuffled
     threads = []
     read = source.read
-    source.read = lambda positions, pin=False: threads.append(threading.current_thread().name) or read(positions, pin)
+    source.read = lambda positions, pin=False, rows=None: (threads.append(threading.current_thread().name)
+                                                            or read(positions, pin, rows))
     direct = [source.load(p, torch.device("cpu")) for p in items]
     source.read_ahead(iter(items), torch.device("cpu"))
     ahead = [source.load(p, torch.device("cpu")) for p in items]
@@ -592,6 +613,13 @@ def test_batches_are_the_same_read_ahead_or_not(smollm2_store, tmp_path, dtype):
     assert torch.equal(source.load(items[5], torch.device("cpu")).hidden, direct[5].hidden)
     assert torch.equal(source.load(items[0], torch.device("cpu")).hidden, direct[0].hidden)
     source.close()
+    # A context-parallel shard's rows, read ahead: the same slice of the old path's batch.
+    source.read_ahead(iter(items), torch.device("cpu"), lambda positions: (3, 45))
+    for positions in items[:4]:
+        old = _old_load(source, positions).hidden
+        expected = torch.cat([old, old.new_zeros(len(positions), 45, *old.shape[2:])], dim=1)[:, 3:45]
+        assert torch.equal(source.load(positions, torch.device("cpu"), (3, 45)).hidden, expected)
+    source.close()
 
 
 def test_training_reads_ahead_and_trains_on_the_same_data(smollm2_store, tmp_path, monkeypatch):
@@ -607,12 +635,12 @@ def test_training_reads_ahead_and_trains_on_the_same_data(smollm2_store, tmp_pat
                   **{k: v for k, v in FAST.items() if k != "batch_tokens"})
     threads = []
     read = StoreSource.read
-    monkeypatch.setattr(StoreSource, "read", lambda self, positions, pin=False: (
-        threads.append(threading.current_thread().name), read(self, positions, pin))[1])
+    monkeypatch.setattr(StoreSource, "read", lambda self, positions, pin=False, rows=None: (
+        threads.append(threading.current_thread().name), read(self, positions, pin, rows))[1])
     train(TrainConfig(out=str(tmp_path / "new"), **common))
     assert threads and set(threads) == {"eyas-prefetch"}
-    monkeypatch.setattr(StoreSource, "load", lambda self, positions, device: _old_load(self, positions))
-    monkeypatch.setattr(StoreSource, "read_ahead", lambda self, items, device: None)
+    monkeypatch.setattr(StoreSource, "load", lambda self, positions, device, rows=None: _old_load(self, positions))
+    monkeypatch.setattr(StoreSource, "read_ahead", lambda self, items, device, rows_of=None: None)
     train(TrainConfig(out=str(tmp_path / "old"), **common))
     a, b = load_file(tmp_path / "new" / "model.safetensors"), load_file(tmp_path / "old" / "model.safetensors")
     assert a.keys() == b.keys()

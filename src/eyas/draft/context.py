@@ -3,10 +3,10 @@
 Process r of W holds positions [start, start + length) of a sample padded to W * length. In a
 TTT step only step 0's keys and values cross positions (each later step adds one key at the
 query's own position, draft/model.py), so each process computes its own positions through
-every layer and step, and before each layer's step-0 attention gathers every process's keys
-and values with PyTorch's context-parallel all-gather (`flex_cp_allgather`, whose backward
-reduce-scatters the keys' and values' gradients back to their owners). Its queries then
-attend causally from their global positions. What else crosses the shard's end is read, not
+every layer and step, and gathers each layer's step-0 keys and values from every process once,
+for all steps, with PyTorch's context-parallel all-gather (`flex_cp_allgather`, whose backward
+reduce-scatters their gradients back to their owners). Its queries then attend causally from
+their global positions. What else crosses the shard's end is read, not
 computed: the tokens a later step embeds and the labels it is scored on, the `halo` of
 positions after the shard.
 

@@ -193,8 +193,10 @@ class Eagle3Drafter(Drafter):
                   seen: list[tuple[tuple[torch.Tensor, torch.Tensor], ...]], shard: Shard | None = None):
         """Step k through every layer: tokens [B, T] (read at step k), hidden [B, T, H], positions
         [B, T], `seen` each layer's keys and values of the earlier steps -> the normed output
-        [B, T, H], the hidden state step k+1 reads, and each layer's (k, v) of this step (the
-        shard's own, under context parallelism)."""
+        [B, T, H], the hidden state step k+1 reads, and each layer's (k, v) of this step. Under
+        context parallelism step 0's are every shard's, gathered once for all steps (its
+        backward then reduce-scatters once, the gradients of every step summed), the later
+        steps' the shard's own."""
         layers = [self.midlayer, *self.stack]
         pre, stacked_pre, mid, post = _step_parts(tokens.is_cuda and COMPILE_STEP_PARTS)
         x, residual = pre(self.midlayer, *self.step_inputs(k, tokens, hidden))
@@ -203,9 +205,12 @@ class Eagle3Drafter(Drafter):
         for n, layer in enumerate(layers):
             attn = layer.self_attn
             q, kk, vv = attn.qkv(x, cos, sin)  # q [B, nH, T, d], k/v [B, nKV, T, d(_v)]
+            if shard is not None and not seen[n]:
+                kk, vv = shard.gather(kk, vv)  # [B, nKV, world * T, .]
             new.append((kk, vv))
             (k0, v0), *extra = [*seen[n], (kk, vv)]
-            out = attn.merge_heads(ttt_attention(q, k0, v0, extra, attn.scale, shard))  # [B, T, nH*d_v]
+            offset = shard.start if shard is not None else 0
+            out = attn.merge_heads(ttt_attention(q, k0, v0, extra, attn.scale, offset))  # [B, T, nH*d_v]
             if n + 1 < len(layers):  # the residual stream [B, T, H] into the next layer
                 x, residual = stacked_pre(layers[n + 1], mid(layer, out, residual))
             else:
@@ -249,16 +254,10 @@ def _step_parts(compiled: bool):
 
 def ttt_attention(q: torch.Tensor, k0: torch.Tensor, v0: torch.Tensor,
                   extra: list[tuple[torch.Tensor, torch.Tensor]], scale: float | None = None,
-                  shard: Shard | None = None) -> torch.Tensor:
+                  offset: int = 0) -> torch.Tensor:
     """Exact TTT attention without a per-position loop: flex attention with a block-sparse
-    mask on CUDA, dense scores elsewhere. Same inputs and output as `ttt_attention_dense`.
-    With a context-parallel `shard`, q and the keys are the shard's positions; the step-0 keys
-    and values of every shard are gathered first and the queries attend from their global
-    positions."""
-    offset = 0
-    if shard is not None:
-        k0, v0 = shard.gather(k0, v0)
-        offset = shard.start
+    mask on CUDA, dense scores elsewhere. Same inputs and output as `ttt_attention_dense`
+    (`offset`: the queries are a context-parallel shard's, at positions offset..)."""
     if q.is_cuda:
         return ttt_attention_flex(q, k0, v0, extra, scale, offset)
     return ttt_attention_dense(q, k0, v0, extra, scale, offset)

@@ -75,20 +75,23 @@ class Store:
             return torch.zeros(0, dtype=torch.int64)
         return torch.cat([self.shard_tensor(i, "sample_index") for i in range(len(self.manifest["shards"]))])
 
-    def stored(self, pos: int) -> dict[str, Any]:
+    def stored(self, pos: int, rows: tuple[int, int] | None = None) -> dict[str, Any]:
         """One sample as stored: `input_ids [T] int64`, `loss_mask [T] bool`, `hidden [T, L, H]` in
-        the store's dtype, `scale [T, L] float32` (fp8) or None; `dequantize` turns them into floats."""
+        the store's dtype, `scale [T, L] float32` (fp8) or None; `dequantize` turns them into floats.
+        With `rows` (lo, hi), hidden and scale hold only positions lo..hi-1 that the sample has:
+        a slice read from the shard, not the whole sample's states."""
         if not 0 <= pos < len(self):
             raise IndexError(pos)
         shard = bisect.bisect_right(self._starts, pos) - 1
         j = pos - self._starts[shard]
         handle = self._shard(shard)
         a, b = self._offsets[shard][j].item(), self._offsets[shard][j + 1].item()
+        lo, hi = (a, b) if rows is None else (min(a + rows[0], b), min(a + rows[1], b))
         return {
             "input_ids": handle.get_slice("input_ids")[a:b].long(),
             "loss_mask": handle.get_slice("loss_mask")[a:b].bool(),
-            "hidden": handle.get_slice("hidden")[a:b],
-            "scale": handle.get_slice("scale")[a:b] if "scale" in handle.keys() else None,
+            "hidden": handle.get_slice("hidden")[lo:hi],
+            "scale": handle.get_slice("scale")[lo:hi] if "scale" in handle.keys() else None,
             "index": torch.tensor(handle.get_slice("sample_index")[j : j + 1].item()),
         }
 

@@ -34,6 +34,7 @@ class Batch:
     loss_mask: torch.Tensor  # [B, T] bool, False on padding
     hidden: torch.Tensor  # [B, T, L, H] float, the aux ids then id N
     sample_index: list[int]  # prepared-data index of each row (for error messages)
+    rows: tuple[int, int] | None = None  # hidden holds only positions lo..hi-1 (a context-parallel shard's)
 
 
 @dataclass
@@ -45,6 +46,7 @@ class HostBatch:
     hidden: torch.Tensor  # [B, T, L, H] bf16/fp16/fp32/fp8
     scale: torch.Tensor | None  # [B, T, L] float32 (fp8 stores; 0 on padding), else None
     sample_index: list[int]
+    rows: tuple[int, int] | None = None  # hidden and scale hold only positions lo..hi-1
 
     def to(self, device: torch.device) -> Batch:
         def move(t: torch.Tensor) -> torch.Tensor:
@@ -52,7 +54,7 @@ class HostBatch:
 
         # The same arithmetic as Store.sample's (format.dequantize), so the same bits.
         hidden = dequantize(move(self.hidden), None if self.scale is None else move(self.scale))
-        return Batch(move(self.input_ids), move(self.loss_mask), hidden, self.sample_index)
+        return Batch(move(self.input_ids), move(self.loss_mask), hidden, self.sample_index, self.rows)
 
 
 def _pad(rows: list[torch.Tensor], T: int, pin: bool = False) -> torch.Tensor:
@@ -128,12 +130,16 @@ class SampleSource(Protocol):
         """(input_ids [T] long, loss_mask [T] bool) of one position, cropped."""
         ...
 
-    def load(self, positions: list[int], device: torch.device) -> Batch:
-        """The batch of `positions`, hidden states included, on `device`."""
+    def load(self, positions: list[int], device: torch.device, rows: tuple[int, int] | None = None) -> Batch:
+        """The batch of `positions`, hidden states included, on `device`; with `rows` (lo, hi), a
+        source that can read a slice of each sample's states reads only those positions' (and
+        says so in `Batch.rows`)."""
         ...
 
-    def read_ahead(self, items: Iterable[list[int]], device: torch.device) -> None:
-        """Start preparing the batches `items`, in that order, in the background (once)."""
+    def read_ahead(self, items: Iterable[list[int]], device: torch.device,
+                   rows_of: Callable[[list[int]], tuple[int, int] | None] | None = None) -> None:
+        """Start preparing the batches `items`, in that order, in the background (once), each
+        with the `rows` that `rows_of` gives it."""
         ...
 
     def close(self) -> None:
@@ -174,33 +180,37 @@ class StoreSource:
         ids, mask = self._tokens[pos]
         return ids[: self.crop], mask[: self.crop]
 
-    def read(self, positions: list[int], pin: bool = False) -> HostBatch:
-        """The batch of `positions` on the host, as stored (thread-safe: the shards are read-only)."""
-        samples = [self.store.stored(p) for p in positions]
+    def read(self, positions: list[int], pin: bool = False, rows: tuple[int, int] | None = None) -> HostBatch:
+        """The batch of `positions` on the host, as stored (thread-safe: the shards are read-only);
+        with `rows` (lo, hi), the states of those positions only, zeros past a sample's end."""
         T = max(self.lengths[p] for p in positions)
+        lo, hi = (0, T) if rows is None else rows
+        samples = [self.store.stored(p, None if rows is None else (lo, max(lo, min(hi, self.crop)))) for p in positions]
 
-        def pad(key: str) -> torch.Tensor:
-            return _pad([s[key][: self.crop] for s in samples], T, pin)
+        def pad(key: str, length: int) -> torch.Tensor:
+            return _pad([s[key][:length] for s in samples], length, pin)
 
-        return HostBatch(pad("input_ids"), pad("loss_mask"), pad("hidden"),
-                         None if samples[0]["scale"] is None else pad("scale"),
-                         [self.sample_index[p] for p in positions])
+        return HostBatch(pad("input_ids", T), pad("loss_mask", T), pad("hidden", hi - lo),
+                         None if samples[0]["scale"] is None else pad("scale", hi - lo),
+                         [self.sample_index[p] for p in positions], rows)
 
-    def read_ahead(self, items: Iterable[list[int]], device: torch.device) -> None:
+    def read_ahead(self, items: Iterable[list[int]], device: torch.device,
+                   rows_of: Callable[[list[int]], tuple[int, int] | None] | None = None) -> None:
         """Read the batches `items` (in that order) in the background, for `load` to take; a
         source already reading ahead keeps its reader."""
         if self.ahead is None:
-            self.ahead = Prefetch(lambda positions: self.read(positions, pin=device.type == "cuda"), items)
+            self.ahead = Prefetch(lambda positions: self.read(positions, device.type == "cuda",
+                                                              rows_of(positions) if rows_of else None), items)
 
     def close(self) -> None:
         if self.ahead is not None:
             self.ahead.close()
             self.ahead = None
 
-    def load(self, positions: list[int], device: torch.device) -> Batch:
+    def load(self, positions: list[int], device: torch.device, rows: tuple[int, int] | None = None) -> Batch:
         host = self.ahead.take(positions) if self.ahead is not None else None
-        if host is None:
-            host = self.read(positions, pin=device.type == "cuda")
+        if host is None or host.rows != rows:  # not read ahead, or read ahead for other rows
+            host = self.read(positions, device.type == "cuda", rows)
         return host.to(device)
 
 
@@ -224,7 +234,8 @@ class OnlineSource:
         s = self.prepared[pos]
         return s.input_ids[: self.crop], s.loss_mask[: self.crop]
 
-    def load(self, positions: list[int], device: torch.device) -> Batch:
+    def load(self, positions: list[int], device: torch.device, rows: tuple[int, int] | None = None) -> Batch:
+        """The target computes every position's states (`rows` are not a slice it can skip to)."""
         T = max(self.lengths[p] for p in positions)
         rows = [self.tokens(p) for p in positions]
         input_ids = _pad([ids for ids, _ in rows], T)
@@ -235,7 +246,7 @@ class OnlineSource:
         return Batch(input_ids.to(device), loss_mask.to(device), hidden.to(device).clone(),
                      [self.sample_index[p] for p in positions])
 
-    def read_ahead(self, items: Iterable[list[int]], device: torch.device) -> None:
+    def read_ahead(self, items: Iterable[list[int]], device: torch.device, rows_of=None) -> None:
         """Nothing to read: the target computes a batch's states when it is loaded."""
 
     def close(self) -> None:

@@ -399,11 +399,10 @@ def forward(run: Run, batch: Batch, weights: torch.Tensor, wrapped: bool = True,
     model = run.model if wrapped else run.drafter
     input_ids, hidden, loss_mask, last, shard = batch.input_ids, batch.hidden, batch.loss_mask, batch.hidden[:, :, -1], None
     if run.cfg.context_parallel:  # this process's positions, and the tokens and labels its last rows read
-        shard = Shard(torch.distributed.group.WORLD, run.d.rank, run.d.world,
-                      shard_length(input_ids.shape[1], run.d.world, FLEX_PAD if run.device.type == "cuda" else 1))
-        halo = run.draft.ttt_steps + 1  # step k at row i reads token i+1+k, scored at i+1+k, trained by mask i+2+k
-        input_ids, loss_mask, last = (shard.slice(t, halo) for t in (input_ids, loss_mask, last))
-        hidden = shard.slice(hidden)
+        shard = _shard(run, input_ids.shape[1])
+        window = batch.hidden if batch.rows is not None else shard.slice(batch.hidden, _halo(run))
+        input_ids, loss_mask = (shard.slice(t, _halo(run)) for t in (input_ids, loss_mask))
+        hidden, last = window[:, : shard.length], window[:, :, -1]
     with _autocast(run.device):
         with timed(timer, "labels"):
             # The samples' greedy path only where the loss walks it: the walk waits for the GPU.
@@ -411,6 +410,28 @@ def forward(run: Run, batch: Batch, weights: torch.Tensor, wrapped: bool = True,
             labels = make_labels(run.head, last, loss_mask, _draft_ids(run), greedy)
         with timed(timer, "forward"):
             return model(input_ids, hidden[:, :, :-1], labels, weights, rows, objective(run.cfg), shard)
+
+
+def _shard(run: Run, T: int) -> Shard:
+    """This process's part of a batch of T positions under --context-parallel: equal shards, on a
+    GPU whole flex blocks."""
+    align = FLEX_PAD if run.device.type == "cuda" else 1
+    return Shard(torch.distributed.group.WORLD, run.d.rank, run.d.world, shard_length(T, run.d.world, align))
+
+
+def _halo(run: Run) -> int:
+    """Positions after a shard that its rows read: step k at row i embeds token i+1+k and is
+    scored at label i+1+k, which position i+2+k's mask trains."""
+    return run.draft.ttt_steps + 1
+
+
+def _shard_rows(run: Run, positions: list[int]) -> tuple[int, int] | None:
+    """Under --context-parallel, the positions of the batch `positions` whose states this
+    process reads from the store: its shard and the halo."""
+    if not run.cfg.context_parallel:
+        return None
+    shard = _shard(run, max(run.source.lengths[p] for p in positions))
+    return shard.start, min(shard.start + shard.length + _halo(run), shard.total)
 
 
 def _anchor_rows(source, positions: list[int], steps: int, anchors: int | None, seed: int, step: int,
@@ -479,14 +500,15 @@ def accumulate(run: Run, timer: StepTimer | None = None
     the step's gradient in `.grad`; returns the statistics [K, STATS] and, per micro-batch, its
     prepared indices with [B] device flags: NaN/inf hidden states, a loss that is not finite.
     The flags are read on the host once per step (`train_step`), so nothing here waits for the GPU."""
-    run.source.read_ahead(_upcoming(run), run.device)  # a store's next batches, read on the host in a thread
+    # A store's next batches, read on the host in a thread (each process its shard's states).
+    run.source.read_ahead(_upcoming(run), run.device, lambda positions: _shard_rows(run, positions))
     micro = run.train_stream.for_step(run.step, run.group, *_data_rank(run))
     with timed(timer, "weights"):
         weights = _weights(run, micro)
     stats, checks = torch.zeros(run.draft.ttt_steps, STATS, device=run.device), []
     for i, positions in enumerate(micro):
         with timed(timer, "load"):
-            batch = run.source.load(positions, run.device)
+            batch = run.source.load(positions, run.device, _shard_rows(run, positions))
         with distributed.no_sync(run.model, last=i == len(micro) - 1):
             anchored = _anchor_rows(run.source, positions, run.draft.ttt_steps, run.cfg.anchors, run.cfg.seed,
                                     run.step, run.device)
