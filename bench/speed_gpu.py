@@ -474,7 +474,7 @@ class OnDevice:
     """A source whose batches already sit on the device: nothing to read ahead, nothing started
     in the background (the rest of eyas.train.data.SampleSource)."""
 
-    def read_ahead(self, items, device: torch.device) -> None:
+    def read_ahead(self, items, device: torch.device, rows_of=None) -> None:
         pass
 
     def close(self) -> None:
@@ -491,7 +491,7 @@ class PreloadedSource(OnDevice):
         self.batches = {tuple(positions): source.load(positions, run.device) for s in range(run.step, run.step + steps)
                         for positions in run.train_stream.for_step(s, run.group, 0, 1)}
 
-    def load(self, positions: list[int], device: torch.device):
+    def load(self, positions: list[int], device: torch.device, rows=None):
         return self.batches[tuple(positions)]
 
 
@@ -607,7 +607,7 @@ class InMemorySource(OnDevice):
     def tokens(self, pos: int):
         return self._ids[pos], self._masks[pos]
 
-    def load(self, positions: list[int], device: torch.device):
+    def load(self, positions: list[int], device: torch.device, rows=None):
         from eyas.train.data import Batch
 
         T = max(self.lengths[p] for p in positions)
