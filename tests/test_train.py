@@ -462,6 +462,12 @@ def test_torchrun_context_parallel_cli_trains_like_one_process(two_batch_store, 
     split, whole = rows(tmp_path / "cp"), rows(tmp_path / "one")
     assert [r["step"] for r in split] == [1, 2] and split[0]["positions"] == whole[0]["positions"] > 0
     assert split[-1]["loss"] == pytest.approx(whole[-1]["loss"], abs=1e-5)
+    # The held-out pass splits each batch too: its statistics add up to one process's, decoding's
+    # chains included (walked by each shard alone, they start anew at its first row: 24 against 22).
+    held, alone_held = rows(tmp_path / "cp", "eval")[-1], rows(tmp_path / "one", "eval")[-1]
+    assert held["positions"] == alone_held["positions"] > 0 and held["chains"] == alone_held["chains"]
+    for key in ("loss_per_step", "acc_per_step", "accept_walk_per_step"):
+        assert held[key] == pytest.approx(alone_held[key], abs=1e-5), key
     a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "cp" / "model.safetensors")
     for key in a:
         torch.testing.assert_close(b[key], a[key], atol=1e-6, rtol=0)

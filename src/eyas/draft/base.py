@@ -55,7 +55,7 @@ class Drafter(nn.Module):
         per-row loss [B]) of draft/loss.py `ttt_loss`; one call per micro-batch, so DDP and
         FSDP wrap the drafter itself. Under context parallelism, the shard's part of them."""
         states = self.forward_ttt_states(input_ids, aux_hidden, len(weights), rows, shard)  # K x [B, T, H]
-        return ttt_loss(self.lm_head, states, labels, weights, rows, objective)
+        return ttt_loss(self.lm_head, states, labels, weights, rows, objective, shard)
 
     @classmethod
     def step_bytes(cls, cfg: DraftConfig, rows: int, length: int, anchors: int | None, device: torch.device) -> int | None:

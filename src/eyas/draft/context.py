@@ -11,7 +11,10 @@ computed: the tokens a later step embeds and the labels it is scored on, the `ha
 positions after the shard.
 
 The loss on each process is its share of the whole sample's loss (the normaliser is the
-whole sample's), so summing the processes' gradients gives the one-process gradient.
+whole sample's), so summing the processes' gradients gives the one-process gradient. The
+chains greedy decoding would draft along a sample (draft/reach.py) run from one end to the
+other: each process walks the whole sample from every shard's accepted lengths and keeps its
+rows' chains.
 """
 
 from __future__ import annotations
@@ -45,6 +48,19 @@ class Shard:
     @property
     def total(self) -> int:
         return self.world * self.length
+
+    @torch.no_grad()
+    def whole(self, t: torch.Tensor) -> torch.Tensor:
+        """t [B, length, ...] (this shard's rows; no gradient) -> [B, total, ...]: every shard's, in
+        position order. For what is walked along a whole sample: decoding's chains."""
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)
+
+    def own(self, t: torch.Tensor, width: int) -> torch.Tensor:
+        """t [B, total, ...] -> this shard's rows, zero-padded to `width` (its labels' positions)."""
+        part = t[:, self.start : self.start + self.length]
+        return torch.cat([part, part.new_zeros(part.shape[0], width - part.shape[1], *part.shape[2:])], dim=1)
 
     def slice(self, t: torch.Tensor, halo: int = 0) -> torch.Tensor:
         """t [B, T, ...] (a whole sample, T <= total) -> this shard's positions and the `halo`

@@ -43,6 +43,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from eyas.draft.context import Shard
 from eyas.draft.flex import limited
 from eyas.draft.objective import Objective
 from eyas.draft.reach import accepted_lengths, chain_reach, reached_pairs
@@ -104,7 +105,7 @@ def _at_rows(pairs: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
 
 
 def ttt_loss(lm_head: nn.Linear, states: list[torch.Tensor], labels: Labels, weights: torch.Tensor,
-             rows: torch.Tensor | None = None, objective: Objective = Objective()
+             rows: torch.Tensor | None = None, objective: Objective = Objective(), shard: Shard | None = None
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """states: K normed outputs [B, R, H] (a drafter's `forward_ttt_states`; R = T, the labels'
     positions, except on a context-parallel shard, whose labels reach past its rows), weights [K]
@@ -169,7 +170,7 @@ def ttt_loss(lm_head: nn.Linear, states: list[torch.Tensor], labels: Labels, wei
                              "blocks scores sampled rows")
         if labels.greedy is None:
             raise ValueError("on-policy pairs need labels made with the samples' input_ids (make_labels)")
-        walk = chains(greedy_drafts(x, lm_head.weight, bounds) == target, labels, pairs, (step, b, i))
+        walk = chains(greedy_drafts(x, lm_head.weight, bounds) == target, labels, pairs, (step, b, i), shard)
         row_weight = row_weight * reached_pairs(walk[1], K)[step, b, i]
     if objective.dpace_alpha is not None:
         q = torch.zeros(K, B, T, device=device)
@@ -182,7 +183,7 @@ def ttt_loss(lm_head: nn.Linear, states: list[torch.Tensor], labels: Labels, wei
     if labels.greedy is not None:
         on_path = zeros.index_add(0, step, labels.greedy[b, j].float())
     if walk is None and labels.greedy is not None and rows is None:
-        walk = chains(correct, labels, pairs, (step, b, i))
+        walk = chains(correct, labels, pairs, (step, b, i), shard)
     if walk is not None:
         accepted, reach = walk
         k = torch.arange(K, device=device)[:, None, None]
@@ -225,16 +226,23 @@ def greedy_drafts(x: torch.Tensor, weight: torch.Tensor, bounds: list[tuple[int,
 
 @torch.no_grad()
 def chains(correct: torch.Tensor, labels: Labels, pairs: torch.Tensor,
-           at: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+           at: tuple[torch.Tensor, ...], shard: Shard | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """correct [N] (the drafter's greedy token is the target's) at the scored pairs `at` =
     (step, b, i), each [N], of `pairs` [K, B, T] -> the drafts a chain from each row would
     have accepted and the steps greedy decoding reaches from it, [B, T] each (draft/reach.py):
-    a step passes where the drafter is right and the sample goes on with the target's token."""
+    a step passes where the drafter is right and the sample goes on with the target's token.
+    On a context-parallel `shard` the chains are walked along the whole sample (a chain's
+    start depends on every row before it) and the shard's rows of them returned."""
     step, b, i = at
     passes = torch.zeros_like(pairs)
     passes[step, b, i] = correct & labels.greedy[b, i + 1 + step]
     accepted = accepted_lengths(passes)
-    return accepted, chain_reach(accepted, labels.trained, pairs.shape[0])
+    if shard is None:
+        return accepted, chain_reach(accepted, labels.trained, pairs.shape[0])
+    R, T = shard.length, accepted.shape[1]
+    whole = shard.whole(torch.stack([accepted[:, :R], labels.trained[:, :R].long()], dim=-1))  # [B, total, 2]
+    reach = chain_reach(whole[..., 0], whole[..., 1].bool(), pairs.shape[0])
+    return shard.own(whole[..., 0], T), shard.own(reach, T)
 
 
 @torch.no_grad()

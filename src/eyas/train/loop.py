@@ -397,41 +397,51 @@ def forward(run: Run, batch: Batch, weights: torch.Tensor, wrapped: bool = True,
     DDP/FSDP wrapper when `wrapped`, which training needs for its gradient hooks), scoring
     the rows [B, T] that anchor a block when given."""
     model = run.model if wrapped else run.drafter
-    input_ids, hidden, loss_mask, last, shard = batch.input_ids, batch.hidden, batch.loss_mask, batch.hidden[:, :, -1], None
-    if run.cfg.context_parallel:  # this process's positions, and the tokens and labels its last rows read
-        shard = _shard(run, input_ids.shape[1])
-        window = batch.hidden if batch.rows is not None else shard.slice(batch.hidden, _halo(run))
-        input_ids, loss_mask = (shard.slice(t, _halo(run)) for t in (input_ids, loss_mask))
-        hidden, last = window[:, : shard.length], window[:, :, -1]
+    shard = _shard(run.d, run.device, batch.input_ids.shape[1]) if run.cfg.context_parallel else None
+    input_ids, hidden, loss_mask, last = _sharded(batch, shard, run.draft.ttt_steps)
     with _autocast(run.device):
         with timed(timer, "labels"):
             # The samples' greedy path only where the loss walks it: the walk waits for the GPU.
             greedy = input_ids if run.cfg.position_weights == "on-policy" else None
             labels = make_labels(run.head, last, loss_mask, _draft_ids(run), greedy)
         with timed(timer, "forward"):
-            return model(input_ids, hidden[:, :, :-1], labels, weights, rows, objective(run.cfg), shard)
+            return model(input_ids, hidden, labels, weights, rows, objective(run.cfg), shard)
 
 
-def _shard(run: Run, T: int) -> Shard:
+def _shard(d: distributed.Dist, device: torch.device, T: int) -> Shard:
     """This process's part of a batch of T positions under --context-parallel: equal shards, on a
     GPU whole flex blocks."""
-    align = FLEX_PAD if run.device.type == "cuda" else 1
-    return Shard(torch.distributed.group.WORLD, run.d.rank, run.d.world, shard_length(T, run.d.world, align))
+    align = FLEX_PAD if device.type == "cuda" else 1
+    return Shard(torch.distributed.group.WORLD, d.rank, d.world, shard_length(T, d.world, align))
 
 
-def _halo(run: Run) -> int:
-    """Positions after a shard that its rows read: step k at row i embeds token i+1+k and is
-    scored at label i+1+k, which position i+2+k's mask trains."""
-    return run.draft.ttt_steps + 1
+def _halo(K: int) -> int:
+    """Positions after a shard that its rows read, for K TTT steps: step k at row i embeds token
+    i+1+k and is scored at label i+1+k, which position i+2+k's mask trains."""
+    return K + 1
 
 
-def _shard_rows(run: Run, positions: list[int]) -> tuple[int, int] | None:
-    """Under --context-parallel, the positions of the batch `positions` whose states this
-    process reads from the store: its shard and the halo."""
+def _sharded(batch: Batch, shard: Shard | None, K: int):
+    """(input_ids, aux states, loss_mask, last states) of `batch`, or of `shard`'s positions and
+    the halo its rows read: [B, T(+h)], [B, T, L-1, H], [B, T(+h)], [B, T(+h), H]."""
+    if shard is None:
+        return batch.input_ids, batch.hidden[:, :, :-1], batch.loss_mask, batch.hidden[:, :, -1]
+    window = batch.hidden if batch.rows is not None else shard.slice(batch.hidden, _halo(K))
+    input_ids, loss_mask = (shard.slice(t, _halo(K)) for t in (batch.input_ids, batch.loss_mask))
+    return input_ids, window[:, : shard.length, :-1], loss_mask, window[:, :, -1]
+
+
+def _shard_rows(shard: Shard | None, K: int) -> tuple[int, int] | None:
+    """The positions of a batch whose states `shard`'s process reads from the store: its own and
+    the halo (None: all)."""
+    return None if shard is None else (shard.start, min(shard.start + shard.length + _halo(K), shard.total))
+
+
+def _batch_shard(run: Run, positions: list[int]) -> Shard | None:
+    """Under --context-parallel, this process's part of the batch `positions`."""
     if not run.cfg.context_parallel:
         return None
-    shard = _shard(run, max(run.source.lengths[p] for p in positions))
-    return shard.start, min(shard.start + shard.length + _halo(run), shard.total)
+    return _shard(run.d, run.device, max(run.source.lengths[p] for p in positions))
 
 
 def _anchor_rows(source, positions: list[int], steps: int, anchors: int | None, seed: int, step: int,
@@ -501,14 +511,15 @@ def accumulate(run: Run, timer: StepTimer | None = None
     prepared indices with [B] device flags: NaN/inf hidden states, a loss that is not finite.
     The flags are read on the host once per step (`train_step`), so nothing here waits for the GPU."""
     # A store's next batches, read on the host in a thread (each process its shard's states).
-    run.source.read_ahead(_upcoming(run), run.device, lambda positions: _shard_rows(run, positions))
+    K = run.draft.ttt_steps
+    run.source.read_ahead(_upcoming(run), run.device, lambda positions: _shard_rows(_batch_shard(run, positions), K))
     micro = run.train_stream.for_step(run.step, run.group, *_data_rank(run))
     with timed(timer, "weights"):
         weights = _weights(run, micro)
     stats, checks = torch.zeros(run.draft.ttt_steps, STATS, device=run.device), []
     for i, positions in enumerate(micro):
         with timed(timer, "load"):
-            batch = run.source.load(positions, run.device, _shard_rows(run, positions))
+            batch = run.source.load(positions, run.device, _shard_rows(_batch_shard(run, positions), K))
         with distributed.no_sync(run.model, last=i == len(micro) - 1):
             anchored = _anchor_rows(run.source, positions, run.draft.ttt_steps, run.cfg.anchors, run.cfg.seed,
                                     run.step, run.device)
@@ -570,35 +581,42 @@ def _check_weights(run: Run) -> None:
 
 @torch.no_grad()
 def evaluate(run: Run, positions: list[int]) -> dict[str, Any] | None:
-    """Metrics over `positions` (split among the processes), with the current weights."""
+    """Metrics over `positions` (split among the processes, or under --context-parallel each
+    batch over them), with the current weights."""
     model = run.model if run.cfg.fsdp else run.drafter
     return score(run.source, run.head, model, _draft_ids(run), run.draft.ttt_steps, positions, run.cfg.batch_tokens,
-                 run.cfg.seed, run.device, run.d, anchors=run.cfg.anchors)
+                 run.cfg.seed, run.device, run.d, anchors=run.cfg.anchors, context_parallel=run.cfg.context_parallel)
 
 
 @torch.no_grad()
 def score(source, head: TargetHead, model: torch.nn.Module, draft_ids: torch.Tensor, K: int, positions: list[int],
           batch_tokens: int, seed: int, device: torch.device, d: distributed.Dist,
-          anchors: int | None = None) -> dict[str, Any] | None:
+          anchors: int | None = None, context_parallel: bool = False) -> dict[str, Any] | None:
     """Teacher-forced metrics per TTT step over `positions` of `source`: the trainer's held-out
     pass, and `eyas eval --teacher-forced` (one scorer, so the two agree by construction).
     `model` is the drafter (or its FSDP wrapper, which gathers weights in every forward, so
     each process runs the same number of them). A drafter trained on `anchors` rows per
-    sample is scored on as many, drawn the same way at every evaluation."""
+    sample is scored on as many, drawn the same way at every evaluation. With
+    `context_parallel`, every process scores every batch, its own shard of each (as training
+    splits them), and the statistics add up to the whole batch's."""
     if not positions:
         return None
     stream = BatchStream(positions, source.lengths, source.sample_index, batch_tokens, seed)
     stats = torch.zeros(K, STATS, device=device)
     weights = torch.zeros(K, device=device)
-    rounds = math.ceil(len(stream) / d.world)
-    for i in range(d.rank, rounds * d.world, d.world):
+    rank, world = (0, 1) if context_parallel else (d.rank, d.world)
+    rounds = math.ceil(len(stream) / world)
+    for i in range(rank, rounds * world, world):
         positions_i = stream.batches[min(i, len(stream) - 1)]
-        batch = source.load(positions_i, device)
+        shard = _shard(d, device, max(source.lengths[p] for p in positions_i)) if context_parallel else None
+        batch = source.load(positions_i, device, _shard_rows(shard, K))
         _check_inputs(batch)
         rows = _anchor_rows(source, positions_i, K, anchors, seed, HELD_OUT, device)
+        input_ids, hidden, loss_mask, last = _sharded(batch, shard, K)
         with _autocast(device):
-            labels = make_labels(head, batch.hidden[:, :, -1], batch.loss_mask, draft_ids, batch.input_ids)
-            s = model(batch.input_ids, batch.hidden[:, :, :-1], labels, weights, *([] if rows is None else [rows]))[1]
+            labels = make_labels(head, last, loss_mask, draft_ids, input_ids)
+            s = model(input_ids, hidden, labels, weights, *([] if rows is None else [rows]),
+                      **({} if shard is None else {"shard": shard}))[1]
         if i < len(stream):
             stats += s
     return summarize(distributed.all_reduce(stats, d))
