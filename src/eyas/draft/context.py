@@ -59,15 +59,19 @@ class Shard:
 
     def own(self, t: torch.Tensor, width: int) -> torch.Tensor:
         """t [B, total, ...] -> this shard's rows, zero-padded to `width` (its labels' positions)."""
-        part = t[:, self.start : self.start + self.length]
-        return torch.cat([part, part.new_zeros(part.shape[0], width - part.shape[1], *part.shape[2:])], dim=1)
+        return _padded(t[:, self.start : self.start + self.length], width)
 
     def slice(self, t: torch.Tensor, halo: int = 0) -> torch.Tensor:
         """t [B, T, ...] (a whole sample, T <= total) -> this shard's positions and the `halo`
         after them, [B, length + h, ...]: zeros (False) past T, no halo after the last shard."""
-        if t.shape[1] < self.total:
-            t = torch.cat([t, t.new_zeros(t.shape[0], self.total - t.shape[1], *t.shape[2:])], dim=1)
-        return t[:, self.start : self.start + self.length + halo]
+        end = min(self.start + self.length + halo, self.total)
+        return _padded(t[:, self.start : end], end - self.start)
+
+
+def _padded(t: torch.Tensor, width: int) -> torch.Tensor:
+    """t [B, n, ...] -> [B, width, ...], zeros (False) after its n positions."""
+    short = width - t.shape[1]
+    return torch.cat([t, t.new_zeros(t.shape[0], short, *t.shape[2:])], dim=1) if short > 0 else t
 
 
 def shard_length(tokens: int, world: int, align: int = 1) -> int:

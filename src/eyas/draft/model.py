@@ -198,6 +198,7 @@ class Eagle3Drafter(Drafter):
         backward then reduce-scatters once, the gradients of every step summed), the later
         steps' the shard's own."""
         layers = [self.midlayer, *self.stack]
+        offset = shard.start if shard is not None else 0  # the queries' first position
         pre, stacked_pre, mid, post = _step_parts(tokens.is_cuda and COMPILE_STEP_PARTS)
         x, residual = pre(self.midlayer, *self.step_inputs(k, tokens, hidden))
         cos, sin = self.rope(x, positions)
@@ -209,7 +210,6 @@ class Eagle3Drafter(Drafter):
                 kk, vv = shard.gather(kk, vv)  # [B, nKV, world * T, .]
             new.append((kk, vv))
             (k0, v0), *extra = [*seen[n], (kk, vv)]
-            offset = shard.start if shard is not None else 0
             out = attn.merge_heads(ttt_attention(q, k0, v0, extra, attn.scale, offset))  # [B, T, nH*d_v]
             if n + 1 < len(layers):  # the residual stream [B, T, H] into the next layer
                 x, residual = stacked_pre(layers[n + 1], mid(layer, out, residual))

@@ -74,11 +74,11 @@ def swappable(model) -> bool:
 
 
 @contextmanager
-def few_rows(model, on: bool = True) -> Iterator[None]:
-    """`model`'s attention is `few_rows_attention` inside the block (if it runs sdpa and `on`):
+def few_rows(model) -> Iterator[None]:
+    """`model`'s attention is `few_rows_attention` inside the block (if it runs sdpa):
     the attention function is looked up by name at every forward, so a pass recorded as a CUDA
     graph keeps the kernels it was recorded with."""
-    if not on or not swappable(model):
+    if not swappable(model):
         yield
         return
     register()
