@@ -73,8 +73,10 @@ def arms(args) -> dict[str, dict]:
     P-EAGLE is EAGLE-3's recipe drafting its CHAIN tokens in one pass (CHAIN = its TTT steps). An
     arm `KIND:OPTION=VALUE:...` is that kind with `eyas train` options changed (e.g.
     `dflash:anchors=512:position_weights=dpace`), trained into its own folder; `minutes=M` trains
-    it for M minutes instead of --arm-minutes, and `init=N` starts it from the drafter of the N-th
-    arm (from 0) trained before it (`eagle3:init=0:position_weights=on-policy`)."""
+    it for M minutes instead of --arm-minutes, `init=N` starts it from the drafter of the N-th
+    arm (from 0) trained before it (`eagle3:init=0:position_weights=on-policy`), and `packed=L`
+    trains it on the same regenerated conversations joined in order into samples of up to L
+    tokens, as the long recipe's `regenerate --pack` does (`eagle3:packed=7680`: long contexts)."""
     dflash = {"drafter": "dflash", "block_size": CHAIN + 1, "anchors": args.dflash_anchors}
     if args.dflash_layers:
         dflash["draft_layers"] = args.dflash_layers
@@ -121,6 +123,12 @@ def train_arm(args, work: Path, report: dict, arm: str, options: dict) -> None:
     data = None if args.store else Path(args.data) if args.data else work / "regen"
     options = dict(options)
     minutes = options.pop("minutes", args.arm_minutes)
+    if "packed" in options:
+        length = options.pop("packed")
+        if data is None:
+            raise SystemExit(f"{arm}: packed= joins regenerated conversations; it cannot pack a --store")
+        data = packed_set(args, data, work / f"regen-packed-{length}", length)
+        options.setdefault("max_len", length)
     if "init" in options:
         options["init"] = str(arm_folder(work, args.arms[options["init"]]))
     result = train_for(args, data, arm_folder(work, arm), 60 * minutes, options,
@@ -130,6 +138,21 @@ def train_arm(args, work: Path, report: dict, arm: str, options: dict) -> None:
                              "heldout": result["final"].get("eval"), "train": result["final"].get("train")}
     print(f"{arm}: {result['steps']} steps in {result['seconds']} s; "
           f"held-out acc per position {(result['final'].get('eval') or {}).get('acc_per_step')}", flush=True)
+
+
+def packed_set(args, regen: Path, folder: Path, length: int) -> Path:
+    """The regenerated conversations (regenerate's conversations file) prepared again, joined in
+    order into samples of up to `length` tokens: the same answers as the other arms train on."""
+    from eyas.data.config import PrepareConfig
+    from eyas.data.prepare import prepare
+    from eyas.regenerate.run import CONVERSATIONS
+
+    shutil.rmtree(folder, ignore_errors=True)
+    summary = prepare(PrepareConfig(model=args.model, data=[str(regen / CONVERSATIONS)], out=str(folder),
+                                    max_len=length, pack=True), progress=False)
+    print(f"packed into samples of up to {length} tokens: {summary.get('kept')} samples, "
+          f"{summary.get('tokens')} tokens", flush=True)
+    return folder
 
 
 def given_drafter(folder: Path) -> dict:
@@ -159,16 +182,22 @@ def regenerate_set(args, work: Path, report: dict) -> None:
         shutil.rmtree(folder, ignore_errors=True)
         prepared = prepare(PrepareConfig(model=args.model, data=args.conversations, out=str(folder),
                                          max_len=args.max_len, limit=args.conversations_limit, window=2,
-                                         exclude_prompts=[args.mt_bench]), progress=False)
+                                         exclude_prompts=[args.mt_bench, *filter(None, [args.second_prompts])]),
+                           progress=False)
     summary = regenerate(RegenerateConfig(model=args.model, data=str(folder), out=str(work / "regen"),
                                           max_new_tokens=args.regen_tokens, group_size=args.regen_group,
                                           device=args.device, minutes=args.regen_minutes), progress=False)
     report["regenerate"] = {"prepared": prepared.get("kept"), "conversations": summary.get("kept"),
-                            "tokens": summary.get("tokens"), "seconds": round(time.monotonic() - t0, 1)}
+                            "tokens": summary.get("tokens"), "seconds": round(time.monotonic() - t0, 1),
+                            "stage_seconds": summary.get("regenerate_seconds"),
+                            "static_decoding": summary.get("static_decoding")}
+    if decoding := summary.get("static_decoding"):  # the target's greedy loop alone: prefill and decode steps
+        report["regenerate"]["answer_tok_s"] = round(
+            decoding["kept_tokens"] / max(decoding["prefill_s"] + decoding["decode_s"], 1e-9), 1)
     print("regenerated:", json.dumps(report["regenerate"]), flush=True)
 
 
-def proposers_for(trained: dict[str, Path], model, identity):
+def proposers_for(trained: dict[str, Path], model, identity, capacity: int, graphs: bool):
     """plain, prompt lookup (CHAIN tokens) and each trained drafter (the EAGLE-3 chain, DFlash, P-EAGLE), each
     drafting the depth it was trained to draft (eval's rule), with {method: depth}. The first arm of a kind keeps
     the method's own name (eagle3-chain, dflash, peagle); a further arm of that kind is named after its changes
@@ -182,9 +211,10 @@ def proposers_for(trained: dict[str, Path], model, identity):
     drafters = {arm: load_checked_drafter(str(folder), model, identity) for arm, folder in trained.items()}
     if len({d.config.aux_layer_ids for d in drafters.values()}) > 1:
         raise SystemExit("the drafters must read the same aux layers (one target session serves them all)")
-    make = {"eagle3": lambda d: Eagle3(DrafterSession(d), d.config.depth),
-            "dflash": lambda d: DFlash(DFlashSession(d), d.config.depth),
-            "peagle": lambda d: PEagle(DrafterSession(d), d.config.depth)}
+    how = {"capacity": capacity, "graphs": graphs}  # eval's --decode: static caches, CUDA graphs where there are
+    make = {"eagle3": lambda d: Eagle3(DrafterSession(d, **how), d.config.depth),
+            "dflash": lambda d: DFlash(DFlashSession(d, **how), d.config.depth),
+            "peagle": lambda d: PEagle(DrafterSession(d, **how), d.config.depth)}
     aux = next(iter(drafters.values())).config.aux_layer_ids
     proposers, kinds_seen = [Proposer(), PromptLookup(CHAIN)], set()
     depths = {proposers[1].name: CHAIN}
@@ -206,18 +236,23 @@ def decode(args, report: dict, trained: dict[str, Path], seconds: float) -> None
     from eyas.evaluate.report import TAU_DEFINITION, summarize
     from eyas.evaluate.run import run_methods
     from eyas.models.eos import eos_ids
+    from eyas.evaluate.static_target import StaticTargetSession
     from eyas.evaluate.target import TargetSession
+    from eyas.data.long_prompts import load_prompt_set, parse_long
     from eyas.models import load_target, model_identity
 
     t0 = time.monotonic()
     model, tok = load_target(args.model, dtype="float32", device=args.device)
     identity = model_identity(args.model, model.config, tok)
-    proposers, aux_ids, positions = proposers_for(trained, model, identity)
-    target = TargetSession(model, aux_ids)
+    long_spec = parse_long(args.second_prompts) if args.second_prompts else None
+    capacity = max([2048, *(long_spec[0] if long_spec else ())]) + args.max_new_tokens  # as eval's cache_slots
+    static = args.decode == "static"
+    proposers, aux_ids, positions = proposers_for(trained, model, identity, capacity, static)
+    target = StaticTargetSession(model, aux_ids, capacity=capacity) if static else TargetSession(model, aux_ids)
     eos = set(eos_ids(model.generation_config, tok))
     prompts = load_prompts(args.mt_bench)
     order = [prompts[i] for i in stratified(prompts)][: args.questions]
-    second = load_prompts(args.second_prompts, args.second_questions) if args.second_prompts else []
+    second = load_prompt_set(args.second_prompts, lambda: tok, args.second_questions) if args.second_prompts else []
     for p in second:
         p.id = f"second-{p.id}"  # MT-bench ids are numbers; a second file's may collide with them
     order = interleave(order, second)
@@ -248,6 +283,13 @@ def decode(args, report: dict, trained: dict[str, Path], seconds: float) -> None
                               "speedup_over_prompt_lookup": _ratio(par.speedup, lookup and lookup.speedup)}
     second_summary = summarize(second_records, positions) if second_records else {}
     drafted = [m for m in summaries if m not in ("plain", "prompt-lookup")]
+    contexts = sorted({p.category for p in second if p.category.startswith("ctx ")}, key=lambda c: int(c[4:]))
+    by_context = {c: summarize([r for r in second_records if r["category"] == c], positions) for c in contexts}
+    if by_context:  # long prompts (issue 42): tau by context length, and over the same drafter's MT-bench tau
+        report["tau_by_context"] = {m: {c[4:]: round(by_context[c][m].tau, 4) for c in contexts if m in by_context[c]}
+                                    for m in summaries if m != "plain"}
+        report["tau_long_over_short"] = {m: {n: _ratio(t, summaries[m].tau) for n, t in taus.items()}
+                                         for m, taus in report["tau_by_context"].items() if m in drafted}
     report["arms_decoded"] = {m: {"tau_mt_bench": round(summaries[m].tau, 4),
                                   "tau_second": round(second_summary[m].tau, 4) if m in second_summary else None,
                                   "tau_both": round(summarize(records, positions)[m].tau, 4)} for m in drafted}
@@ -257,6 +299,8 @@ def decode(args, report: dict, trained: dict[str, Path], seconds: float) -> None
             for m, v in report["arms_decoded"].items() if m.startswith("eagle3-chain[")}
     best = max(parallel, key=lambda k: summaries[k].speedup, default=None)  # the issue's keys: the best kind's
     report.update({
+        "chain_speedup_over_tau": {m: _ratio(summaries[m].speedup, summaries[m].tau) for m in drafted
+                                   if summaries[m].speedup is not None},
         "parallel_kind": best,
         "speedup_parallel_over_chain": (parallel.get(best) or {}).get("speedup_over_chain"),
         "tau_parallel_over_chain": (parallel.get(best) or {}).get("tau_over_chain"),
@@ -267,6 +311,7 @@ def decode(args, report: dict, trained: dict[str, Path], seconds: float) -> None
         "mt_bench": {"questions": len({r["prompt_id"] for r in mt_records}),
                      "answers_per_method": summaries["plain"].answers if "plain" in summaries else 0,
                      "max_new_tokens": args.max_new_tokens, "dtype": "float32", "decoding_processes": 1,
+                     "decode": args.decode, "cache_slots": capacity,
                      "summary": {k: s.to_dict() for k, s in summaries.items()}, "tau_by_turn": by_turn},
         "second_set": {"prompts": args.second_prompts, "questions": len({r["prompt_id"] for r in second_records}),
                        "summary": {k: s.to_dict() for k, s in second_summary.items()}},
@@ -312,6 +357,11 @@ def print_summary(report: dict) -> None:
         print(f"\nsecond set ({second['prompts']}, {second['questions']} prompts):")
         print(format_table({k: Summary(**v) for k, v in second["summary"].items()}))
     print(f"identical to plain (answers equal / answers): {report.get('identical_to_plain')}")
+    for m, taus in (report.get("tau_by_context") or {}).items():
+        print(f"tau by context length, {m}: {json.dumps(taus)}; over MT-bench's: "
+              f"{json.dumps((report.get('tau_long_over_short') or {}).get(m))}")
+    if report.get("chain_speedup_over_tau"):
+        print(f"speed-up over tau (MT-bench, one process): {json.dumps(report['chain_speedup_over_tau'])}")
     for arm, t in report.get("train", {}).items():
         held = t.get("heldout") or {}
         print(f"held-out {arm}: acc {held.get('acc_per_step')} tau_sim {held.get('tau_sim')}; "
@@ -376,13 +426,16 @@ def parse_args() -> argparse.Namespace:
                    help="MT-bench decoding at most, timing pass included; 0: train only, and decode in a later call "
                         "(--arms '' --drafter ARM=WORK/ARM ...), when training and decoding do not fit one call")
     p.add_argument("--questions", type=int, default=80)
-    p.add_argument("--second-prompts", help="a second prompt file (any file `eyas eval --prompts` reads) kept out of "
-                   "training, e.g. conversations past --conversations-limit; decoded interleaved with MT-bench")
+    p.add_argument("--second-prompts", help="a second prompt set (anything `eyas eval --prompts` reads) kept out of "
+                   "training, e.g. conversations past --conversations-limit, or a long spec (long:2k,7680:4): then "
+                   "tau by context length and over MT-bench's (tau_long_over_short); decoded interleaved with MT-bench")
     p.add_argument("--second-questions", type=int, default=40, help="prompts taken from --second-prompts")
     p.add_argument("--timing-questions", type=int, default=2,
                    help="prompts of the draft/verify timing pass, which takes the run's last minute (0: none, and "
                         "that minute goes to decoding)")
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--decode", choices=("static", "eager"), default="static",
+                   help="eval's --decode: static caches and CUDA graphs (default), or transformers' growing cache")
     p.add_argument("--max-len", type=int, default=1024)
     p.add_argument("--batch-tokens", type=int, default=65536)
     p.add_argument("--lr", type=float, default=1e-3)
