@@ -155,14 +155,15 @@ def regenerate_group(generator, tokenizer, conversations: list[list[dict[str, st
     turn = [_next_assistant(c, 0) for c in convs]  # index of each conversation's next assistant message
     while True:
         t0 = time.monotonic()
+        asked = [c for c, j in enumerate(turn) if j is not None]
+        texts = [tokenizer.apply_chat_template(convs[c][:turn[c]], tokenize=False, add_generation_prompt=True)
+                 for c in asked]
+        # One call for the round: a fast tokenizer encodes the batch on every core.
+        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         pending, prompts, budgets = [], [], []
-        for c, j in enumerate(turn):
-            if j is None:
-                continue
-            text = tokenizer.apply_chat_template(convs[c][:j], tokenize=False, add_generation_prompt=True)
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        for c, ids in zip(asked, encoded):
             if len(ids) >= max_len:  # this turn and later ones would be truncated away
-                del convs[c][j:]
+                del convs[c][turn[c]:]
                 turn[c] = None
                 continue
             pending.append(c)
@@ -175,9 +176,9 @@ def regenerate_group(generator, tokenizer, conversations: list[list[dict[str, st
         generated = generator.generate(prompts, budgets, temperature, seed)
         seconds["generate"] += time.monotonic() - t0
         t0 = time.monotonic()
-        for c, new in zip(pending, generated):
+        for c, text in zip(pending, tokenizer.batch_decode(generated, skip_special_tokens=True)):
             j = turn[c]
-            convs[c][j]["content"] = tokenizer.decode(new, skip_special_tokens=True)
+            convs[c][j]["content"] = text
             turn[c] = _next_assistant(convs[c], j + 1)
         seconds["render"] += time.monotonic() - t0
         seed += len(pending)
