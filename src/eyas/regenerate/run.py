@@ -13,7 +13,12 @@ prepared folder then holds the conversations finished so far, and the same comma
 continues where it stopped.
 
 A turn is generated only while its prompt is shorter than --max-len: later turns would be
-truncated away by `prepare` anyway, so they are dropped instead of generated.
+truncated away by `prepare` anyway, so they are dropped instead of generated. A conversation
+also ends before an empty answer (`prepare` would drop the whole conversation for it). An
+answer cut by its token budget is marked `"cut": true`, so that `prepare` does not train the
+end of turn after it (the target would have gone on); the conversation goes on, its later
+turns asked after the answer as cut, since dropping them would lose most second turns at the
+recipe's 256 tokens.
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ import torch
 from tqdm import tqdm
 
 from eyas.data.prepare import prepare_into
-from eyas.data.prepared import PREPARED_FILES, PreparedData
+from eyas.data.prepared import META, PREPARED_FILES, PreparedData
 from eyas.device import parse_device, resolve_device
 from eyas.errors import EyasError
 from eyas.lock import LOCK_FILE, output_lock
 from eyas.models import load_tokenizer
 from eyas.models.dtype import model_dtype
+from eyas.models.identity import ModelIdentity
 from eyas.paths import atomic_write_bytes, check_confined, remove_leftovers
 from eyas.regenerate.config import RegenerateConfig
 from eyas.regenerate.generate import HFGenerator, VLLMGenerator
@@ -81,15 +87,18 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict[str, Any]:
     source = PreparedData(data)
     out = Path(cfg.out)
     conversations, max_len, fingerprint = source.conversations(), source.max_len, source.fingerprint
-    read_target(model)[2].check_same(source.identity, f"The prepared data in {data}")  # no layer ids: any depth
+    target = read_target(model)[2]  # with its weights' digest: the answers are theirs
+    target.check_same(source.identity, f"The prepared data in {data}")  # no layer ids: any depth
     tokenizer = load_tokenizer(model)
     if source.chat_template is not None:
         source.chat_template.apply(tokenizer)  # render as `prepare` did
     with output_lock(out, "regenerate"):  # one run per folder: two would interleave the progress file
         check_own_folder(out)
         settings = answer_settings(cfg)
-        done = read_progress(out / PROGRESS, fingerprint, settings)
-        todo = [i for i in range(len(conversations)) if i not in done]
+        done = read_progress(out / PROGRESS, fingerprint, settings, target)
+        size = cfg.group_size or default_group_size(cfg)
+        groups = groups_to_do(len(conversations), done, size, sampled=cfg.temperature > 0)
+        todo = [i for group in groups for i in group if i not in done]
         generator = None
         if todo:
             t0 = time.monotonic()
@@ -100,17 +109,16 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict[str, Any]:
                 with open(out / PROGRESS, "a", encoding="utf-8") as log:
                     if log.tell() == 0:
                         _append(log, {"data": str(source.path.resolve()), "fingerprint": fingerprint,
-                                      "settings": settings})
-                    size = cfg.group_size or default_group_size(cfg)
-                    for start in range(0, len(todo), size):
-                        group = todo[start:start + size]
+                                      "settings": settings, "target": target.to_dict()})
+                    for group in groups:
                         answers = regenerate_group(generator, tokenizer, [conversations[i] for i in group],
                                                    max_len, cfg.max_new_tokens, cfg.temperature, cfg.seed + group[0],
                                                    seconds)
-                        for i, messages in zip(group, answers):
+                        new = [(i, messages) for i, messages in zip(group, answers) if i not in done]
+                        for i, messages in new:
                             _append(log, {"index": i, "messages": messages})
                             done[i] = messages
-                        bar.update(len(group))
+                        bar.update(len(new))
                         if minutes is not None and time.monotonic() - started > 60 * minutes and len(done) < len(conversations):
                             print(f"eyas regenerate: --minutes {minutes} reached with {len(done)} of {len(conversations)} "
                                   f"conversations; the prepared folder holds those, and the same command continues.")
@@ -137,7 +145,13 @@ OWN_FILES = (PROGRESS, CONVERSATIONS, *PREPARED_FILES)
 
 def check_own_folder(out: Path) -> None:
     """--out holds nothing but what regenerate writes: a killed run's half-written files are
-    removed, anything else is refused before a file is touched."""
+    removed, anything else is refused before a file is touched. Prepared files are regenerate's
+    only beside its progress file, or when prepared from its conversations file: else they are
+    `eyas prepare`'s output for other data, which a fresh start would overwrite."""
+    prepared = sorted(p.name for p in out.iterdir() if p.name in PREPARED_FILES)
+    if prepared and not (out / PROGRESS).exists() and not _prepared_here(out):
+        raise EyasError(f"--out {out} holds prepared data that regenerate did not write ({', '.join(prepared)}, no "
+                        f"{PROGRESS}); regenerate would overwrite it: choose another --out.")
     remove_leftovers(out, OWN_FILES)
     foreign = sorted(p.name for p in out.iterdir() if p.name not in (*OWN_FILES, LOCK_FILE))
     if foreign:
@@ -145,11 +159,36 @@ def check_own_folder(out: Path) -> None:
                         f"empty folder or one it wrote before: choose another --out.")
 
 
-def regenerate_group(generator, tokenizer, conversations: list[list[dict[str, str]]], max_len: int,
+def _prepared_here(out: Path) -> bool:
+    """Whether the prepared data in `out` was prepared from `out`'s own regenerated conversations."""
+    try:
+        source = json.loads((out / META).read_bytes())["source"]
+        return Path(source).resolve() == (out / CONVERSATIONS).resolve()
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def groups_to_do(n: int, done: dict[int, Any], size: int, sampled: bool) -> list[list[int]]:
+    """The groups of conversations still to generate. A greedy answer does not depend on its
+    group: the conversations not done, `size` at a time. A sampled one follows its group's seed
+    and members: the same groups as an uninterrupted run (every `size` conversations), each
+    generated whole while any of it is not done (the answers already saved are kept), so a run
+    killed while saving a group draws on resume what an uninterrupted run draws."""
+    if not sampled:
+        todo = [i for i in range(n) if i not in done]
+        return [todo[s:s + size] for s in range(0, len(todo), size)]
+    groups = [list(range(s, min(s + size, n))) for s in range(0, n, size)]
+    return [g for g in groups if any(i not in done for i in g)]
+
+
+def regenerate_group(generator, tokenizer, conversations: list[list[dict[str, Any]]], max_len: int,
                      max_new_tokens: int, temperature: float, seed: int,
-                     seconds: dict[str, float] | None = None) -> list[list[dict[str, str]]]:
+                     seconds: dict[str, float] | None = None) -> list[list[dict[str, Any]]]:
     """Replace the assistant turns of each conversation, one round per turn; adds the time
-    spent rendering prompts and generating to `seconds` ("render", "generate")."""
+    spent rendering prompts and generating to `seconds` ("render", "generate"). A conversation
+    ends before an empty answer (`prepare` drops a conversation holding an empty message, its
+    good turns too). An answer as long as its budget never stopped (the generators cut before
+    the first stop id): it is marked "cut", and `prepare` leaves the end of turn after it untrained."""
     seconds = seconds if seconds is not None else {"render": 0.0, "generate": 0.0}
     convs = [_without_leading_answers([dict(m) for m in c]) for c in conversations]
     turn = [_next_assistant(c, 0) for c in convs]  # index of each conversation's next assistant message
@@ -176,21 +215,29 @@ def regenerate_group(generator, tokenizer, conversations: list[list[dict[str, st
         generated = generator.generate(prompts, budgets, temperature, seed)
         seconds["generate"] += time.monotonic() - t0
         t0 = time.monotonic()
-        for c, text in zip(pending, tokenizer.batch_decode(generated, skip_special_tokens=True)):
+        texts = tokenizer.batch_decode(generated, skip_special_tokens=True)
+        for c, ids, budget, text in zip(pending, generated, budgets, texts):
             j = turn[c]
+            if not text.strip():
+                del convs[c][j:]
+                turn[c] = None
+                continue
             convs[c][j]["content"] = text
+            convs[c][j].pop("cut", None)  # the source's mark was for its own answer
+            if len(ids) >= budget:
+                convs[c][j]["cut"] = True
             turn[c] = _next_assistant(convs[c], j + 1)
         seconds["render"] += time.monotonic() - t0
         seed += len(pending)
 
 
-def _without_leading_answers(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+def _without_leading_answers(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """An answer with no message before it has no prompt to be regenerated from: drop it."""
     first = next((j for j, m in enumerate(messages) if m["role"] != "assistant"), len(messages))
     return messages[first:]
 
 
-def _next_assistant(messages: list[dict[str, str]], start: int) -> int | None:
+def _next_assistant(messages: list[dict[str, Any]], start: int) -> int | None:
     return next((j for j in range(start, len(messages)) if messages[j]["role"] == "assistant"), None)
 
 
@@ -204,15 +251,17 @@ def answer_settings(cfg: RegenerateConfig) -> dict[str, Any]:
     return settings
 
 
-def read_progress(path: Path, fingerprint: str, settings: dict[str, Any]) -> dict[int, list[dict[str, str]]]:
-    """Conversations finished by an earlier run with the same `settings`. A torn last line (a
-    run killed mid-write) is cut off, so the next append starts on a fresh line. Records are
-    split at b"\n" only: str.splitlines would also split inside an answer holding U+2028,
-    U+0085 and the like, which json.dumps(ensure_ascii=False) writes as they are (seen in a
-    SmolLM2 answer)."""
+def read_progress(path: Path, fingerprint: str, settings: dict[str, Any],
+                  target: ModelIdentity | None = None) -> dict[int, list[dict[str, Any]]]:
+    """Conversations finished by an earlier run with the same `settings` and, where recorded,
+    the same `target` (weights included: another checkpoint of one config and tokenizer answers
+    otherwise). A torn last line (a run killed mid-write) is cut off, so the next append starts
+    on a fresh line. Records are split at b"\n" only: str.splitlines would also split inside an
+    answer holding U+2028, U+0085 and the like, which json.dumps(ensure_ascii=False) writes as
+    they are (seen in a SmolLM2 answer)."""
     if not path.exists():
         return {}
-    done: dict[int, list[dict[str, str]]] = {}
+    done: dict[int, list[dict[str, Any]]] = {}
     data = path.read_bytes()
     complete = data[: data.rfind(b"\n") + 1]
     for n, line in enumerate(complete.split(b"\n")[:-1]):
@@ -225,6 +274,8 @@ def read_progress(path: Path, fingerprint: str, settings: dict[str, Any]) -> dic
                             f"choose another --out.")
         if "fingerprint" in record and "settings" in record:  # runs before eyas recorded them have none
             check_same_settings(record["settings"], settings, path.parent)
+        if "target" in record and target is not None:  # runs before eyas recorded it have none
+            check_same_target(ModelIdentity.from_dict(record["target"]), target, path)
         if "index" in record:
             done[record["index"]] = record["messages"]
     if len(complete) < len(data):
@@ -240,6 +291,15 @@ def check_same_settings(recorded: dict[str, Any], settings: dict[str, Any], out:
         raise EyasError(f"{out} holds answers regenerated with other settings, and this run changes "
                         f"{'; '.join(differ)}: one folder would mix both. Repeat the first run's options, or choose "
                         f"another --out.")
+
+
+def check_same_target(recorded: ModelIdentity, target: ModelIdentity, progress: Path) -> None:
+    """Raise unless `target` is the model (config, tokenizer, weights) that wrote `progress`."""
+    try:
+        target.check_same(recorded, f"{progress} (the answers so far)")
+    except EyasError as e:
+        raise EyasError(f"{e} One folder would mix two models' answers: resume with {recorded.model}, or choose "
+                        f"another --out.") from None
 
 
 def _append(log, record: dict[str, Any]) -> None:
