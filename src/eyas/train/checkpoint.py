@@ -6,7 +6,8 @@ out/
   checkpoints/step-0000500/          a complete, resumable checkpoint:
       config.json, model.safetensors the drafter at that step (draft/checkpoint.py)
       optimizer.pt                   AdamW's (and Muon's) state (tensors only; loaded with weights_only)
-      trainer.json                   step, the run's settings, the stream position
+      trainer.json                   step, the run's settings, the stream position, the data it trains on
+                                     and the micro-batches a step takes (checked on --resume)
   checkpoints/latest                 the name of the newest complete checkpoint folder
 
 A checkpoint folder is written under a temporary name and renamed when complete, and
@@ -83,9 +84,18 @@ def save_checkpoint(out: Path, step: int, drafter_cpu: nn.Module, optim_state: d
     atomic_write_bytes(root / LATEST, f"{name}\n".encode())
     for file in DRAFTER_FILES:
         atomic_write_bytes(out / file, (final / file).read_bytes())
-    for old in sorted(p for p in root.glob("step-*") if p.is_dir())[:-keep]:
+    for old in _pruned(root, name, keep):
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _pruned(root: Path, current: str, keep: int) -> list[Path]:
+    """The step folders to delete once `current` is saved and `latest`: all but the `keep` newest up
+    to it (never it), and every one numbered above it, left by a timeline that `latest` moved back
+    from (a kill before `latest` moved, or `latest` rewritten by hand to an earlier step)."""
+    steps = sorted(p for p in root.glob("step-*") if p.is_dir())
+    older = [p for p in steps if p.name < current]
+    return [p for p in steps if p.name > current] + older[: max(len(older) - (keep - 1), 0)]
 
 
 def _to_bytes(obj: Any) -> bytes:

@@ -13,8 +13,8 @@ from eyas.draft import kinds
 from eyas.draft.config import DraftConfig
 from eyas.draft.objective import LOSSES
 from eyas.draft.mla_config import ATTENTION_CHOICES, AUTO_ATTENTION
-from eyas.options import (batch_tokens_option, check_rules, crop_length, device_option, layers_option, option,
-                          seed_option)
+from eyas.options import (AUTO_LAYERS, batch_tokens_option, check_rules, crop_length, device_option,
+                          layers_option, option, seed_option)
 from eyas.validate import COUNT, POSITIVE, SHARE, Number
 
 ANCHORS = 512  # SpecForge's and speculators' default: bounds a sample's block tokens at 512 x block size
@@ -161,11 +161,18 @@ class TrainConfig:
                 raise EyasError("--online captures on the fly: drop --store.")
         elif not self.store:
             raise EyasError("Give --store STORE (offline), or --online --model MODEL --data PREPARED.")
+        elif self.layers != AUTO_LAYERS:
+            raise EyasError(f"--layers {self.layers} is for --online: offline training reads the layer ids the store "
+                            f"was captured with. Drop --layers, or capture a store with them (eyas capture --layers).")
         if self.data and not self.online:
             raise EyasError("--data is for --online; offline training reads --store.")
         check_rules(self)
         if self.steps is not None and self.epochs is not None:
             raise EyasError("give --steps or --epochs, not both.")
+        if self.position_weights in ("dpace", "on-policy") and self.ttt_decay != DraftConfig.ttt_decay:
+            raise EyasError(f"--ttt-decay weighs steps under --position-weights decay; --position-weights "
+                            f"{self.position_weights} weighs them its own way. Drop --ttt-decay, or use "
+                            f"--position-weights decay.")
         if self.fsdp and self.context_parallel:
             raise EyasError("--context-parallel replicates the drafter on every process; drop --fsdp.")
         if self.fsdp and self.optimizer == "muon":
@@ -203,6 +210,11 @@ class TrainConfig:
         if not kind.anchored:
             return
         if self.block_size is not None:
+            # --ttt-steps at its default is not asked for: the block sets it.
+            if self.ttt_steps not in (DraftConfig.ttt_steps, self.block_size - 1):
+                raise EyasError(f"--ttt-steps {self.ttt_steps} and --block-size {self.block_size} disagree: a block "
+                                f"drafts --block-size - 1 tokens. Give one of them (--ttt-steps "
+                                f"{self.block_size - 1} with --block-size {self.block_size}).")
             self.ttt_steps = self.block_size - 1
         # A sample holds at most `crop` tokens: a block's slot s predicts s tokens past its anchor
         # row, and the anchors are rows of one sample, so neither can be longer and still train.
@@ -242,12 +254,15 @@ class TrainConfig:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def check_resumable(self, recorded: dict[str, Any]) -> None:
-        """Raise unless this command trains the same run as the one recorded in a checkpoint."""
-        names = {f.name for f in fields(self)}
+    def check_resumable(self, recorded: dict[str, Any], also: tuple[str, ...] = ()) -> None:
+        """Raise unless this command trains the same run as the one recorded in a checkpoint;
+        `also` names settings the caller has checked another way (--grad-accum, where the run
+        records its step's micro-batches). --ttt-decay weighs nothing under dpace or on-policy."""
+        unused = ("ttt_decay",) if self.position_weights != "decay" else ()
+        names = {f.name for f in fields(self)} - set(self.MAY_CHANGE) - set(also) - set(unused)
         differ = [
             f"{k.replace('_', '-')} {getattr(self, k)!r} (the run has {recorded.get(k)!r})"
-            for k in sorted(names - set(self.MAY_CHANGE)) if recorded.get(k, ADDED.get(k)) != getattr(self, k)
+            for k in sorted(names) if recorded.get(k, ADDED.get(k)) != getattr(self, k)
         ]
         if differ:
             raise EyasError(

@@ -125,6 +125,7 @@ class SampleSource(Protocol):
     sample_index: list[int]  # prepared-data index of each position
     lengths: list[int]  # tokens of each position, after the crop
     cropped: int  # samples longer than the crop
+    fingerprint: str | None  # of the prepared data the samples come from (data/prepared.py), if known
 
     def tokens(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids [T] long, loss_mask [T] bool) of one position, cropped."""
@@ -161,6 +162,7 @@ class StoreSource:
         self.layer_ids = self.store.layer_ids
         self.hidden_size = self.store.hidden_size
         self.sample_index = self.store.sample_indices().tolist()
+        self.fingerprint: str | None = self.store.manifest.get("prepared")
         self._tokens = self._read_tokens()
         self.lengths = [min(len(ids), crop) for ids, _ in self._tokens]
         self.cropped = sum(len(ids) > crop for ids, _ in self._tokens)
@@ -227,6 +229,7 @@ class OnlineSource:
         self.layer_ids = self.target.layer_ids
         self.hidden_size = self.target.hidden_size
         self.sample_index = list(range(len(self.prepared)))
+        self.fingerprint: str | None = self.prepared.fingerprint
         self.lengths = [min(self.prepared.length(i), crop) for i in range(len(self.prepared))]
         self.cropped = sum(self.prepared.length(i) > crop for i in range(len(self.prepared)))
 

@@ -10,6 +10,8 @@ positions of them (draft/context.py), and the step is again one process's.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -74,6 +76,7 @@ class Run:
     train_stream: BatchStream
     eval_positions: list[int]
     total_steps: int  # the schedule's length; under --minutes, revised to fit the budget
+    data: dict[str, Any] = field(default_factory=dict)  # `data_record`: what samples the run trains and holds out
     step: int = 0  # optimizer steps done
     resumed_from: int | None = None
     started: float = field(default_factory=lambda: budget.clock())
@@ -136,12 +139,16 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device, memory: I
     if previous is not None and not cfg.resume:
         raise EyasError(f"{out} already holds a training run (at {previous.name}); pass --resume to continue it, "
                         f"or choose another --out.")
+    if previous is None and (trained := [f for f in ckpt.DRAFTER_FILES if (out / f).exists()]):
+        raise EyasError(f"{out} already holds a trained drafter ({trained[0]}) and no checkpoint to resume it from "
+                        f"({ckpt.CHECKPOINTS}/ is gone); choose another --out, or delete {out} to train anew.")
     source, folder = _open_source(cfg, device) if memory is None else (memory.source, None)
     _check_layer_ids(source)
     cfg.check_target(source.identity.num_layers)
     if source.cropped:
         _log(d, f"{source.cropped} sample(s) longer than {cfg.crop} tokens are cropped (--max-len, --batch-tokens)")
     train_pos, eval_pos = split(source.sample_index, cfg.eval_fraction, cfg.seed)
+    data = data_record(source, eval_pos)
     if not train_pos:
         raise EyasError("No training sample left after the held-out split; lower --eval-fraction or add data.")
     stream = BatchStream(train_pos, source.lengths, source.sample_index, cfg.batch_tokens, cfg.seed)
@@ -154,7 +161,8 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device, memory: I
         draft, trainer = ckpt.read_checkpoint(previous)
         where = f"The store {cfg.store}" if cfg.store else f"The target {cfg.model}"
         ckpt.check_store_matches(draft, source.identity, source.layer_ids, source.hidden_size, where)
-        cfg.check_resumable(trainer["config"])
+        _check_same_data(trainer.get("data"), data, cfg)
+        cfg.check_resumable(trainer["config"], also=_check_same_group(trainer, cfg, d))
         drafter = load_drafter(previous, head.embed_weight)
         _log(d, f"resuming {out} from {previous.name}")
     elif cfg.init:
@@ -179,7 +187,7 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device, memory: I
     first = max(math.ceil(per_epoch), budget.SETTLE + budget.STEADY) if cfg.minutes else math.ceil(per_epoch)
     total = trainer["total_steps"] if previous is not None else cap or first
     run = Run(cfg=cfg, d=d, device=device, source=source, head=head, draft=draft, model=model, optimizers=optimizers,
-              train_stream=stream, eval_positions=eval_pos, total_steps=total, cap=cap)
+              train_stream=stream, eval_positions=eval_pos, total_steps=total, cap=cap, data=data)
     if previous is not None:
         run.step = run.resumed_from = trainer["step"]
         ckpt.load_optimizer(model, optimizers, ckpt.read_optimizer(previous))
@@ -227,6 +235,54 @@ def _check_identity(spec: str, folder: str, source: StoreSource) -> None:
     identity.check_same(source.identity, f"The store {source.store.path}")
 
 
+def data_record(source, eval_pos: list[int]) -> dict[str, Any]:
+    """What the run trains on, recorded with each checkpoint: the prepared data, and which of its
+    samples the run holds (they set the held-out split and the batches)."""
+    def digest(indices: list[int]) -> str:
+        return hashlib.sha256(json.dumps(sorted(indices)).encode()).hexdigest()
+
+    return {"prepared": getattr(source, "fingerprint", None), "samples": len(source.sample_index),
+            "samples_sha256": digest(source.sample_index), "held_out": len(eval_pos),
+            "held_out_sha256": digest([source.sample_index[p] for p in eval_pos])}
+
+
+def _check_same_data(recorded: dict[str, Any] | None, now: dict[str, Any], cfg: TrainConfig) -> None:
+    """Refuse a resume over other samples than the run's (a store captured further since an
+    --allow-incomplete run, other prepared data): its held-out split and batches would change, and
+    trained samples be scored as held-out. Runs from before the record resume as they are."""
+    if recorded is None:
+        return
+    where = f"the store {cfg.store}" if cfg.store else f"the prepared data {cfg.data}"
+    if None not in (recorded.get("prepared"), now["prepared"]) and recorded.get("prepared") != now["prepared"]:
+        cause = f"{where} comes from other prepared data than the run's"
+    elif recorded.get("samples") != now["samples"]:
+        cause = f"{where} holds {now['samples']} samples, the run trained on {recorded.get('samples')}"
+    elif any(recorded.get(k) != now[k] for k in ("samples_sha256", "held_out_sha256")):
+        cause = f"{where} holds other samples than the run's {recorded.get('samples')}"
+    else:
+        return
+    raise EyasError(f"--resume: {cause}, so its held-out split and batches would change. Resume with the samples "
+                    f"the run started with, or train a new run into another --out (--init {cfg.out} starts it from "
+                    f"this drafter).")
+
+
+def _check_same_group(trainer: dict[str, Any], cfg: TrainConfig, d: distributed.Dist) -> tuple[str, ...]:
+    """Step s trains stream items s*G .. s*G+G-1 (G = processes x --grad-accum): a resume takes
+    the same G, or its steps skip or repeat batches. Where the run records G, --grad-accum may
+    change with the process count; returns the settings so checked (for `check_resumable`)."""
+    recorded, processes = trainer.get("group"), trainer.get("processes")
+    if not isinstance(recorded, int) or not isinstance(processes, int):
+        return ()  # a run from before the record: --grad-accum is compared as it was given
+    dp = data_parallel(cfg, d)
+    if dp * cfg.grad_accum == recorded:
+        return ("grad_accum",)
+    keep = f"with --grad-accum {recorded // dp}, or " if recorded % dp == 0 else ""
+    raise EyasError(f"--resume: the run's steps each train {recorded} micro-batch(es) ({processes} process(es) x "
+                    f"--grad-accum {recorded // processes}), this command's {dp * cfg.grad_accum} ({dp} process(es) "
+                    f"x --grad-accum {cfg.grad_accum}), so its steps would skip or repeat batches. Resume {keep}on "
+                    f"{processes} process(es) with --grad-accum {recorded // processes}.")
+
+
 def _init_drafter(cfg: TrainConfig, source, head: TargetHead, d: distributed.Dist) -> Drafter:
     """--init: the trained drafter this run starts from, checked against the data and against
     the options that would shape another drafter; it keeps its layers and draft vocabulary and
@@ -238,13 +294,20 @@ def _init_drafter(cfg: TrainConfig, source, head: TargetHead, d: distributed.Dis
                              f"{where} (training from --init {cfg.init})")
     if given.drafter != cfg.drafter:
         raise EyasError(f"--init {cfg.init} is {given.kind.a_title()} drafter; pass --drafter {given.drafter}.")
+    # An option asked for (given, on, not auto) that the drafter does not have: it keeps its own.
     shaped = {"--draft-layers": (cfg.draft_layers, given.num_hidden_layers),
               "--draft-vocab": (cfg.draft_vocab, given.draft_vocab_size),
-              "--intermediate-size": (cfg.intermediate_size, given.intermediate_size)}
+              "--intermediate-size": (cfg.intermediate_size, given.intermediate_size),
+              "--fc-norm": (cfg.fc_norm or None, given.fc_norm),
+              "--norm-output": (cfg.norm_output or None, given.norm_output),
+              "--draft-attention": (None if cfg.draft_attention == latent.AUTO_ATTENTION else cfg.draft_attention,
+                                    given.attention),
+              "--mask-token-id": (cfg.mask_token_id, given.mask_token_id)}
     for flag, (asked, has) in shaped.items():
         if asked is not None and asked != has:
-            raise EyasError(f"{flag} {asked}: --init {cfg.init} has {has}; a run from it keeps its shape (drop "
-                            f"{flag}, or train a new drafter without --init).")
+            shown, own = (flag, "it off") if asked is True else (f"{flag} {asked}", has)
+            raise EyasError(f"{shown}: --init {cfg.init} has {own}; a run from it keeps its shape and settings "
+                            f"(drop {flag}, or train a new drafter without --init).")
     # No module is shaped by these: every kind reads them from its config as it runs.
     trained.config = replace(given, ttt_steps=cfg.ttt_steps, ttt_decay=cfg.ttt_decay,
                              chat_template=source.chat_template)
@@ -585,20 +648,24 @@ def evaluate(run: Run, positions: list[int]) -> dict[str, Any] | None:
     batch over them), with the current weights."""
     model = run.model if run.cfg.fsdp else run.drafter
     return score(run.source, run.head, model, _draft_ids(run), run.draft.ttt_steps, positions, run.cfg.batch_tokens,
-                 run.cfg.seed, run.device, run.d, anchors=run.cfg.anchors, context_parallel=run.cfg.context_parallel)
+                 run.cfg.seed, run.device, run.d, anchors=run.cfg.anchors, context_parallel=run.cfg.context_parallel,
+                 objective=Objective(run.cfg.loss, run.cfg.lk_eta))
 
 
 @torch.no_grad()
 def score(source, head: TargetHead, model: torch.nn.Module, draft_ids: torch.Tensor, K: int, positions: list[int],
           batch_tokens: int, seed: int, device: torch.device, d: distributed.Dist,
-          anchors: int | None = None, context_parallel: bool = False) -> dict[str, Any] | None:
+          anchors: int | None = None, context_parallel: bool = False, objective: Objective = Objective()
+          ) -> dict[str, Any] | None:
     """Teacher-forced metrics per TTT step over `positions` of `source`: the trainer's held-out
     pass, and `eyas eval --teacher-forced` (one scorer, so the two agree by construction).
     `model` is the drafter (or its FSDP wrapper, which gathers weights in every forward, so
     each process runs the same number of them). A drafter trained on `anchors` rows per
     sample is scored on as many, drawn the same way at every evaluation. With
     `context_parallel`, every process scores every batch, its own shard of each (as training
-    splits them), and the statistics add up to the whole batch's."""
+    splits them), and the statistics add up to the whole batch's. The loss is `objective`'s per-pair
+    loss (the trainer's --loss; its pair weighting is not the metric's), so train and held-out
+    rows report the same quantity."""
     if not positions:
         return None
     stream = BatchStream(positions, source.lengths, source.sample_index, batch_tokens, seed)
@@ -615,8 +682,7 @@ def score(source, head: TargetHead, model: torch.nn.Module, draft_ids: torch.Ten
         input_ids, hidden, loss_mask, last = _sharded(batch, shard, K)
         with _autocast(device):
             labels = make_labels(head, last, loss_mask, draft_ids, input_ids)
-            s = model(input_ids, hidden, labels, weights, *([] if rows is None else [rows]),
-                      **({} if shard is None else {"shard": shard}))[1]
+            s = model(input_ids, hidden, labels, weights, rows, objective, shard)[1]
         if i < len(stream):
             stats += s
     return summarize(distributed.all_reduce(stats, d))
@@ -632,7 +698,8 @@ def save(run: Run) -> None:
         with torch.device("meta"):
             cpu = new_drafter(run.draft)
         cpu.load_state_dict(model_state, assign=True)
-        trainer = {"config": run.cfg.to_dict(), "total_steps": run.total_steps}
+        trainer = {"config": run.cfg.to_dict(), "total_steps": run.total_steps, "data": run.data,
+                   "group": run.group, "processes": run.dp}
         ckpt.save_checkpoint(Path(run.cfg.out), run.step, cpu, optim_state, trainer, run.cfg.keep)
     distributed.barrier(run.d)
 
