@@ -33,7 +33,12 @@ def child_argv(argv: list, at: str = "os:replace", nth: int = 1, match: str = ""
 
 
 def env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+    """The child's environment: torch on as many threads as this process's, so that a run killed
+    and resumed computes, bit for bit, what this process computes uninterrupted (a float sum
+    split over other threads rounds otherwise)."""
+    import torch
+
+    return {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads()), "HF_HUB_OFFLINE": "1",
             "PYTHONPATH": os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])}
 
 
