@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing
 import os
+import sys
 from collections import Counter, deque
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -30,6 +31,7 @@ from eyas.paths import check_confined, remove_leftovers
 
 TAIL = "cut off at the end of the file"
 EXCLUDED = "shares 8 words in a row with an excluded prompt"
+UNANSWERED = "no answered user turn (--window cuts at user turns)"
 
 
 def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
@@ -60,8 +62,10 @@ def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: 
     cuts each conversation into windows of that many user turns, each a sample of its own (MT-bench
     asks two; on SmolLM2 two-turn windows trained a better drafter than whole long
     conversations, for the same regeneration time). A conversation sharing 8 words in a row
-    with a prompt of an `exclude` prompt set (eval's --prompts: mt-bench, a file or a `long` spec,
-    histories included) is dropped.
+    in any message with a prompt of an `exclude` prompt set (eval's --prompts: mt-bench, a file
+    or a `long` spec, histories included) is dropped, every window of it (counted once, as one
+    record); so is one that `window` leaves no window of (its assistant turns all come before
+    its first user turn).
     With `pack`, consecutive kept conversations are joined into one sample of up to `max_len`
     tokens (`Packer`): long contexts from short conversations, as a long chat holds them.
 
@@ -87,15 +91,17 @@ def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: 
     conversations: list[list[dict[str, str]]] = []
     dropped: Counter[str] = Counter()
     layouts: Counter[str] = Counter()
-    truncated = records = tail_bytes = 0
+    truncated = records = tail_bytes = parts = 0  # parts: conversations (windows) in the samples kept
     streams = [_items(iter_records(name), window, grams) for name, _ in mix]  # index: the record's in its source
     items = streams[0] if len(mix) == 1 else interleave(streams, [w for _, w in mix])
     packer = Packer(tokenizer, max_len) if pack else None
     with tqdm(desc="prepare", unit=" sample" if pack else " conv", total=limit, disable=not progress) as bar:
 
-        def keep(index: int, messages: list[dict[str, str]], ids, mask) -> None:
+        def keep(index: int, messages: list[dict[str, str]], ids, mask, n: int = 1) -> None:
+            nonlocal parts
             if limit is not None and len(samples) >= limit:  # a group that split in two may bring one more
                 return
+            parts += n
             samples.append(PreparedSample(torch.from_numpy(ids), torch.from_numpy(mask), index))
             conversations.append(messages)
             bar.update(1)
@@ -133,7 +139,7 @@ def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: 
     summary = {
         "records_read": records, "kept": len(samples), "dropped": dict(dropped), "truncated": truncated,
         "layouts": dict(layouts), **({"window": window} if window else {}),
-        **({"packed_conversations": packer.joined} if packer else {}),
+        **({"packed_conversations": packer.joined, "packed_from": parts} if packer else {}),
         "truncated_tail_bytes": tail_bytes,
         "tokens": tokens, "trained_tokens": trained, "trained_share": trained / tokens,
     }
@@ -157,7 +163,8 @@ class Packer:
         self.joined = 0  # conversations that went into a sample with others
 
     def add(self, index: int, messages: list[dict[str, str]], ids, mask) -> list[tuple]:
-        """Take one encoded conversation; returns the samples it closed, as (index, messages, ids, mask)."""
+        """Take one encoded conversation; returns the samples it closed, as (index, messages, ids,
+        mask, conversations in the sample)."""
         closed = []
         if self.group and (messages[0]["role"] != "user" or sum(len(g[2]) for g in self.group) + len(ids) > self.max_len):
             closed = self.flush()
@@ -173,24 +180,35 @@ class Packer:
 
     def _encode(self, group: list[tuple]) -> list[tuple]:
         if len(group) <= 1:
-            return group
+            return [(*g, 1) for g in group]
         joined = [m for _, messages, _, _ in group for m in messages]
         try:
             ids, mask, truncated = encode_conversation(self.tokenizer, joined, self.max_len)
         except BadRecord:  # the template refused the joined chat
             truncated = True
         if truncated:
-            return self._encode(group[:-1]) + [group[-1]]
+            return self._encode(group[:-1]) + [(*group[-1], 1)]
         self.joined += len(group)
-        return [(group[0][0], joined, ids, mask)]
+        return [(group[0][0], joined, ids, mask, len(group))]
 
 
 def _exclusion_grams(prompt_sets: list[str], tokenizer) -> frozenset:
     """The 8-word sequences of every eval input in `prompt_sets`: the turns asked and the
-    histories before them (a long prompt's history is most of it)."""
-    texts = [t for name in prompt_sets for p in load_prompt_set(name, lambda: tokenizer)
-             for t in [*p.turns, *(m["content"] for m in p.history)]]
-    return ngram_set(texts) if texts else frozenset()
+    histories before them (a long prompt's history is most of it). A prompt too short to hold
+    one could never be matched: a warning names it rather than let it through unsaid."""
+    grams: set[tuple[str, ...]] = set()
+    blind = []
+    for name in prompt_sets:
+        for p in load_prompt_set(name, lambda: tokenizer):
+            own = ngram_set([*p.turns, *(m["content"] for m in p.history)])
+            grams |= own
+            if not own:
+                blind.append(p.id)
+    if blind:
+        print(f"eyas prepare: warning: {len(blind)} prompt(s) of --exclude-prompts ({', '.join(blind[:3])}"
+              f"{', ...' if len(blind) > 3 else ''}) are shorter than 8 words (or 16 characters of Chinese, "
+              f"Japanese, Thai...), so no conversation is dropped for them.", file=sys.stderr)
+    return frozenset(grams)
 
 
 def windows(messages: list[dict[str, str]], size: int | None) -> list[list[dict[str, str]]]:
@@ -207,21 +225,27 @@ def windows(messages: list[dict[str, str]], size: int | None) -> list[list[dict[
 
 def _items(records: Iterable[Any], window: int | None, grams: frozenset) -> Iterator[tuple[int, bool, Any]]:
     """(record index, first item of its record, TruncatedTail | reason dropped | (layout, messages)):
-    normalised here, so a record's windows and exclusions are known before the workers encode."""
+    normalised here, so a record's windows and exclusions are known before the workers encode.
+    Exclusion reads the whole record, answers included, before it is cut: a long prompt's
+    history holds later turns of a conversation, which its own windows would not show. A
+    dropped record is one item, so the summary counts it once."""
     for index, record in enumerate(records):
         if isinstance(record, TruncatedTail):
             yield index, True, record
             continue
         try:
-            cut = windows(normalize(record), window)
+            messages = normalize(record)
         except BadRecord as e:
             yield index, True, str(e)
             continue
-        for k, messages in enumerate(cut):
-            if grams and any(contaminated(m["content"], grams) for m in messages if m["role"] == "user"):
-                yield index, k == 0, EXCLUDED
-            else:
-                yield index, k == 0, (layout(record), messages)
+        if grams and any(contaminated(m["content"], grams) for m in messages):
+            yield index, True, EXCLUDED
+            continue
+        cut = windows(messages, window)
+        if not cut:
+            yield index, True, UNANSWERED
+        for k, part in enumerate(cut):
+            yield index, k == 0, (layout(record), part)
 
 
 _WORKER: tuple[Any, int] | None = None  # (tokenizer, max_len), inherited by forked workers
@@ -286,9 +310,11 @@ CHUNK, IN_FLIGHT = 16, 4  # records per task; tasks queued per worker
 
 
 def format_summary(summary: dict[str, Any], out: str | Path) -> str:
+    kept = summary.get("packed_from", summary["kept"])  # conversations (windows): --pack puts them in fewer samples
     lines = [
-        (f"kept {summary['kept']} windows of {summary['window']} user turns from {summary['records_read']} records"
-         if summary.get("window") else f"kept {summary['kept']} of {summary['records_read']} records") + f" -> {out}",
+        (f"kept {kept} windows of {summary['window']} user turns from {summary['records_read']} records"
+         if summary.get("window") else f"kept {kept} of {summary['records_read']} records")
+        + (f", packed into {summary['kept']} samples" if "packed_from" in summary else "") + f" -> {out}",
         f"tokens {summary['tokens']:,}, trained (assistant) {summary['trained_tokens']:,} "
         f"({100 * summary['trained_share']:.1f}%), truncated to --max-len: {summary['truncated']}",
     ]

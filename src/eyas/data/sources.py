@@ -336,7 +336,9 @@ def layout(record: Any) -> str | None:
 
 
 def normalize(record: Any) -> list[dict[str, str]]:
-    """One record -> a list of role/content messages with at least one assistant turn."""
+    """One record -> a list of role/content messages with at least one assistant turn; an
+    assistant message marked `"cut": true` (an answer regenerate stopped at its token budget)
+    keeps the mark, so its end of turn is not trained (eyas.data.template)."""
     if isinstance(record, BadRecord):
         raise record
     if not isinstance(record, dict):
@@ -360,6 +362,8 @@ def normalize(record: Any) -> list[dict[str, str]]:
         if not content.strip():
             raise BadRecord("empty message")
         messages.append({"role": role, "content": content})
+        if role == "assistant" and m.get("cut") is True:  # regenerate's mark: the answer hit its token budget
+            messages[-1]["cut"] = True
     if not any(m["role"] == "assistant" for m in messages):
         raise BadRecord("no assistant turn")
     return messages

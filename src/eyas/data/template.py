@@ -7,6 +7,10 @@ turn i, the text the template adds when that message is appended after
 located in the rendering of the whole conversation, and the tokens starting inside it are
 trained. Templates that render history differently from the last turn (e.g. ones that drop
 earlier reasoning) fall back to locating the turn's content followed by the same closing text.
+So do templates whose generation prompt is not a prefix of the turn (QwQ and DeepSeek-R1-Distill
+add `<think>\n`): there the closing text is what follows the content when the turn is rendered
+last. An answer cut by its token budget (`"cut": true`, from regenerate) never reached its end of
+turn, so its closing text is not trained: only up to the end of its content.
 """
 
 from __future__ import annotations
@@ -91,7 +95,8 @@ def _render(tokenizer, messages, generation_prompt: bool = False) -> str:
 
 def _turn(tokenizer, messages: list[dict[str, str]], i: int) -> tuple[str | None, str]:
     """(the rendering before assistant turn i's trained text, that text: content + end of turn),
-    or (None, content) when the template does not render the turn as an append.
+    or (None, that text as `_closed` finds it) when the template does not render the turn as an
+    append.
 
     Before turn i is `messages[:i]` with the generation prompt. A first turn has no such
     context (templates refuse an empty conversation), so its text is learnt from the same
@@ -104,17 +109,33 @@ def _turn(tokenizer, messages: list[dict[str, str]], i: int) -> tuple[str | None
         before = _render(tokenizer, messages[:i], generation_prompt=True)
         if through.startswith(before):
             return before, through[len(before):]
-        return None, message["content"]
+        return None, _closed(tokenizer, messages[:i], through, message["content"])
     probe = [{"role": "user", "content": "?"}]
     try:
         ref_before = _render(tokenizer, probe, generation_prompt=True)
         ref_through = _render(tokenizer, probe + [message])
     except BadRecord:  # a template that wants the conversation to open otherwise
         return None, message["content"]
-    segment = ref_through[len(ref_before):] if ref_through.startswith(ref_before) else ""
+    if ref_through.startswith(ref_before):
+        segment = ref_through[len(ref_before):]
+    else:
+        segment = _closed(tokenizer, probe, ref_through, message["content"])
     if segment and through.endswith(segment):
         return through[: len(through) - len(segment)], segment
     return None, message["content"]
+
+
+def _closed(tokenizer, context: list[dict[str, str]], through: str, content: str) -> str:
+    """The content and the closing text after it in `through`, the rendering of `context` and
+    the turn, where the turn is last: so its closing runs to the end (to where a next message
+    would start). The content is looked for after `context`'s own rendering, never in an
+    earlier message; the content alone if it is not there."""
+    try:
+        context_text = _render(tokenizer, context)
+    except BadRecord:  # a template that wants a generation prompt after a user turn
+        return content
+    k = through.find(content, len(context_text)) if through.startswith(context_text) else -1
+    return through[k:] if k >= 0 else content
 
 
 def assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, list[tuple[int, int]]]:
@@ -129,19 +150,31 @@ def assistant_spans(tokenizer, messages: list[dict[str, str]]) -> tuple[str, lis
             start = len(before)  # where the turn must be: never a match inside an earlier turn
         else:
             start = full.find(segment, cursor)
+        content = message["content"]
         if start >= 0:
             end = start + len(segment)
         else:
-            content = message["content"]
             start = full.find(content, cursor)
             k = segment.find(content)
             closing = segment[k + len(content):] if k >= 0 else ""
             if start < 0 or not full.startswith(closing, start + len(content)):
                 raise BadRecord("assistant turn not found in the rendered template")
             end = start + len(content) + len(closing)
+        if message.get("cut"):  # the end of turn was never the next token: train up to the content's end
+            end = _content_end(full, start, end, content)
         spans.append((start, end))
         cursor = end
     return full, spans
+
+
+def _content_end(full: str, start: int, end: int, content: str) -> int:
+    """Where a turn's content ends in `full[start:end]`: as written, or stripped, as templates
+    that trim messages render it (a cut answer often ends in a space)."""
+    for text in (content, content.strip()):
+        k = full.find(text, start, end)
+        if k >= 0:
+            return k + len(text)
+    raise BadRecord("a cut answer's content not found in the rendered template")
 
 
 def longest_token_chars(tokenizer) -> int:
