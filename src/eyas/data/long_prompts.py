@@ -6,8 +6,9 @@ exactly that material out of training.
 The rule (deterministic: it reads only the packaged file and the target's tokenizer):
 - The material is the packaged ShareGPT conversations in file order, each with its system
   messages and a trailing unanswered user turn dropped, kept only if its turns alternate
-  user/assistant, its first user turn has 8 words or more, and no user turn shares 8 words in
-  a row with MT-bench. Every prompt quotes the first user turn of each conversation it uses,
+  user/assistant, its first user turn has 8 words or more (of ASCII letters and digits) and 8 in
+  a row for the exclusion (`synthetic.contaminated`), and no user turn shares 8 words in a row
+  with MT-bench. Every prompt quotes the first user turn of each conversation it uses,
   so prepare's 8-word exclusion finds every one of them.
 - Each conversation is used once, by one prompt. Prompts are built length by length, in the
   order given, `count` per length.
@@ -105,9 +106,17 @@ def _material() -> Iterator[list[dict[str, str]]]:
         if messages and messages[-1]["role"] == "user":
             messages = messages[:-1]
         alternating = all(m["role"] == ("user", "assistant")[k % 2] for k, m in enumerate(messages))
-        if (messages and alternating and ngram_set([messages[0]["content"]])
+        first = messages[0]["content"] if messages else ""
+        if (alternating and _ascii_words(first) >= 8 and ngram_set([first])
                 and not any(contaminated(m["content"], grams) for m in messages if m["role"] == "user")):
             yield messages
+
+
+def _ascii_words(text: str) -> int:
+    """The words the rule counts: runs of ASCII letters and digits, apostrophes dropped (the
+    8-word exclusion's words before it read every script: kept, so the prompts stay those that
+    earlier versions measured)."""
+    return len(re.findall(r"[a-z0-9]+", text.lower().replace("'", "").replace("\u2019", "")))
 
 
 def _next(material: Iterator[list[dict[str, str]]], length: int, j: int) -> list[dict[str, str]]:
@@ -128,20 +137,20 @@ def _question(tokenizer, material, length: int, j: int) -> str:
 
 def _history(tokenizer, material, question: str, length: int, j: int) -> list[dict[str, str]]:
     """Conversations, whole or their leading pairs, while the prompt fits `length` tokens, until
-    it holds FILL of them (see the module's rule). Each message is rendered once, alone: chat
-    templates mark message boundaries with special tokens, so a prompt's tokens are its
-    messages' added up, which one render of the whole prompt checks at the end."""
-    cost = _message_tokens(tokenizer)
+    it holds FILL of them (see the module's rule). Each user/assistant pair is rendered once,
+    alone: chat templates mark message boundaries with special tokens, so a prompt's tokens are
+    its pairs' added up, which one render of the whole prompt checks at the end."""
+    cost = _pair_tokens(tokenizer)
     history: list[dict[str, str]] = []
     total, passed = _tokens(tokenizer, [], question), 0
     while total < FILL * length and passed < PASSES:
         conversation = _next(material, length, j)
-        costs = [cost(m) for m in conversation]
+        costs = [cost(conversation[k], conversation[k + 1]) for k in range(0, len(conversation), 2)]
         pairs = 0
-        for k in range(0, len(conversation), 2):
-            if total + costs[k] + costs[k + 1] > length:
+        for c in costs:
+            if total + c > length:
                 break
-            total += costs[k] + costs[k + 1]
+            total += c
             pairs += 1
         history += conversation[:2 * pairs]
         passed = 0 if pairs else passed + 1
@@ -150,11 +159,13 @@ def _history(tokenizer, material, question: str, length: int, j: int) -> list[di
     return history
 
 
-def _message_tokens(tokenizer) -> Callable[[dict[str, str]], int]:
-    """A message -> the tokens it adds to a rendered prompt."""
+def _pair_tokens(tokenizer) -> Callable[[dict[str, str], dict[str, str]], int]:
+    """A user message and its answer -> the tokens they add to a rendered prompt. Measured as a
+    pair, as history grows: templates that demand strict user/assistant alternation (Gemma,
+    Mistral) refuse an answer rendered without its question."""
     probe = "Hi."
     base = _tokens(tokenizer, [], probe)
-    return lambda message: _tokens(tokenizer, [message], probe) - base
+    return lambda user, assistant: _tokens(tokenizer, [user, assistant], probe) - base
 
 
 def _tokens(tokenizer, history: list[dict[str, str]], question: str) -> int:

@@ -39,13 +39,16 @@ class DFlashSession:
             self._slot_ids = torch.arange(self.cache.capacity, device=self.device)
             self.graphs.drop()
 
-    def _context(self, aux: torch.Tensor, start: torch.Tensor) -> None:
-        """Each layer's keys and values of the context states from aux [n, L, H], at slots start [1] ..."""
+    def _context(self, aux: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        """Each layer's keys and values of the context states from aux [n, L, H], at slots start [1] ...
+        Returns the context states [1, n, H]: a replayed graph's output is how `Recorder.run`
+        tells that it ran (None: run this eagerly), so the commit must not return None."""
         ctx = self.m.context(aux)[None]  # [1, n, H]
         self.cache.aim(start + torch.arange(ctx.shape[1], device=self.device), 0)  # writes only
         cos, sin = self.m.rotary(ctx, self.cache.slots[None])
         for i, layer in enumerate(self.m.layers):
             self.cache.update(*layer.self_attn.key_value(ctx, cos, sin), i)  # [1, nKV, n, d]
+        return ctx
 
     @torch.inference_mode()
     def extend(self, aux: torch.Tensor) -> None:

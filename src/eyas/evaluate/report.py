@@ -6,6 +6,7 @@ results file, so anyone can check the table against `results.json`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 
 TAU_DEFINITION = "tau = 1 + accepted draft tokens per verification step (mean over all steps of all prompts)"
@@ -97,11 +98,18 @@ def tau_by(records: list[dict], key: str) -> dict[str, dict[str, float]]:
     return {m: {k: round(1 + sum(c) / max(len(c), 1), 4) for k, c in by.items()} for m, by in counts.items()}
 
 
+def by_number(value: str) -> list[str | int]:
+    """A sort key that orders the numbers in a column name as numbers: "ctx 8192" before
+    "ctx 32768", turn 2 before turn 10 (as text they sort the other way round)."""
+    # re.split with a group alternates text (even places) and digits (odd): like compares with like
+    return [int(part) if k % 2 else part for k, part in enumerate(re.split(r"(\d+)", value))]
+
+
 def format_breakdown(breakdown: dict[str, dict[str, dict[str, float]]]) -> str:
     """tau per method by category and by turn, one row per method (methods that draft only)."""
     lines = []
     for key, by_method in breakdown.items():
-        values = sorted({v for by in by_method.values() for v in by})
+        values = sorted({v for by in by_method.values() for v in by}, key=by_number)
         if len(values) < 2:
             continue
         lines += ["", f"tau by {key}:", f"{'method':<15}" + "".join(f"{v[:11]:>12}" for v in values)]

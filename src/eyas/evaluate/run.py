@@ -45,6 +45,7 @@ from eyas.evaluate.report import (RATE_DEFINITION, TAU_DEFINITION, differing, fo
                                   tau_by)
 from eyas.evaluate.static_target import StaticTargetSession
 from eyas.evaluate.target import TargetSession
+from eyas.export.exporter import speculative_tokens
 from eyas.models import ModelIdentity, load_target, load_tokenizer, model_identity, resolve_model
 from eyas.models.identity import text_config
 from eyas.models.eos import eos_ids
@@ -81,12 +82,15 @@ def load_checked_drafter(path: str, model, identity: ModelIdentity) -> torch.nn.
 def run_prompt(target: TargetSession, tokenizer, proposer: Proposer, prompt: EvalPrompt, max_new_tokens: int,
                eos: set[int], temperature: float, generator: torch.Generator | None,
                timer: StepTimer | None = None) -> list[dict]:
-    """Answer every turn of `prompt` with `proposer`; later turns see its own earlier answers."""
+    """Answer every turn of `prompt` with `proposer`; later turns see its own earlier answers, so
+    each turn's length is known, and checked against the target's positions, only when it comes."""
     messages = list(prompt.history)
+    limit = position_limit(target.model.config)
     records = []
     for turn, question in enumerate(prompt.turns):
         messages.append({"role": "user", "content": question})
         ids = render(tokenizer, messages)
+        check_fits(prompt, turn, len(ids), max_new_tokens, limit, target.model.config.name_or_path)
         g = generate(target, proposer, ids, max_new_tokens, eos, temperature, generator, timer)
         answer = tokenizer.decode([t for t in g.generated_ids if t not in eos], skip_special_tokens=True)
         messages.append({"role": "assistant", "content": answer})
@@ -159,16 +163,29 @@ def prompt_tokenizer(cfg: EvalConfig):
     return tokenizer
 
 
+def position_limit(config) -> int | None:
+    """The positions the target was made for (None: it does not say)."""
+    return getattr(text_config(config), "max_position_embeddings", None)
+
+
+def check_fits(prompt: EvalPrompt, turn: int, n: int, max_new_tokens: int, limit: int | None, model: str) -> None:
+    """Refuse turn `turn` of `prompt`, rendered as `n` tokens, when its answer could run past the
+    target's positions, where its answers would be another model's."""
+    if limit and n + max_new_tokens > limit:
+        which = f"Prompt {prompt.id}" + (f" at turn {turn + 1} (after its earlier answers)" if turn else "")
+        raise EyasError(f"{which} is {n} tokens; with --max-new-tokens {max_new_tokens} it needs "
+                        f"{n + max_new_tokens} positions, more than the {limit} of {model}. Use shorter "
+                        f"prompts (long:{limit - max_new_tokens} for long ones) or fewer new tokens.")
+
+
 def check_positions(config, tokenizer, prompts: list[EvalPrompt], cfg: EvalConfig) -> None:
-    """Refuse a prompt whose first turn and answer would run past the target's positions, where
-    its answers would be another model's (a long prompt asks for its length plus the answer)."""
-    limit = getattr(text_config(config), "max_position_embeddings", None)
+    """Before any decoding, refuse a prompt whose first turn and answer would run past the
+    target's positions (a long prompt asks for its length plus the answer); later turns, whose
+    length depends on the answers before them, are checked as they come (`run_prompt`)."""
+    limit = position_limit(config)
     for p in prompts if limit else []:
         n = len(render(tokenizer, [*p.history, {"role": "user", "content": p.turns[0]}]))
-        if n + cfg.max_new_tokens > limit:
-            raise EyasError(f"Prompt {p.id} is {n} tokens; with --max-new-tokens {cfg.max_new_tokens} it needs "
-                            f"{n + cfg.max_new_tokens} positions, more than the {limit} of {cfg.model}. Use shorter "
-                            f"prompts (long:{limit - cfg.max_new_tokens} for long ones) or fewer new tokens.")
+        check_fits(p, 0, n, cfg.max_new_tokens, limit, cfg.model)
 
 
 def _answer(cfg: EvalConfig, prompts: list[EvalPrompt], indices: list[int], progress: bool = True
@@ -292,11 +309,13 @@ def _answer_in_workers(cfg: EvalConfig, prompts: list[EvalPrompt], workers: int)
 
 def draft_depth(cfg: EvalConfig) -> tuple[int, str]:
     """Tokens drafted per step, and why: --steps, else the drafter's trained depth (what its
-    export serves, `DraftConfig.depth`), else prompt lookup's default."""
+    export serves, `DraftConfig.depth`), else prompt lookup's default. The drafter's rule is
+    export's (`speculative_tokens`), which refuses more than a block or parallel drafter drafts."""
+    if cfg.draft:
+        why = "--steps" if cfg.steps is not None else "the drafter's trained depth, its TTT steps, as its export serves"
+        return speculative_tokens(load_config(cfg.draft), cfg.steps, "--steps"), why
     if cfg.steps is not None:
         return cfg.steps, "--steps"
-    if cfg.draft:
-        return load_config(cfg.draft).depth, "the drafter's trained depth, its TTT steps, as its export serves"
     return LOOKUP_DEPTH, "prompt lookup's default"
 
 

@@ -70,12 +70,17 @@ def planned_serve_command(export: ExportConfig, check: bool = True) -> str:
                          cfg.kind.vllm_method)
 
 
-def speculative_tokens(cfg: DraftConfig, asked: int | None) -> int:
-    """Draft tokens per step: as asked, else the drafter's trained depth (`DraftConfig.depth`), the
-    depth `eyas eval` measures unless told otherwise."""
+def speculative_tokens(cfg: DraftConfig, asked: int | None, flag: str = "--num-speculative-tokens") -> int:
+    """Draft tokens per step: as asked (`flag`), else the drafter's trained depth
+    (`DraftConfig.depth`). `eyas eval --steps` passes here too, so that eval measures what the
+    engines serve. A block (DFlash) or parallel (P-EAGLE) drafter drafts at most its trained depth
+    in its one pass: more is refused, not quietly cut to it."""
     k = asked if asked is not None else cfg.depth
     if k < 1:
-        raise EyasError("--num-speculative-tokens must be at least 1.")
+        raise EyasError(f"{flag} must be at least 1.")
+    if cfg.kind.drafting != kinds.STEPS and k > cfg.depth:
+        raise EyasError(f"{flag} {k}: {cfg.kind.a_title()} drafter drafts at most its trained depth, {cfg.depth} "
+                        f"tokens, in one pass; give {flag} {cfg.depth} or less, or train one with --ttt-steps {k}.")
     return k
 
 

@@ -29,5 +29,5 @@ def run(cfg: ImportConfig) -> int:
     s = import_drafter(cfg.dir, cfg.out, target=cfg.target, force=cfg.force)
     print(f"imported {cfg.dir} ({s['layout']}) to {s['out']}: target {s['target']}, "
           f"aux layer ids {s['aux_layer_ids']} (input of layer k), draft vocabulary {s['draft_vocab_size']}, "
-          f"embed_tokens {s['embed_tokens']}")
+          f"embed_tokens {s['embed_tokens']}, drafting {s['depth']} tokens a step")
     return 0

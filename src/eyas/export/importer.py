@@ -9,7 +9,7 @@ Understood layouts; anything else is refused with the field that is missing or u
   counted as outputs of layers (eyas adds 1).
 - vLLM: ids at top level, already eyas's convention (input of layer k).
 - speculators: `speculators_model_type: eagle3`, the layer in `transformer_layer_config`,
-  weights under `layers.0.*`.
+  weights under `layers.0.*`; the `speculative_tokens` it is served with becomes its depth.
 - eyas's own exports (an `eyas` block): restored exactly, the engine-visible fields checked
   against it.
 - MLA heads (vLLM's `Eagle3DeepseekV3ForCausalLM`, SGLang's `Eagle3DeepseekV2ForCausalLM`,
@@ -73,6 +73,7 @@ class Foreign:
     aux_layer_ids: tuple[int, ...] | None  # eyas's convention (input of layer k); None = engine default
     norm_before_residual: bool
     verifier: str | None  # the target named by the folder itself
+    depth: int | None = None  # the draft tokens a step it is served with (speculators), its trained depth
 
     @property
     def attention(self) -> str:
@@ -105,7 +106,7 @@ def import_drafter(src: str | Path, out: str | Path, *, target: str | None = Non
         save_drafter(model, out)
     summary = {
         "layout": foreign.layout, "out": str(out), "target": cfg.identity.model,
-        "aux_layer_ids": list(cfg.aux_layer_ids), "draft_vocab_size": cfg.draft_vocab_size,
+        "aux_layer_ids": list(cfg.aux_layer_ids), "draft_vocab_size": cfg.draft_vocab_size, "depth": cfg.depth,
         "embed_tokens": "equal to the target's, dropped" if embed is not None else "absent (the target's are used)",
     }
     window = foreign.layer.get("sliding_window")
@@ -144,7 +145,8 @@ def parse_config(raw: dict[str, Any], src: Path) -> Foreign:
                      " (vLLM assumes true when it is absent, the speculators library false)")
         ids = raw.get("eagle_aux_hidden_state_layer_ids")
         verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-        foreign = Foreign("speculators", raw, layer, tuple(ids) if ids else None, bool(nbr), verifier)
+        foreign = Foreign("speculators", raw, layer, tuple(ids) if ids else None, bool(nbr), verifier,
+                          _speculative_tokens(raw, where))
     else:
         architectures = _field(raw, "architectures", where)
         if not set(architectures) & {*LLAMA_EAGLE3_ARCHITECTURES, *mla.ARCHITECTURES}:
@@ -161,6 +163,18 @@ def parse_config(raw: dict[str, Any], src: Path) -> Foreign:
                 COUNT.check(f"{where}: `{key}`", d[key])
     _check_supported(foreign, where)
     return foreign
+
+
+def _speculative_tokens(raw: dict[str, Any], where: str) -> int | None:
+    """speculators' `speculators_config.proposal_methods[0].speculative_tokens`: the tokens a step
+    vLLM serves the drafter with, which eyas keeps as its depth (`ttt_steps`), so that eval and
+    a re-export draft as many; None where the config does not say."""
+    methods = (raw.get("speculators_config") or {}).get("proposal_methods")
+    first = methods[0] if isinstance(methods, list) and methods else None
+    k = first.get("speculative_tokens") if isinstance(first, dict) else None
+    if k is not None:
+        COUNT.check(f"{where}: `speculative_tokens`", k)
+    return k
 
 
 def _hf_layer_ids(raw: dict[str, Any], where: str) -> tuple[str, tuple[int, ...] | None]:
@@ -258,6 +272,7 @@ def draft_config(foreign: Foreign, identity: ModelIdentity, state: dict[str, tor
         rms_norm_eps=layer.get("rms_norm_eps", 1e-6), rope_parameters=rope_parameters(layer),
         max_position_embeddings=layer.get("max_position_embeddings", 8192), hidden_act=layer.get("hidden_act", "silu"),
         norm_before_residual=foreign.norm_before_residual, **foreign.options,
+        **({"ttt_steps": foreign.depth} if foreign.depth else {}),
     )
 
 

@@ -50,7 +50,8 @@ class Recorder:
     copies `inputs` in and replays, returning
     the graph's own output tensors: copy them out before the next replay. Off the GPU, when
     disabled, or once a recording failed (said in one line, then eager for good), it returns
-    None and the caller runs `fn` eagerly."""
+    None and the caller runs `fn` eagerly. So `fn` must return tensors, never None, even when
+    only its writes matter: else a replay would read as "not replayed" and run `fn` again."""
 
     def __init__(self, device: torch.device, enabled: bool, what: str):
         self.enabled = enabled and device.type == "cuda"
@@ -79,6 +80,8 @@ class Recorder:
                 self.enabled = False
                 self.drop()
                 return None
+            if out is None:  # a caller's bug: every replay would be taken for "not replayed" and run again
+                raise TypeError(f"{self.what}: the pass recorded for {key!r} returns None; return its output tensors.")
             entry = self.graphs[key] = (static, graph, out)
         static, graph, out = entry
         for name, t in inputs.items():
