@@ -98,3 +98,55 @@ def test_teacher_forced_from_a_store_equals_running_the_target(tiny_llama_dir, t
     assert stored["samples"] == online["samples"] == 4 and stored["positions"] == online["positions"]
     assert stored["acc_per_step"] == pytest.approx(online["acc_per_step"], abs=1e-6)
     assert stored["loss"] == pytest.approx(online["loss"], rel=1e-5)
+
+
+def test_teacher_forced_held_out_refuses_data_whose_split_is_not_the_runs(tiny_llama_dir, trained, tmp_path):
+    """A prepared set holding the run's 16 samples and 8 more draws another split, which would
+    score samples the run trained on as held out: refused, by the prepared data's fingerprint. Scoring every sample of it is not
+    a held-out claim, and runs."""
+    from eyas.data.prepare import prepare
+    from eyas.data.config import PrepareConfig
+    from eyas.errors import EyasError
+
+    root, _ = trained
+    prepare(PrepareConfig(model=str(tiny_llama_dir), data=["packaged:chitchat"], out=str(tmp_path / "more"),
+                          max_len=64, limit=24, workers=1), progress=False)
+    with pytest.raises(EyasError, match="--held-out: .* other prepared data than the training run's"):
+        teacher_forced(str(tiny_llama_dir), root / "drafter", tmp_path / "more", held_out=True, device="cpu")
+    assert teacher_forced(str(tiny_llama_dir), root / "drafter", tmp_path / "more", device="cpu")["samples"] == 24
+
+
+def test_teacher_forced_loss_is_the_training_runs_loss(tiny_llama_dir, trained, tmp_path):
+    """A drafter trained with --loss lk-alpha is scored with it: eval's held-out loss equals the
+    trainer's held-out loss, and differs from soft cross-entropy on the same samples."""
+    root, _ = trained
+    result = train(TrainConfig(out=str(tmp_path / "lk"), online=True, model=str(tiny_llama_dir),
+                               data=str(root / "prep"), steps=2, batch_tokens=256, eval_fraction=0.25, ttt_steps=3,
+                               lr=1e-3, loss="lk-alpha", progress=False))
+    scored = teacher_forced(str(tiny_llama_dir), tmp_path / "lk", root / "prep", held_out=True, device="cpu")
+    assert scored["loss_kind"] == "lk-alpha"
+    assert scored["loss"] == pytest.approx(result["eval"]["loss"], rel=1e-5)
+    soft = teacher_forced(str(tiny_llama_dir), root / "drafter", root / "prep", held_out=True, device="cpu")
+    assert soft["loss_kind"] == "soft-ce"
+
+
+def test_held_out_check_compares_the_samples_held_out_where_no_fingerprint_tells(trained):
+    """Data without a prepared fingerprint to compare (a store from before eyas recorded it) is
+    checked by the samples its split holds out: the run's own pass, 8 more samples do not."""
+    from types import SimpleNamespace
+
+    from eyas.errors import EyasError
+    from eyas.evaluate.teacher_forced import _check_held_out, training_record
+    from eyas.train.data import split
+
+    root, _ = trained
+    record = training_record(root / "drafter")
+    seed, fraction = record["config"]["seed"], record["config"]["eval_fraction"]
+    for n in (16, 24):
+        source = SimpleNamespace(fingerprint=None, sample_index=list(range(n)))
+        positions = split(source.sample_index, fraction, seed)[1]
+        if n == 16:
+            _check_held_out(record["data"], source, positions, "same")
+        else:
+            with pytest.raises(EyasError, match="holds 24 samples, the training run's data 16"):
+                _check_held_out(record["data"], source, positions, "more")

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eyas.evaluate.report import SAME_DEFINITION
+from eyas.evaluate.report import SAME_DEFINITION, by_number
 from eyas.export.exporter import planned_serve_command
 from eyas.paths import atomic_write_bytes, atomic_write_json
 
@@ -61,7 +61,7 @@ def write_report(recipe: dict[str, Any], work: Path, stages, where: str) -> Path
             lines += ["", f"No speed-ups: {settings['workers']} worker processes shared the machine, so their timings "
                           "are contended; `workers: 1` measures them in one process."]
         for key, rows in by.items():
-            columns = sorted({c for r in rows.values() for c in r})
+            columns = sorted({c for r in rows.values() for c in r}, key=by_number)
             if len(columns) > 1:
                 lines += ["", f"tau by {key}:", "", *_table(rows, columns)]
         lines += [""] + [f"![per-position acceptance]({Path(p).relative_to(work)})" for p in result["plots"]] + [""]
