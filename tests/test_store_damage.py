@@ -131,15 +131,18 @@ def test_inspect_repair_rebuilds_the_manifest_from_the_shards_that_verify(tmp_pa
     edit_manifest(store, lambda m: drop_entry(m, 0))
     damaged = store / "shard-00002.safetensors"
     data = bytearray(damaged.read_bytes())
-    data[-3] ^= 0xFF  # inside the hidden states: only the sha256 can tell
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    start, end = json.loads(data[8:header_end])["hidden"]["data_offsets"]
+    data[header_end + (start + end) // 2] ^= 0x01  # a low mantissa bit inside the hidden states: only the sha256 can tell
     damaged.write_bytes(bytes(data))
     code, err = cli(capsys, "inspect", str(store), "--repair", "--verify")
     assert code == 3 and "holds only" in err and "eyas capture" in err, err  # sound now, but two shards short
     result = Store(store)
     names = [s["file"] for s in result.manifest["shards"]]
-    assert "shard-00000.safetensors" in names and "shard-00002.safetensors" not in names  # re-listed / dropped
-    assert (store / "shard-00002.safetensors.dropped").is_file()
-    capture_into(tiny_llama_dir, tiny_prepared, store)  # recaptures the dropped shard's samples
+    # Dropped, both: the one no entry lists (nothing says what it should hold), the corrupted one.
+    assert "shard-00000.safetensors" not in names and "shard-00002.safetensors" not in names
+    assert (store / "shard-00000.safetensors.dropped").is_file() and (store / "shard-00002.safetensors.dropped").is_file()
+    capture_into(tiny_llama_dir, tiny_prepared, store)  # recaptures the dropped shards' samples
     result = Store(store)
     result.verify()
     assert result.manifest["complete"] and sorted(result.sample_indices().tolist()) == list(range(N_SAMPLES))

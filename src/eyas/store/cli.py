@@ -6,8 +6,10 @@ same checks except the sha256 and the NaN/inf scan, which need every byte.) Exit
 0 the store is whole and complete, 2 it is damaged (or unreadable), 3 its shards are sound
 but it is incomplete or empty (a capture that stopped early; it says which command finishes it).
 
---repair rebuilds the manifest from the shard files that verify, renaming any that do not
-to *.dropped; the next `eyas capture` captures their samples again.
+--repair rebuilds the manifest from the shard files that verify, against the sha256 the old
+manifest recorded for each, renaming any that do not (and any it does not list) to *.dropped;
+the next `eyas capture` captures their samples again. The store stays complete only if every
+sample the capture expected is still there.
 
 examples:
   eyas inspect store

@@ -32,6 +32,7 @@ import torch
 
 from eyas.errors import EyasError
 from eyas.lock import LOCK_FILE, open_lock_file
+from eyas.models.identity import ModelIdentity
 from eyas.paths import atomic_write_json, fsync_dir, remove_leftovers, sha256_file, temp_file
 from eyas.store.format import (ADDED_HEADER_KEYS, MANIFEST, SHARD_PATTERN, check_files, first_nonfinite, new_manifest, next_shard_name,
                                quantize_fp8, read_manifest, shard_entry, shard_metadata, store_dtype, with_shard,
@@ -121,8 +122,13 @@ class StoreWriter:
         if (self.path / MANIFEST).is_file():
             manifest = settle_pending(self.path, read_manifest(self.path))
             check_files(self.path, manifest)
+            try:  # by identity, as every stage compares: one model may be given as two paths
+                ModelIdentity.from_dict(header["target"]).check_same(ModelIdentity.from_dict(manifest["target"]),
+                                                                     f"The store in {self.path}")
+            except EyasError as e:
+                raise EyasError(f"{e} Resume it with the target it was captured from, or use another --out.") from None
             for key, value in header.items():
-                if manifest.get(key) != value and (key in manifest or key not in ADDED_HEADER_KEYS):
+                if key != "target" and manifest.get(key) != value and (key in manifest or key not in ADDED_HEADER_KEYS):
                     raise EyasError(
                         f"{self.path} already holds a store with a different {key} "
                         f"({manifest.get(key)!r} vs {value!r}); use another --out or delete it."
