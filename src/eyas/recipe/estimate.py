@@ -36,7 +36,14 @@ class Data:
         return f"{bound}{self.samples:,} samples, {bound}{self.tokens:,} tokens"
 
 
+def _done(stage, state) -> bool:
+    """Done with this command and its output still there: a lost output is redone by the run."""
+    return state.done.get(stage.name) == stage.line and stage.output.exists()
+
+
 def _status(stage, state) -> str:
+    if stage.name in state.done and not stage.output.exists():
+        return f"to do again: it was done, but its output {stage.output} is gone"
     try:
         if state.check(stage):
             return "done"
@@ -53,7 +60,7 @@ def _data(stages, state, recipe: dict[str, Any], names: tuple[str, ...]) -> Data
     """The output of the first of the stages `names` that is done, else bounds from the recipe."""
     for name in names:
         stage = next((s for s in stages if s.name == name), None)
-        if stage is not None and state.done.get(name) == stage.line:
+        if stage is not None and _done(stage, state):
             data = PreparedData(stage.output)
             return Data(len(data), int(data.offsets[-1]), True, data.identity.hidden_size)
     prep = _options(recipe, "prepare")

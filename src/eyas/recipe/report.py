@@ -25,9 +25,15 @@ def _table(rows: dict[str, dict[str, float]], columns: list[str]) -> list[str]:
 
 
 def write_report(recipe: dict[str, Any], work: Path, stages, where: str) -> Path:
-    ev = work / "eval"
-    heldout = _read(ev / "heldout.json").get("teacher_forced", {})
-    chain, tree = _read(ev / "chain.json"), _read(ev / "tree.json")
+    """The report from the outputs of the planned `stages` only: an eval file an earlier plan
+    left (a tree.json before the drafter became DFlash) is no result of this one."""
+    planned = {s.name: s.output for s in stages}
+
+    def output(name: str) -> dict[str, Any]:
+        return _read(planned[name]) if name in planned else {}
+
+    heldout = output("heldout").get("teacher_forced", {})
+    chain, tree = output("eval-chain"), output("eval-tree")
     # The tree run has no baseline of its own but plain decoding: its drafter row joins the chain run's table.
     found = {**{m: v for m, v in tree.get("summary", {}).items() if m != "plain"}, **chain.get("summary", {})}
     summary = {m: found[m] for m in sorted(found, key=lambda m: (m != "plain", m.startswith("eagle3"), m))}
@@ -35,8 +41,9 @@ def write_report(recipe: dict[str, Any], work: Path, stages, where: str) -> Path
           for key in ("category", "turn")}
     exports = {s.output.name: {"folder": str(s.output), "serve": planned_serve_command(s.config(where), check=False)}
                for s in stages if s.command == "export"}
+    plots = [planned[n].with_suffix(".png") for n in ("eval-chain", "eval-tree") if n in planned]
     result = {"model": recipe["model"], "heldout": heldout, "summary": summary, "tau_by": by, "exports": exports,
-              "plots": [str(p) for p in (ev / "chain.png", ev / "tree.png") if p.is_file()]}
+              "plots": [str(p) for p in plots if p.is_file()]}
     atomic_write_json(work / REPORTS[1], result)
     lines = [f"# eyas recipe report: {recipe['model']}", ""]
     if heldout:

@@ -24,10 +24,11 @@ links the stages (--model, --data, --out, --store, --draft...). Stages, in order
   report      WORK/report.md
 
 Each stage's output folder is its checkpoint: WORK/recipe-state.json records the stages that
-finished and the exact command each ran. A finished stage is skipped; an unfinished one runs
+finished and the exact command each ran (and the folders its stages wrote, which stay the
+recipe's own when its plan changes). A finished stage is skipped; an unfinished one runs
 again and continues where its own output allows (regenerate and capture keep what they
 wrote, train resumes from its last checkpoint); a finished stage whose options changed is an
-error, never silently redone.
+error, never silently redone, and is found before any stage runs.
 """
 
 from __future__ import annotations
@@ -191,6 +192,12 @@ def plan(recipe: dict[str, Any], work: Path, where: str) -> list[Stage]:
     check_stage_options("train", train, where)  # before the kind is read from it
     kind = kinds.get(train.get("drafter", kinds.DEFAULT))  # its record says if it drafts trees, which layouts it has
     store = work / "store"
+    if online and opts["capture"]:
+        layers = snake_keys(opts["capture"]).get("layers")
+        raise EyasError(f"{where}: `capture` has no stage with `train: online: true` (training captures the target's "
+                        f"states itself as it runs): remove `capture`"
+                        + (f" and give its layers as `train: layers: {layers}`" if layers is not None else "")
+                        + ", or train offline without `online: true`.")
     if not online:
         stages.append(_stage("capture", "capture", store, where, {"model": model, "data": str(data), "out": str(store)},
                              opts["capture"]))
@@ -250,17 +257,23 @@ def _eval_stages(model: str, drafter: Path, ev: Path, options: dict[str, Any], w
 
 
 class State:
-    """WORK/recipe-state.json: the finished stages and the command each ran."""
+    """WORK/recipe-state.json: the finished stages and the command each ran, and the folders
+    of WORK its stages wrote (a plan that no longer has a stage still owns what it wrote)."""
 
     def __init__(self, work: Path):
         self.path = work / STATE
-        self.done: dict[str, str] = self._read() if self.path.is_file() else {}
+        self.done: dict[str, str] = {}
+        self.wrote: set[str] = set()
+        if self.path.is_file():
+            self.done, self.wrote = self._read()
 
-    def _read(self) -> dict[str, str]:
+    def _read(self) -> tuple[dict[str, str], set[str]]:
         try:
-            done = json.loads(self.path.read_bytes())["done"]
-            if isinstance(done, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in done.items()):
-                return done
+            state = json.loads(self.path.read_bytes())
+            done, wrote = state["done"], state.get("wrote", [])  # files of earlier versions have no `wrote`
+            if (isinstance(done, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in done.items())
+                    and isinstance(wrote, list) and all(isinstance(n, str) for n in wrote)):
+                return done, set(wrote)
         except (OSError, ValueError, KeyError, TypeError):
             pass
         raise EyasError(f"{self.path} is damaged (eyas writes it whole, so it was changed since): it records which "
@@ -277,14 +290,24 @@ class State:
                             f"{stage.name!r} entry of {self.path} (and the stages after it) to redo it.")
         return True
 
+    def start(self, stage: Stage) -> None:
+        """Record the folder of WORK that `stage` writes into, before it writes anything."""
+        folder = stage.output.relative_to(self.path.parent).parts[0]
+        if folder not in self.wrote:
+            self.wrote.add(folder)
+            self._write()
+
     def finish(self, stage: Stage) -> None:
         self.done[stage.name] = stage.line
-        atomic_write_json(self.path, {"done": self.done})
+        self._write()
 
     def forget(self, stages: list[Stage]) -> None:
         for stage in stages:
             self.done.pop(stage.name, None)
-        atomic_write_json(self.path, {"done": self.done})
+        self._write()
+
+    def _write(self) -> None:
+        atomic_write_json(self.path, {"done": self.done, "wrote": sorted(self.wrote)})
 
 
 def built_from(stages: list[Stage], k: int) -> list[Stage]:
@@ -318,15 +341,15 @@ def redo_lost(stages: list[Stage], state: State) -> None:
 
 
 def check_work_folder(work: Path, stages: list[Stage], state: State, clean: bool) -> None:
-    """WORK holds nothing but what the recipe writes (its stages' outputs, its state, and once
-    that exists its report), as every stage's own output folder does: a file it did not write
-    is refused before anything runs, never overwritten. With `clean`, a killed run's
-    half-written files are removed."""
+    """WORK holds nothing but what the recipe writes (its stages' outputs, those its state says
+    earlier stages wrote, its state, and once that exists its report), as every stage's own
+    output folder does: a file it did not write is refused before anything runs, never
+    overwritten. With `clean`, a killed run's half-written files are removed."""
     if work.exists() and not work.is_dir():
         raise EyasError(f"the work folder {work} is a file; give a folder with `work:` or --work.")
     if not work.is_dir():
         return
-    own = {STATE, LOCK_FILE, *(s.output.relative_to(work).parts[0] for s in stages)}
+    own = {STATE, LOCK_FILE, *state.wrote, *(s.output.relative_to(work).parts[0] for s in stages)}
     if clean:
         remove_leftovers(work, [STATE, *REPORTS])
     if state.path.is_file():
@@ -371,16 +394,19 @@ def run_recipe(path: str | Path, work: str | Path | None = None, dry_run: bool =
         state = State(work)  # as it is now that no other run can change it
         check_work_folder(work, stages, state, clean=True)
         redo_lost(stages, state)
+        for stage in stages:  # a finished stage the recipe changed is refused before an earlier one runs
+            state.check(stage)
         for k, stage in enumerate(stages, 1):
             if state.check(stage):
                 print(f"[{k}/{len(stages)}] {stage.name}: done ({stage.output})", flush=True)
-                continue
-            again = " (continuing: its output exists)" if stage.output.exists() else ""
-            print(f"[{k}/{len(stages)}] {stage.name}{again}\n  {stage.line}", flush=True)
-            started = time.monotonic()
-            _run_stage(stage, str(path))
-            state.finish(stage)
-            print(f"[{k}/{len(stages)}] {stage.name}: done in {time.monotonic() - started:.0f} s", flush=True)
+            else:
+                again = " (continuing: its output exists)" if stage.output.exists() else ""
+                print(f"[{k}/{len(stages)}] {stage.name}{again}\n  {stage.line}", flush=True)
+                started = time.monotonic()
+                state.start(stage)
+                _run_stage(stage, str(path))
+                state.finish(stage)
+                print(f"[{k}/{len(stages)}] {stage.name}: done in {time.monotonic() - started:.0f} s", flush=True)
             if stage.name == stop_after and k < len(stages):
                 print(f"stopped after {stop_after} (--stop-after); run without it to go on.", flush=True)
                 return None
