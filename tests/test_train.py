@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -469,8 +470,12 @@ def test_torchrun_context_parallel_cli_trains_like_one_process(two_batch_store, 
     for key in ("loss_per_step", "acc_per_step", "accept_walk_per_step"):
         assert held[key] == pytest.approx(alone_held[key], abs=1e-5), key
     a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "cp" / "model.safetensors")
+    # AdamW divides each step by the root of its second moment: where a gradient is near zero, a
+    # rounding difference between the shards' and the whole sample's sums moves the weight by up
+    # to ~1e-6 (one of 995,328 elements on an AMX machine: 1.04e-6 on a weight of 6.3e-3), so
+    # 1e-3 of the weight beside 1e-6; a split computed wrongly differs by whole updates.
     for key in a:
-        torch.testing.assert_close(b[key], a[key], atol=1e-6, rtol=0)
+        torch.testing.assert_close(b[key], a[key], atol=1e-6, rtol=1e-3)
     alone = subprocess.run([sys.executable, "-m", "eyas"] + args + ["--out", str(tmp_path / "alone"),
                                                                     "--context-parallel"],
                            env=env, capture_output=True, text=True)
@@ -495,7 +500,8 @@ def timed(run):
 loop.train_step = timed
 out = train(TrainConfig(out=sys.argv[1], store=sys.argv[2], minutes=0.5, batch_tokens=128, ttt_steps=1,
                         eval_fraction=0.0, progress=False, log_every=1))
-print("RESULT", rank, out["step"], flush=True)
+sys.stdout.write(f"\\nRESULT {rank} {out['step']}\\n")  # one write: the other rank logs to the same pipe
+sys.stdout.flush()
 """
 
 
@@ -516,7 +522,7 @@ def test_budgeted_processes_agree_on_one_schedule(two_batch_store, tmp_path):
         pytest.fail("the processes did not end: one waited in a collective")
     result = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
     assert result.returncode == 0, result.stderr[-3000:]
-    ends = sorted(line.split()[1:] for line in result.stdout.splitlines() if line.startswith("RESULT"))
+    ends = sorted(list(m) for m in re.findall(r"^RESULT (\d+) (\d+)$", result.stdout, re.M))
     assert len(ends) == 2 and ends[0][1] == ends[1][1], result.stdout[-2000:]
     log = rows(tmp_path / "d")
     assert log[-1]["step"] == log[-1]["total_steps"] == int(ends[0][1]), ([(r["step"], r["total_steps"]) for r in log], result.stdout[-3000:])
