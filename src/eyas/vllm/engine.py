@@ -100,12 +100,17 @@ def base_kwargs(model_dir: str, dtype: str, tensor_parallel_size: int = 1, pipel
         raise EyasError(f"--engine-arg cannot set {', '.join(sorted(clash))}: eyas sets it.")
     kwargs = {
         "model": model_dir,
-        "dtype": {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype),
+        "dtype": vllm_dtype(dtype),
         "tensor_parallel_size": tensor_parallel_size,
         "pipeline_parallel_size": pipeline_parallel_size,
         "data_parallel_size": data_parallel_size,
     }
     return with_native_cpu_rotary(with_reference_cpu_mla({**kwargs, **extra}))
+
+
+def vllm_dtype(dtype: str) -> str:
+    """eyas's dtype names (bf16, fp16, fp32) as vLLM's `dtype` spells them; others as given."""
+    return {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)
 
 
 ROTARY_OP = "rotary_embedding"  # the CustomOp name every vLLM rotary embedding class registers under
@@ -193,16 +198,14 @@ def with_reference_cpu_mla(kwargs: dict[str, Any]) -> dict[str, Any]:
     (`attention_backend` CPU_MLA), and say so. An --engine-arg that names a backend wins."""
     if kwargs.get("attention_backend") is not None or (kwargs.get("attention_config") or {}).get("backend"):
         return kwargs
-    dtype = str(kwargs.get("dtype", "auto"))
-    if dtype in BF16 or not amx_mla_takes_only_bf16("float32" if dtype == "auto" else dtype):
-        return kwargs
     try:  # the folder's config.json as written (a multimodal wrapper nests its text model's)
         config = json.loads((Path(kwargs["model"]) / "config.json").read_text())
         text = config.get("text_config") or config
     except (OSError, ValueError, AttributeError):  # not a model folder: vLLM judges it
         return kwargs
-    dtype = resolved_dtype(text, dtype)
-    if text.get("kv_lora_rank") is None or os.environ.get("VLLM_MLA_DISABLE") == "1" or dtype in BF16:
+    dtype = resolved_dtype(text, str(kwargs.get("dtype", "auto")))
+    if (text.get("kv_lora_rank") is None or os.environ.get("VLLM_MLA_DISABLE") == "1"
+            or dtype in BF16 or not amx_mla_takes_only_bf16(dtype)):
         return kwargs
     print(f"eyas: note: vLLM's AMX MLA kernels take bfloat16 only; {kwargs['model']} runs in {dtype} on vLLM's "
           f"reference CPU MLA kernel (attention_backend CPU_MLA).", file=sys.stderr)

@@ -148,6 +148,7 @@ def check_head_size(config: Any, model: str, dtype: str, instead: str, here: boo
         ModelArchConfigConvertorBase,
     )
     from vllm.utils.import_utils import resolve_obj_by_qualname
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
     from vllm.v1.attention.selector import AttentionSelectorConfig
 
     text = get_hf_text_config(config)
@@ -158,10 +159,8 @@ def check_head_size(config: Any, model: str, dtype: str, instead: str, here: boo
     selector = AttentionSelectorConfig(head_size=head_size, dtype=run_dtype, kv_cache_dtype=None, block_size=None,
                                        use_mla=mla)
     kind = "MLA head size" if mla else "attention head size"
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum
-
     # The backend the engine is asked for where the AMX MLA kernels cannot run (engine.with_reference_cpu_mla).
-    engine_dtype = engine.resolved_dtype(text, {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype))
+    engine_dtype = engine.resolved_dtype(text, engine.vllm_dtype(dtype))
     chosen = AttentionBackendEnum.CPU_MLA if mla and engine.amx_mla_takes_only_bf16(engine_dtype) else None
     try:
         backend = resolve_obj_by_qualname(current_platform.get_attn_backend_cls(chosen, selector,
@@ -188,7 +187,7 @@ def check_model_config(folder: str, model: str, name: str, dtype: str, instead: 
 
     known = {f.name for f in dataclasses.fields(EngineArgs)}
     args = {k: v for k, v in (engine_args or {}).items() if k in known and k not in ("model", "dtype")}
-    run_dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(dtype, dtype)
+    run_dtype = engine.vllm_dtype(dtype)
     try:
         EngineArgs(model=folder, dtype=run_dtype, **args).create_model_config()
     except Exception as e:  # whatever vLLM raises, the engine would raise too
