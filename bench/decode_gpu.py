@@ -56,6 +56,12 @@ def main() -> None:
         torch.profiler._utils._init_for_cuda_graphs()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.regen_only:  # regeneration's arms alone, without eval's paths
+        report = {"command": " ".join(sys.argv), "commit": git("rev-parse", "HEAD"), "device": device_name(args.device),
+                  "settings": vars(args), "regen": regen(args)}
+        report["regen_answer_tok_s"] = report["regen"]["flex"]["answer_tok_s"]
+        dump(out / "decode_gpu_regen.json", report)
+        return
     model, tok = load_target(args.model, dtype=args.dtype, device=args.device)
     identity = model_identity(args.model, model.config, tok)
     drafter = load_checked_drafter(args.drafter, model, identity) if args.drafter else None
@@ -126,7 +132,7 @@ def main() -> None:
     if args.regen_prompts:
         say("regeneration")
         report["regen"] = regen(args)
-        report["regen_answer_tok_s"] = report["regen"]["graphs"]["answer_tok_s"]
+        report["regen_answer_tok_s"] = report["regen"]["flex"]["answer_tok_s"]
         report["identical_to_plain"] = report["identical_to_plain"] and report["regen"]["answers_equal"]
     if args.timing_questions:
         say("timing")
@@ -217,26 +223,43 @@ def profile_steps(sessions: dict, tok, methods: dict, prompt, tokens: int, eos: 
     return out
 
 
+def regen_prompts(args, gen) -> list[list[int]]:
+    """`--regen-rows` prompts: each conversation of `--regen-prompts` rendered up to its first
+    user turn (at most 1,024 tokens), or with `--regen-prompts random`, random ids of 16 to 1,024
+    tokens, skewed short as chat prompts are (any target, a random one included)."""
+    import torch
+
+    from eyas.prompts import load_prompts, render
+
+    if args.regen_prompts == "random":
+        g = torch.Generator().manual_seed(0)
+        lengths = (16 * torch.exp(torch.rand(args.regen_rows, generator=g) * 4.16)).long().tolist()  # 16 to 1,024
+        return [torch.randint(10, gen.model.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    prompts = [ids for p in load_prompts(args.regen_prompts)
+               if len(ids := render(gen.tokenizer, [*p.history, {"role": "user", "content": p.turns[0]}])) <= 1024]
+    return prompts[: args.regen_rows]
+
+
 def regen(args) -> dict:
-    """`eyas regenerate`'s greedy loop (bf16, batches as its cache budget cuts them) over the
-    prompts of `--regen-prompts` (a conversation: its last user turn after what precedes it),
-    with each decode step a CUDA graph and launched kernel by kernel, on the same prompts:
-    answer tokens a second, where the time goes, and the answers compared token for token."""
-    from eyas.prompts import render
-    from eyas.prompts import load_prompts
+    """`eyas regenerate`'s greedy loop (bf16, batches as its cache budget cuts them, each decode
+    step a CUDA graph) over the same prompts in three arms, one after another after a warm-up
+    each: `before`, the batch prefilled whole and decoded on the math attention path (the loop
+    before prefill parts and flex decoding); `parts`, prefilled in parts of like length; and
+    `flex`, regenerate's default (parts, and flex decode attention). Answer tokens a second,
+    prefill and decode seconds, and each arm's answers against `before`'s, row by row."""
     from eyas.regenerate.generate import HFGenerator
     from eyas.regenerate.static import StaticGreedy
 
     gen = HFGenerator(args.model, dtype="bf16", device=args.device)
-    prompts = [ids for p in load_prompts(args.regen_prompts)
-               if len(ids := render(gen.tokenizer, [*p.history, {"role": "user", "content": p.turns[0]}])) <= 1024]
-    prompts = prompts[: args.regen_rows]
+    prompts = regen_prompts(args, gen)
     budgets = [args.regen_new_tokens] * len(prompts)
-    loops = {"graphs": gen.greedy, "eager": StaticGreedy(gen.model, gen.pad, gen.stops, gen.slots, graphs=False)}
-    for loop in loops.values():  # warm-up: kernels chosen, the first graphs recorded
-        loop.generate(prompts[:64], budgets[:64])
+    loops = {"before": StaticGreedy(gen.model, gen.pad, gen.stops, gen.slots, flex=False, prefill_tokens=1 << 62),
+             "parts": StaticGreedy(gen.model, gen.pad, gen.stops, gen.slots, flex=False),
+             "flex": gen.greedy}
     out, answers = {}, {}
     for name, loop in loops.items():
+        say(f"regeneration: {name}")
+        loop.generate(prompts[:64], budgets[:64])  # warm-up: kernels chosen (flex compiled), first graphs recorded
         loop.stats = dict.fromkeys(loop.stats, 0)
         sync(args.device)
         t0 = time.perf_counter()
@@ -245,10 +268,15 @@ def regen(args) -> dict:
         seconds = time.perf_counter() - t0
         tokens = sum(map(len, answers[name]))
         out[name] = {"answer_tokens": tokens, "seconds": round(seconds, 2), "answer_tok_s": round(tokens / seconds, 1),
+                     "flex": loop.flex, "graph_replays": loop.graphs.replays,
+                     "rows_equal_before": sum(a == b for a, b in zip(answers[name], answers["before"])),
                      **{k: round(v, 2) for k, v in loop.stats.items()}}
-    return {"prompts": len(prompts), "max_new_tokens": args.regen_new_tokens, "cache_slots": gen.slots, **out,
-            "graphs_over_eager": round(out["graphs"]["answer_tok_s"] / out["eager"]["answer_tok_s"], 3),
-            "answers_equal": answers["graphs"] == answers["eager"], "graph_replays": gen.greedy.graphs.replays}
+        say(out[name])
+    return {"prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "max_new_tokens": args.regen_new_tokens,
+            "cache_slots": gen.slots, **out,
+            **{f"{n}_over_before": round(out[n]["answer_tok_s"] / out["before"]["answer_tok_s"], 3)
+               for n in ("parts", "flex")},
+            "answers_equal": all(answers[n] == answers["before"] for n in loops)}
 
 
 def regen_profile(args) -> dict:
@@ -357,8 +385,11 @@ def parse_args():
     p.add_argument("--timing-questions", type=int, default=2)
     p.add_argument("--profile-tokens", type=int, default=64,
                    help="tokens of the first question profiled per path (plain and chain); 0: no profile")
-    p.add_argument("--regen-prompts", help="a JSONL of prompts or conversations: also time regeneration's greedy "
-                                           "loop over their first user turns, with CUDA graphs and without")
+    p.add_argument("--regen-prompts", help="a JSONL of prompts or conversations, or `random`: also time regeneration's "
+                                           "greedy loop over their first user turns, before and after prefill parts "
+                                           "and flex decode attention")
+    p.add_argument("--regen-only", action="store_true",
+                   help="only regeneration's arms (needs --regen-prompts), into decode_gpu_regen.json")
     p.add_argument("--regen-rows", type=int, default=4096, help="prompts regenerated (the recipe's group size)")
     p.add_argument("--regen-profile-rows", type=int, default=0,
                    help="with --profile-only: also profile regeneration's decode steps on this many rows of random "
@@ -371,6 +402,8 @@ def parse_args():
                    help="comma-separated, eager first: the paths decoded side by side (default all)")
     p.add_argument("--smoke", action="store_true", help="CPU, 2 questions, 24 tokens: checks the script runs")
     args = p.parse_args()
+    if args.regen_only and not args.regen_prompts:
+        p.error("--regen-only times regeneration: name its prompts with --regen-prompts")
     if args.random_shape and args.drafter:
         p.error("--random-shape builds a new random target, which no trained --drafter was made for")
     if args.smoke:

@@ -377,3 +377,73 @@ def test_pack_joins_the_regenerated_conversations(tmp_path, smollm2_dir):
     assert len(packed) < len(alone) and summary["packed_conversations"] >= 2
     assert int(packed.loss_mask.sum()) == int(alone.loss_mask.sum())
     assert max(len(s.input_ids) for s in packed) <= 512
+
+
+def test_prefill_parts_read_past_their_own_padding_only(smollm2_dir, monkeypatch):
+    """A batch is prefilled a few rows of like length at a time: each part reads the cache from
+    its own longest prompt's start on (aligned down to KV_ALIGN), not from the batch's longest;
+    the tokens are still plain `model.generate`'s, exactly."""
+    import eyas.models.attention as attention
+    from eyas.regenerate.generate import HFGenerator
+    from eyas.regenerate.static import StaticGreedy
+
+    gen = HFGenerator(SMOLLM2, dtype="float32", cache_tokens=1 << 14)
+    questions = ["hi", "2+2?", "Name a colour.", "Say yes please.", "Write a long story about a dragon who learns to fly.",
+                 "Explain photosynthesis in detail, step by step, for a student who has never heard of it before."]
+    prompts = sorted((gen.tokenizer(gen.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                                      add_generation_prompt=True),
+                                    add_special_tokens=False)["input_ids"] for q in questions), key=len)
+    budgets = [6] * len(prompts)
+    loop = StaticGreedy(gen.model, gen.pad, gen.stops, gen.slots, kv_align=8, prefill_tokens=2 * len(prompts[-1]))
+    parts = list(loop._parts(list(map(len, prompts))))
+    assert len(parts) >= 3 and [p[:2] for p in parts] == [(0, parts[0][1])] + [(a[1], b[1]) for a, b in
+                                                                              zip(parts, parts[1:])]
+    assert all((r1 - r0) * longest <= loop.prefill_tokens for r0, r1, longest in parts)
+    read: list[tuple[int, int]] = []
+    inner = attention.folded_attention
+
+    def spy(module, q, k, v, *args, **kw):
+        read.append((k.shape[0], k.shape[2]))
+        return inner(module, q, k, v, *args, **kw)
+
+    monkeypatch.setattr(attention, "folded_attention", spy)
+    monkeypatch.setattr(attention, "sdpa_attention_forward", lambda module, q, k, v, *a, **kw: spy(module, q, k, v,
+                                                                                                    *a, **kw))
+    fast = loop.generate(prompts, budgets)
+    layers, T = gen.model.config.num_hidden_layers, len(prompts[-1])
+    prefill = read[: len(parts) * layers : layers]  # one chunk a part here
+    assert prefill == [(r1 - r0, -(-T // 8) * 8 - (T - longest) // 8 * 8) for r0, r1, longest in parts]
+    assert prefill[0][1] < prefill[-1][1]  # the shortest prompts' part reads fewer slots than the longest's
+    monkeypatch.undo()
+    gen.model.set_attn_implementation("sdpa")
+    assert fast == gen.sample(prompts, budgets, temperature=0.0, seed=0)
+
+
+def test_flex_decoding_equals_generate(smollm2_dir, monkeypatch):
+    """Decoding with flex attention over per-row block masks (CUDA's default; here the unfused
+    reference, forced) gives plain `model.generate`'s tokens exactly, on prompts of mixed lengths
+    and budgets, with rows dropped mid-batch; every decode step's attention took the flex path."""
+    import eyas.models.attention as attention
+    from eyas.regenerate.generate import HFGenerator
+    from eyas.regenerate.static import StaticGreedy
+
+    gen = HFGenerator(SMOLLM2, dtype="float32", cache_tokens=1 << 14)
+    assert not gen.greedy.flex  # off CUDA, unless asked
+    questions = ["Write a long story about a dragon.", "hi", "2+2?", "Name a colour.", "Say yes.",
+                 "Explain photosynthesis in detail."]
+    prompts = [gen.tokenizer(gen.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                               add_generation_prompt=True),
+                             add_special_tokens=False)["input_ids"] for q in questions]
+    budgets = [40, 3, 4, 8, 5, 40]
+    loop = StaticGreedy(gen.model, gen.pad, gen.stops, gen.slots, flex=True)
+    assert loop.flex
+    flexed = []
+    inner = attention._flex
+    monkeypatch.setattr(attention, "_flex", lambda *a: flexed.append(a[1].shape) or inner(*a))
+    fast = loop.generate(prompts, budgets)
+    layers, L = gen.model.config.num_hidden_layers, max(map(len, prompts)) + max(budgets)
+    assert loop.stats["compactions"] >= 1 and len(flexed) == layers * (max(budgets) - 1)  # every decode step's layers
+    assert all(shape[2] == L for shape in flexed)  # the whole cache given: the block mask decides what is read
+    monkeypatch.undo()
+    gen.model.set_attn_implementation("sdpa")
+    assert fast == gen.sample(prompts, budgets, temperature=0.0, seed=0)

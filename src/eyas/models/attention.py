@@ -15,21 +15,34 @@ against the cache's own [B, nKV, S, d]) rather than the cache repeated per query
 transformers does whenever a mask is given. Longer passes (prefill) keep transformers' sdpa.
 Only targets that run sdpa use it (`swappable`): a family whose attention computes more
 (Gemma-2's soft-capped scores, which eyas runs eagerly) keeps its own.
+
+Regeneration decodes thousands of left-padded rows at once, and there the math path reads
+every row's whole cache, the batch's padding included, at about 30% of the bandwidth that read
+needs (bench/README.md). Given a `rows_block_mask` (the `blocks` keyword of the forward), a
+pass runs flex attention instead: each row reads only the KV blocks between its first real
+slot and the slot it decodes, in one fused kernel (compiled on CUDA), with the query heads
+that share a KV head read together (`enable_gqa`).
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 NAME = "eyas_few_rows"
 FEW_ROWS = 128  # query rows up to which a pass takes the math path: eval's widest recorded pass
+FLEX_BLOCK = 128  # KV slots per block of a `rows_block_mask`: flex attention's default block
+FLEX_HEAD_DIMS = (64, 128)  # head dims the flex path takes (keys and values alike); others keep the math path
 
 
 def folded_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -52,10 +65,71 @@ def folded_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     return out.view(B, n_heads, q, -1).transpose(1, 2).contiguous(), None
 
 
+def rows_block_mask(starts: torch.Tensor, current: torch.Tensor, capacity: int) -> BlockMask:
+    """One query per row at slot `current` [1] of a cache of `capacity` slots, where row b's
+    tokens start at slot `starts` [b] (its left padding before): the row reads the blocks from
+    the one holding `starts[b]` to the one holding `current`, masked inside them to
+    starts[b] <= slot <= current. Built from tensors alone (no host sync), so a CUDA graph
+    recording a decode step records this too, and each replay follows its own `current`."""
+    blocks = -(-capacity // FLEX_BLOCK)
+    first = starts // FLEX_BLOCK  # [b]
+    count = (current // FLEX_BLOCK - first + 1).to(torch.int32)  # [b]
+    order = (first[:, None] + torch.arange(blocks, device=starts.device)).clamp(max=blocks - 1)  # [b, blocks]
+
+    def visible(b, h, q, kv):
+        return (kv >= starts[b]) & (kv <= current[0])
+
+    extra = {"compute_q_blocks": False} if "compute_q_blocks" in _FROM_KV_BLOCKS else {}
+    return BlockMask.from_kv_blocks(count[:, None, None], order.to(torch.int32)[:, None, None], BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=visible, seq_lengths=(1, capacity), **extra)
+
+
+_FROM_KV_BLOCKS = inspect.signature(BlockMask.from_kv_blocks).parameters
+
+
+def flex_fits(config) -> bool:
+    """Whether a decoder's attention takes the flex path: equal key and value head dims of a size
+    its kernels are tuned for (an MLA target's 192/128 keeps the math path)."""
+    text = config.get_text_config(decoder=True)
+    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    k_dim = (getattr(text, "qk_nope_head_dim", 0) or 0) + (getattr(text, "qk_rope_head_dim", 0) or 0) or head
+    return k_dim == (getattr(text, "v_head_dim", None) or head) and k_dim in FLEX_HEAD_DIMS
+
+
+_flex_failed: list[str] = []  # the first failure's message: every later pass takes the math path
+
+
+@functools.cache
+def _compiled_flex():
+    return torch.compile(flex_attention)
+
+
+def _flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: BlockMask,
+          scaling: float | None) -> torch.Tensor | None:
+    """query [B, nH, q, d], key/value [B, nKV, S, d] -> [B, q, nH, d]; None once flex failed (said
+    in one line): the caller then takes the exact math path with the pass's mask."""
+    if _flex_failed:
+        return None
+    run = _compiled_flex() if query.is_cuda else flex_attention  # off CUDA: the unfused reference (tests)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
+            out = run(query, key, value, block_mask=blocks, scale=scaling, enable_gqa=True)
+    except Exception as e:  # noqa: BLE001 -- a kernel that cannot compile leaves the math path, which is exact
+        _flex_failed.append(str(e).splitlines()[0][:160] if str(e) else type(e).__name__)
+        print(f"eyas: flex attention failed ({_flex_failed[0]}); decoding reads the cache on the math path.",
+              file=sys.stderr, flush=True)
+        return None
+    return out.transpose(1, 2).contiguous()
+
+
 def few_rows_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                       attention_mask: torch.Tensor | None, **kwargs):
-    """The folded math path for up to FEW_ROWS query rows; transformers' sdpa for more, and for
-    several rows without a mask (transformers then leaves causality to sdpa's `is_causal`)."""
+                       attention_mask: torch.Tensor | None, blocks: BlockMask | None = None, **kwargs):
+    """Flex attention where the forward was given `blocks` (a `rows_block_mask`); else the folded
+    math path for up to FEW_ROWS query rows; transformers' sdpa for more, and for several rows
+    without a mask (transformers then leaves causality to sdpa's `is_causal`)."""
+    if blocks is not None and (out := _flex(query, key, value, blocks, kwargs.get("scaling"))) is not None:
+        return out, None
     if query.shape[2] == 1 or (query.shape[2] <= FEW_ROWS and attention_mask is not None):
         return folded_attention(module, query, key, value, attention_mask, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

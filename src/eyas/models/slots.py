@@ -20,13 +20,16 @@ class SlotCache(Cache):
     forward as for the drafters' layers: the rows go to `slots` [q], and the pass reads the
     first `width` slots, both set before the forward (`aim`)."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, batch: int | None = None):
         super().__init__(layers=[])
         self.capacity = capacity
+        self.batch = batch  # rows of every buffer; None: those of the first pass
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.slots: torch.Tensor | None = None  # [q]
         self.width: int | None = None  # slots a pass reads (its mask's width); None: all (a recorded pass)
+        self.start = 0  # the first slot a pass reads
+        self.rows: slice | None = None  # the batch rows a pass computes; None: all
         self.seen = 0  # committed tokens, for a model that asks the cache its length
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -35,14 +38,19 @@ class SlotCache(Cache):
         did); a recorded one reads them all, its shapes fixed."""
         if layer_idx not in self.keys:  # allocated by the first pass, which is never a recorded one
             for store, new in ((self.keys, key_states), (self.values, value_states)):
-                store[layer_idx] = new.new_zeros(*new.shape[:2], self.capacity, new.shape[-1])
-        self.keys[layer_idx].index_copy_(2, self.slots, key_states)
-        self.values[layer_idx].index_copy_(2, self.slots, value_states)
-        return self.keys[layer_idx][:, :, :self.width], self.values[layer_idx][:, :, :self.width]
+                store[layer_idx] = new.new_zeros(self.batch or new.shape[0], new.shape[1], self.capacity, new.shape[-1])
+        out = []
+        for store, new in ((self.keys, key_states), (self.values, value_states)):
+            buf = store[layer_idx] if self.rows is None else store[layer_idx][self.rows]  # a view: written in place
+            buf.index_copy_(2, self.slots, new)
+            out.append(buf[:, :, self.start:self.width])
+        return tuple(out)
 
-    def aim(self, slots: torch.Tensor, width: int) -> None:
-        """The next pass writes at `slots` [q] and reads slots 0 .. width - 1."""
-        self.slots, self.width = slots, (None if width >= self.capacity else width)
+    def aim(self, slots: torch.Tensor, width: int, start: int = 0, rows: slice | None = None) -> None:
+        """The next pass writes at `slots` [q] and reads slots start .. width - 1, of the batch
+        rows `rows` (all if None): regeneration prefills a batch a few rows of like length at a
+        time, each reading only past its own rows' padding."""
+        self.slots, self.width, self.start, self.rows = slots, (None if width >= self.capacity else width), start, rows
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen

@@ -1,15 +1,21 @@
 """Greedy decoding at volume: transformers' own model, eyas's cache and loop.
 
-Prompts are sorted by length into large left-padded batches. Each batch is a chunked
-prefill and then one forward per new token over a `SlotCache` sized for the batch, so the cache
-never grows and nothing is re-padded. A boolean 4D mask (which transformers passes through as
-it is) marks each row's padding. Each forward reads the cache slots written so far, rounded up
-to KV_ALIGN. On a GPU each decode step is one CUDA graph replay (models/graphs.py), recorded
-per (rows, slots read): a forward of a small target is hundreds of kernels, and launching them
-one by one from Python cost as much as running them.
+Prompts are sorted by length into large left-padded batches. Each batch is a prefill and
+then one forward per new token over a `SlotCache` sized for the batch, so the cache never grows
+and nothing is re-padded. A boolean 4D mask (which transformers passes through as it is) marks
+each row's padding.
 
-Attention runs as models/attention.py computes it for few query rows: the query heads that
-share a KV head folded into the query axis, on the math path.
+The prefill runs a few rows of like length at a time (`PREFILL_TOKENS`), each part padded only
+to its own longest prompt: padded to the batch's longest, most of a batch's prefill computed
+padding. Decoding computes all live rows at once. On a GPU each decode step is one CUDA graph
+replay (models/graphs.py), recorded per (rows, slots read): a forward of a small target is
+hundreds of kernels, and launching them one by one from Python cost as much as running them.
+
+Decode attention, on CUDA for targets `attention.flex_fits` takes, is flex attention over a
+block mask per row (`attention.rows_block_mask`): each row reads its own slots, not the batch's
+padding nor the slots not yet written, and a graph is recorded once per row count. Otherwise it
+is models/attention.py's math path for few query rows (the query heads that share a KV head
+folded into the query axis) over the slots written so far, rounded up to KV_ALIGN.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ from eyas.models.slots import SlotCache
 # 46 ms of reading the whole cache (bench/speed_probe.py --parts decode). On a GPU it is also
 # how often a new decode graph is recorded: every KV_ALIGN steps.
 KV_ALIGN = 64
+# Prompt tokens (rows x the part's longest prompt) a prefill part computes at most: enough
+# rows that one forward fills the GPU, few enough that a part's prompts are of like length.
+PREFILL_TOKENS = 1 << 16
 
 
 def supports_static(model) -> bool:
@@ -52,20 +61,26 @@ class StaticGreedy:
     Each forward reads the cache slots written so far, rounded up to a multiple of `kv_align`
     (KV_ALIGN unless given; one at least as long as the cache reads all of it). `graphs`
     (default: on CUDA) records each decode step's shapes as a CUDA graph; a target whose step
-    cannot be recorded is said in one line and decodes eagerly."""
+    cannot be recorded is said in one line and decodes eagerly. `flex` (default: on CUDA)
+    decodes with flex attention where the target's head dims allow; `prefill_tokens` bounds a
+    prefill part (one part per batch: the batch padded whole, as before parts)."""
 
     def __init__(self, model, pad_id: int, stops: list[int], cache_tokens: int, max_rows: int = 4096,
-                 kv_align: int | None = None, graphs: bool | None = None):
+                 kv_align: int | None = None, graphs: bool | None = None, flex: bool | None = None,
+                 prefill_tokens: int = PREFILL_TOKENS):
         if not supports_static(model):
             raise EyasError(f"{type(model).__name__} has sliding-window layers or soft-capped attention scores, which "
                             f"this greedy loop would not compute; decode it with model.generate (HFGenerator does).")
         attention.register()
         model.set_attn_implementation(attention.NAME)
         self.model, self.pad, self.stops = model, pad_id, stops
-        self.cache_tokens, self.max_rows = cache_tokens, max_rows
+        self.cache_tokens, self.max_rows, self.prefill_tokens = cache_tokens, max_rows, prefill_tokens
         self.kv_align = kv_align or KV_ALIGN
         self.device = next(model.parameters()).device
         self.graphs = Recorder(self.device, graphs is not False, f"{type(model).__name__}'s decode step")
+        # Flex decode attention: by default on CUDA, where it compiles to one kernel (off it,
+        # flex is an unfused reference that tests run).
+        self.flex = (self.device.type == "cuda" if flex is None else flex) and attention.flex_fits(model.config)
         # Where the time goes, summed over batches: prefill and decode seconds, and decode's
         # row-steps computed against those that produced a kept token (rows that stopped ride
         # along until a quarter of the batch has stopped; then the batch is compacted).
@@ -101,6 +116,42 @@ class StaticGreedy:
         at most the cache's `capacity`."""
         return min(self.kv_align * -(-written // self.kv_align), capacity)
 
+    def _parts(self, lengths: list[int]) -> Iterator[tuple[int, int, int]]:
+        """(r0, r1, longest): consecutive row ranges of a batch (its prompts sorted by length),
+        each a prefill part of at most `prefill_tokens` padded prompt tokens, one row at least."""
+        r0, longest = 0, 0
+        for r, n in enumerate(lengths):
+            if r > r0 and (r + 1 - r0) * max(longest, n) > self.prefill_tokens:
+                yield r0, r, longest
+                r0, longest = r, 0
+            longest = max(longest, n)
+        if lengths:
+            yield r0, len(lengths), longest
+
+    def _prefill(self, cache: SlotCache, ids: torch.Tensor, real: torch.Tensor, lengths: torch.Tensor, rows: slice,
+                 longest: int) -> torch.Tensor:
+        """Prefill the batch rows `rows` (prompts of at most `longest` tokens) into their cache
+        rows, reading keys only from their part's padding on (aligned down to KV_ALIGN); in
+        chunks of prompt positions, so that a part's activations (and sdpa's scores, if it falls
+        back to its math kernel) stay a fraction of its cache. -> the rows' first new tokens [r]."""
+        T, L, dev = ids.shape[1], real.shape[1], ids.device
+        slots = torch.arange(L, device=dev)
+        start = (T - longest) // self.kv_align * self.kv_align
+        n = rows.stop - rows.start
+        chunk = max(1, self.cache_tokens // (4 * n))
+        for c0 in range(T - longest, T, chunk):
+            q = slots[c0 : min(c0 + chunk, T)]  # [c]
+            width = self._slots(min(c0 + chunk, T), L)
+            keys = slots[start:width]
+            # A padding query sees only itself, so no row is fully masked (sdpa would give NaN).
+            mask = ((real[rows, None, start:width] & (keys[None, :] <= q[:, None])[None])
+                    | (keys[None, None] == q[None, :, None]))  # [r, c, width - start]
+            cache.aim(q, width, start, rows)
+            logits = self.model(input_ids=ids[rows, q], attention_mask=mask[:, None],
+                                position_ids=(q[None] - (T - lengths[rows])[:, None]).clamp_min(0),
+                                past_key_values=cache, cache_position=q, use_cache=True, logits_to_keep=1).logits
+        return logits[:, -1].argmax(-1)
+
     @torch.inference_mode()
     def _batch(self, prompts: list[list[int]], budgets: list[int]) -> list[list[int]]:
         dev = self.device
@@ -113,22 +164,12 @@ class StaticGreedy:
         lengths = torch.tensor([len(p) for p in prompts], device=dev)
         slots = torch.arange(L, device=dev)
         real = slots[None] >= (T - lengths)[:, None]  # [B, L]: every slot but the row's left padding
-        cache = SlotCache(L)
+        cache = SlotCache(L, B)
         self.graphs.drop()  # the last batch's graphs read its cache
         ids = ids.to(dev)
-        # Prefill in chunks of prompt positions: a batch's activations (and sdpa's scores, if it
-        # falls back to its math kernel) stay a fraction of its cache, whatever its width.
-        chunk = max(1, self.cache_tokens // (4 * B))
-        for c0 in range(0, T, chunk):
-            q = slots[c0 : min(c0 + chunk, T)]  # [c]
-            width = self._slots(min(c0 + chunk, T), L)
-            keys = slots[:width]
-            # A padding query sees only itself, so no row is fully masked (sdpa would give NaN).
-            mask = (real[:, None, :width] & (keys[None, :] <= q[:, None])[None]) | (keys[None, None] == q[None, :, None])
-            cache.aim(q, width)
-            logits = self.model(input_ids=ids[:, q], attention_mask=mask[:, None],  # mask [B, 1, c, width]
-                                position_ids=(q[None] - (T - lengths)[:, None]).clamp_min(0), past_key_values=cache,
-                                cache_position=q, use_cache=True, logits_to_keep=1).logits[:, -1]  # [B, V]
+        token = torch.empty(B, dtype=torch.long, device=dev)  # [B]: each row's first answer token
+        for r0, r1, longest in self._parts([len(p) for p in prompts]):
+            token[r0:r1] = self._prefill(cache, ids, real, lengths, slice(r0, r1), longest)
         synchronize(dev)
         prefilled = time.monotonic()
         stops = torch.tensor(self.stops, device=dev)
@@ -137,16 +178,16 @@ class StaticGreedy:
         generated = torch.full((B, N), self.pad, dtype=torch.long, device=dev)
         done = torch.zeros(B, dtype=torch.bool, device=dev)
         step = torch.zeros(1, dtype=torch.long, device=dev)  # the step decoding, on the device: a graph reads it
-        token = logits.argmax(-1)  # [b]
 
         def decode(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
             """The next token [b] after `token` [b] at step `step` [1], reading `width` slots."""
             slot = T + inputs["step"]  # [1]
             cache.aim(slot, width)
             mask = (real[:, :width] & (slots[None, :width] <= slot))[:, None, None]  # [b, 1, 1, width]
+            blocks = {"blocks": attention.rows_block_mask(T - lengths, slot, L)} if self.flex else {}
             return self.model(input_ids=inputs["token"][:, None], attention_mask=mask,
                               position_ids=(lengths + inputs["step"])[:, None], past_key_values=cache,
-                              cache_position=slot, use_cache=True).logits[:, -1].argmax(-1)
+                              cache_position=slot, use_cache=True, **blocks).logits[:, -1].argmax(-1)
 
         row_steps = 0
         for s in range(N):
@@ -171,7 +212,7 @@ class StaticGreedy:
                     cache.keep_rows(keep)
                     self.graphs.drop()
                     self.stats["compactions"] += 1
-            width = self._slots(T + s + 1, L)
+            width = L if self.flex else self._slots(T + s + 1, L)  # flex reads each row's own blocks
             inputs = {"token": token, "step": step}
             token = self.graphs.run((len(rows), width), inputs, decode)
             token = decode(inputs) if token is None else token
