@@ -243,3 +243,15 @@ def test_a_sampled_run_killed_while_saving_a_group_resumes_with_the_same_draws(t
     assert killed == whole
     indices = [json.loads(line)["index"] for line in (tmp_path / "killed" / PROGRESS).read_text().splitlines()[1:]]
     assert sorted(indices) == list(range(len(QUESTIONS)))  # each saved once
+
+
+def test_a_sampled_run_records_the_group_size_it_used(tmp_path):
+    """Sampled draws follow the grouping, whose default differs by device (64 on a CPU, 4096 on
+    a GPU): the size used is recorded, so a resume that would regroup is refused, not mixed."""
+    cpu = RegenerateConfig(model="m", data="d", out="o", device="cpu", temperature=1.0)
+    assert cpu.group_size is None and run.answer_settings(cpu)["group_size"] == 64
+    gpu = RegenerateConfig(model="m", data="d", out="o", device="cpu", temperature=1.0, group_size=4096)
+    with pytest.raises(EyasError, match=r"--group-size 4096 \(it has 64\)"):
+        run.check_same_settings(run.answer_settings(cpu), run.answer_settings(gpu), tmp_path)
+    greedy = RegenerateConfig(model="m", data="d", out="o", device="cpu")
+    assert "group_size" not in run.answer_settings(greedy)  # greedy answers do not depend on the grouping

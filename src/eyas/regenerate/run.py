@@ -247,7 +247,9 @@ def answer_settings(cfg: RegenerateConfig) -> dict[str, Any]:
     settings = {"backend": cfg.backend, "temperature": cfg.temperature, "max_new_tokens": cfg.max_new_tokens,
                 "model_dtype": cfg.model_dtype}
     if cfg.temperature > 0:  # a group's draws follow the seed and where the group starts
-        settings.update(seed=cfg.seed, group_size=cfg.group_size)
+        # The size used, not None: the default differs by device, and a run resumed on another
+        # device would otherwise regroup unchecked.
+        settings.update(seed=cfg.seed, group_size=cfg.group_size or default_group_size(cfg))
     return settings
 
 
