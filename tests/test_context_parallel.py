@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from eyas.distributed import GLOO_SETTLE_S
 from eyas.draft import Eagle3Drafter
 from eyas.draft.context import Shard, shard_length
 from eyas.draft.loss import CHAINS_REACHING, step_counts
@@ -73,7 +75,7 @@ def test_context_parallel_equals_one_process(world, checkpoint_steps, on_policy,
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     args = [str(world), str(tmp_path / "cp.pt"), checkpoint_steps, on_policy]
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-                    str(Path(__file__).resolve())] + args, check=True, env=env)
+                    str(Path(__file__).resolve())] + args, check=True, env=env, timeout=600)
     split = torch.load(tmp_path / "cp.pt")
     loss, stats, grads = loss_and_grads(*sample(), on_policy=on_policy == "1")
     torch.testing.assert_close(split["loss"], loss, rtol=1e-5, atol=1e-6)
@@ -111,6 +113,7 @@ def _run(world: int, out: str, checkpoint_steps: str, on_policy: str) -> None:
         dist.all_reduce(t)
     if rank == 0:
         torch.save({"loss": loss, "stats": stats, "grads": grads}, out)
+    time.sleep(GLOO_SETTLE_S)  # as eyas.distributed.shutdown: gloo's destructor holds the GIL
     dist.destroy_process_group()
 
 

@@ -407,9 +407,10 @@ def test_two_process_ddp_equals_one_process_over_the_same_global_batch(two_batch
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     me = str(Path(__file__).resolve())
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", me,
-                    str(two_batch_store), str(tmp_path / "ddp"), str(tmp_path / "ddp.pt"), "1"], check=True, env=env)
+                    str(two_batch_store), str(tmp_path / "ddp"), str(tmp_path / "ddp.pt"), "1"], check=True, env=env,
+                   timeout=300)  # a hang fails here, not at CI's limit
     subprocess.run([sys.executable, me, str(two_batch_store), str(tmp_path / "one"), str(tmp_path / "one.pt"), "2"],
-                   check=True, env=env)
+                   check=True, env=env, timeout=300)
     ddp, one = torch.load(tmp_path / "ddp.pt"), torch.load(tmp_path / "one.pt")
     assert ddp["summary"]["positions"] == one["summary"]["positions"] > 0
     assert ddp["summary"]["loss_per_step"] == pytest.approx(one["summary"]["loss_per_step"], abs=1e-6)
@@ -427,7 +428,7 @@ def test_torchrun_fsdp_cli_trains_like_one_process(two_batch_store, tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "-m", "eyas"]
     result = subprocess.run(torchrun + args + ["--out", str(tmp_path / "fsdp"), "--fsdp"], env=env,
-                            capture_output=True, text=True)
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stderr.startswith("eyas: 4 torchrun processes on the CPU (no CUDA device is visible)"), \
         result.stderr[:500]
@@ -454,7 +455,7 @@ def test_torchrun_context_parallel_cli_trains_like_one_process(two_batch_store, 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "eyas"]
     result = subprocess.run(torchrun + args + ["--out", str(tmp_path / "cp"), "--context-parallel",
-                                               "--checkpoint-steps"], env=env, capture_output=True, text=True)
+                                               "--checkpoint-steps"], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 process(es) on cpu, each sample split over them (context parallel)" in result.stdout
     one = subprocess.run([sys.executable, "-m", "eyas"] + args + ["--out", str(tmp_path / "one")], env=env,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -112,6 +113,15 @@ def barrier(d: Dist) -> None:
         dist.barrier()
 
 
+# gloo's process group joins its worker threads in its destructor without releasing the GIL
+# (pytorch#56297, #75097). A worker still dropping a finished collective's tensors, which Python
+# owns, waits for the GIL there, and the process hangs at exit: a CPU torchrun test hung 30
+# minutes so. Sleeping releases the GIL, so the workers finish before the group is destroyed.
+GLOO_SETTLE_S = 0.2
+
+
 def shutdown(d: Dist) -> None:
     if d.enabled and dist.is_initialized():
+        if dist.get_backend() == "gloo":
+            time.sleep(GLOO_SETTLE_S)
         dist.destroy_process_group()
