@@ -190,6 +190,17 @@ def test_regenerate_refuses_data_prepared_for_another_model(tmp_path, tiny_llama
     assert not (tmp_path / "out").exists()
 
 
+MIXED = ["Write a long story about a dragon.", "hi", "2+2?", "Name a colour.", "Say yes.",
+         "Explain photosynthesis in detail."]  # long and short answers: rows stop mid-batch
+
+
+def user_prompts(tokenizer, questions: list[str]) -> list[list[int]]:
+    """Each question as a one-turn chat prompt's token ids, ready for the assistant's answer."""
+    return [tokenizer(tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                                    add_generation_prompt=True), add_special_tokens=False)["input_ids"]
+            for q in questions]
+
+
 def test_static_cache_path_equals_generate(smollm2_dir):
     """The fast path (length-sorted batches over a StaticCache, chunked prefill, folded
     grouped-query decode attention) gives the greedy tokens of plain `model.generate` with
@@ -200,9 +211,7 @@ def test_static_cache_path_equals_generate(smollm2_dir):
     assert gen.greedy is not None
     questions = ["What is the capital of France?", "hi", "Write a haiku about rain.", "Name three prime numbers.",
                  "Explain in two sentences why the sky is blue, for a child who asks a lot of questions."]
-    prompts = [gen.tokenizer(gen.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                               add_generation_prompt=True),
-                             add_special_tokens=False)["input_ids"] for q in questions]
+    prompts = user_prompts(gen.tokenizer, questions)
     budgets = [14, 6, 16, 12, 16]
     assert len(list(gen.greedy._batches(list(range(5)), prompts, budgets))) >= 2
     fast = gen.generate(prompts, budgets, temperature=0.0, seed=0)
@@ -275,11 +284,7 @@ def test_static_path_drops_stopped_rows_and_stays_greedy(smollm2_dir, monkeypatc
 
     monkeypatch.setattr(static, "KV_ALIGN", 8)  # a few reads below the cache's whole length
     gen = HFGenerator(SMOLLM2, dtype="float32", cache_tokens=1 << 14)
-    questions = ["Write a long story about a dragon.", "hi", "2+2?", "Name a colour.", "Say yes.",
-                 "Explain photosynthesis in detail."]
-    prompts = [gen.tokenizer(gen.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                               add_generation_prompt=True),
-                             add_special_tokens=False)["input_ids"] for q in questions]
+    prompts = user_prompts(gen.tokenizer, MIXED)
     budgets = [40, 3, 4, 8, 5, 40]
     fast = gen.generate(prompts, budgets, temperature=0.0, seed=0)
     assert gen.greedy.stats["batches"] == 1 and gen.greedy.stats["compactions"] >= 1
@@ -390,9 +395,7 @@ def test_prefill_parts_read_past_their_own_padding_only(smollm2_dir, monkeypatch
     gen = HFGenerator(SMOLLM2, dtype="float32", cache_tokens=1 << 14)
     questions = ["hi", "2+2?", "Name a colour.", "Say yes please.", "Write a long story about a dragon who learns to fly.",
                  "Explain photosynthesis in detail, step by step, for a student who has never heard of it before."]
-    prompts = sorted((gen.tokenizer(gen.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                                      add_generation_prompt=True),
-                                    add_special_tokens=False)["input_ids"] for q in questions), key=len)
+    prompts = sorted(user_prompts(gen.tokenizer, questions), key=len)
     budgets = [6] * len(prompts)
     loop = StaticGreedy(gen.model, gen.pad, gen.stops, gen.slots, kv_align=8, prefill_tokens=2 * len(prompts[-1]))
     parts = list(loop._parts(list(map(len, prompts))))
@@ -429,11 +432,7 @@ def test_flex_decoding_equals_generate(smollm2_dir, monkeypatch):
 
     gen = HFGenerator(SMOLLM2, dtype="float32", cache_tokens=1 << 14)
     assert not gen.greedy.flex  # off CUDA, unless asked
-    questions = ["Write a long story about a dragon.", "hi", "2+2?", "Name a colour.", "Say yes.",
-                 "Explain photosynthesis in detail."]
-    prompts = [gen.tokenizer(gen.tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                                               add_generation_prompt=True),
-                             add_special_tokens=False)["input_ids"] for q in questions]
+    prompts = user_prompts(gen.tokenizer, MIXED)
     budgets = [40, 3, 4, 8, 5, 40]
     loop = StaticGreedy(gen.model, gen.pad, gen.stops, gen.slots, flex=True)
     assert loop.flex
