@@ -10,6 +10,7 @@ are about the recipe's own bookkeeping, not the stages): no model is loaded."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -160,3 +161,29 @@ def test_dry_run_shows_a_done_stage_whose_output_is_gone_as_redone(tmp_path, tin
     assert f" 1. prepare        to do again: it was done, but its output {work / 'prepared'} is gone\n" in out
     assert "<= 6 samples" in out  # bounds from the recipe, not the lost data
     assert ran == ["prepare"]
+
+
+def test_dry_run_shows_the_stages_built_from_a_lost_output(tmp_path, tiny_llama_dir, ran, capsys):
+    """prepare, regenerate and train done, WORK/prepared deleted: the two stages made from it used
+    to show "done". The dry run says what the run does: stop while their outputs are kept, redo
+    them once they are gone too."""
+    recipe, work = _recipe(tmp_path, str(tiny_llama_dir), train=ONLINE), tmp_path / "work"
+    run_recipe(recipe, work, stop_after="train")
+    assert ran == ["prepare", "regenerate", "train"]
+    shutil.rmtree(work / "prepared")
+    capsys.readouterr()
+    run_recipe(recipe, work, dry_run=True)
+    out = capsys.readouterr().out
+    for k, name, folder in ((2, "regenerate", "regen"), (3, "train", "drafter")):
+        assert re.search(rf" {k}\. {name} +STOPS: made from the prepare stage's lost output; the run asks to remove "
+                         + re.escape(str(work / folder)) + " first\n", out), out
+    with pytest.raises(EyasError, match=r"rm -rf .*regen .*drafter"):  # as the run does
+        run_recipe(recipe, work)
+    shutil.rmtree(work / "regen")
+    shutil.rmtree(work / "drafter")
+    run_recipe(recipe, work, dry_run=True)
+    out = capsys.readouterr().out
+    for k, name, folder in ((2, "regenerate", "regen"), (3, "train", "drafter")):
+        assert f" {k}. {name:<14} to do again: it was done, but its output {work / folder} is gone\n" in out
+    assert " 4. " in out and "STOPS" not in out
+    assert ran == ["prepare", "regenerate", "train"]

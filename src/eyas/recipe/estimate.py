@@ -41,9 +41,13 @@ def _done(stage, state) -> bool:
     return state.done.get(stage.name) == stage.line and stage.output.exists()
 
 
-def _status(stage, state) -> str:
+def _status(stage, state, lost_from: str | None) -> str:
+    """`lost_from`: the lost stage this one was built from, if any (see run.built_from_lost)."""
     if stage.name in state.done and not stage.output.exists():
         return f"to do again: it was done, but its output {stage.output} is gone"
+    if lost_from is not None and stage.output.exists():
+        return (f"STOPS: made from the {lost_from} stage's lost output; the run asks to remove {stage.output} "
+                f"first")
     try:
         if state.check(stage):
             return "done"
@@ -56,11 +60,12 @@ def _options(recipe: dict[str, Any], key: str) -> dict[str, Any]:
     return snake_keys(recipe.get(key) or {})
 
 
-def _data(stages, state, recipe: dict[str, Any], names: tuple[str, ...]) -> Data:
-    """The output of the first of the stages `names` that is done, else bounds from the recipe."""
+def _data(stages, state, recipe: dict[str, Any], names: tuple[str, ...], lost: dict[str, str]) -> Data:
+    """The output of the first of the stages `names` that is done (and not built from a lost
+    output, which the run redoes), else bounds from the recipe."""
     for name in names:
         stage = next((s for s in stages if s.name == name), None)
-        if stage is not None and _done(stage, state):
+        if stage is not None and _done(stage, state) and name not in lost:
             data = PreparedData(stage.output)
             return Data(len(data), int(data.offsets[-1]), True, data.identity.hidden_size)
     prep = _options(recipe, "prepare")
@@ -120,11 +125,14 @@ def _estimate(stage, recipe: dict[str, Any], prepared: Data, data: Data) -> str:
     return "seconds; one drafter's size"
 
 
-def describe(recipe: dict[str, Any], stages, state) -> str:
-    prepared = _data(stages, state, recipe, ("prepare",))
-    data = _data(stages, state, recipe, ("regenerate", "prepare"))
+def describe(recipe: dict[str, Any], stages, state, lost: dict[str, str] | None = None) -> str:
+    """The plan; `lost` maps each stage built from a lost stage's output to that stage's name."""
+    lost = lost or {}
+    prepared = _data(stages, state, recipe, ("prepare",), lost)
+    data = _data(stages, state, recipe, ("regenerate", "prepare"), lost)
     lines = [f"recipe for {recipe['model']}: {len(stages)} stages, state in {state.path}"]
     for k, stage in enumerate(stages, 1):
-        lines += [f"{k:>2}. {stage.name:<14} {_status(stage, state)}", f"      {stage.line}",
+        lines += [f"{k:>2}. {stage.name:<14} {_status(stage, state, lost.get(stage.name))}",
+                  f"      {stage.line}",
                   f"      estimate: {_estimate(stage, recipe, prepared, data)}"]
     return "\n".join(lines)

@@ -321,6 +321,13 @@ def built_from(stages: list[Stage], k: int) -> list[Stage]:
     return found
 
 
+def built_from_lost(stages: list[Stage], state: State) -> dict[str, str]:
+    """Each stage built (directly or not) from a stage recorded as done whose output is gone ->
+    that lost stage's name: the run redoes it, or stops while its output is kept."""
+    return {later.name: stage.name for k, stage in enumerate(stages)
+            if stage.name in state.done and not stage.output.exists() for later in built_from(stages, k)}
+
+
 def redo_lost(stages: list[Stage], state: State) -> None:
     """A stage recorded as done whose output is gone runs again, with the stages built from
     it, when none of their outputs is left; if one is, one line says what to delete first
@@ -388,7 +395,7 @@ def run_recipe(path: str | Path, work: str | Path | None = None, dry_run: bool =
     state = State(work)
     check_work_folder(work, stages, state, clean=False)
     if dry_run:
-        print(describe(recipe, stages, state))
+        print(describe(recipe, stages, state, built_from_lost(stages, state)))
         return None
     with output_lock(work, "recipe"):  # one run per work folder; its stages lock their own folders
         state = State(work)  # as it is now that no other run can change it
