@@ -59,7 +59,7 @@ def main() -> None:
     if args.regen_only:  # regeneration's arms alone, without eval's paths
         report = {"command": " ".join(sys.argv), "commit": git("rev-parse", "HEAD"), "device": device_name(args.device),
                   "settings": vars(args), "regen": regen(args)}
-        report["regen_answer_tok_s"] = report["regen"]["flex"]["answer_tok_s"]
+        report["regen_answer_tok_s"] = report["regen"]["parts"]["answer_tok_s"]
         dump(out / "decode_gpu_regen.json", report)
         return
     model, tok = load_target(args.model, dtype=args.dtype, device=args.device)
@@ -132,7 +132,7 @@ def main() -> None:
     if args.regen_prompts:
         say("regeneration")
         report["regen"] = regen(args)
-        report["regen_answer_tok_s"] = report["regen"]["flex"]["answer_tok_s"]
+        report["regen_answer_tok_s"] = report["regen"]["parts"]["answer_tok_s"]
         report["identical_to_plain"] = report["identical_to_plain"] and report["regen"]["answers_equal"]
     if args.timing_questions:
         say("timing")
@@ -254,8 +254,8 @@ def regen(args) -> dict:
     prompts = regen_prompts(args, gen)
     budgets = [args.regen_new_tokens] * len(prompts)
     loops = {"before": StaticGreedy(gen.model, gen.pad, gen.stops, gen.slots, flex=False, prefill_tokens=1 << 62),
-             "parts": StaticGreedy(gen.model, gen.pad, gen.stops, gen.slots, flex=False),
-             "flex": gen.greedy}
+             "parts": gen.greedy,
+             "flex": StaticGreedy(gen.model, gen.pad, gen.stops, gen.slots, flex=True)}
     out, answers = {}, {}
     for name, loop in loops.items():
         say(f"regeneration: {name}")
@@ -287,6 +287,7 @@ def regen_profile(args) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
+    from eyas.models import attention
     from eyas.regenerate.generate import HFGenerator
 
     gen = HFGenerator(args.model, dtype="bf16", device=args.device)
@@ -295,6 +296,7 @@ def regen_profile(args) -> dict:
     prompts = [torch.randint(10, gen.model.config.vocab_size, (n,), generator=g).tolist() for n in lengths]
     budgets = [args.profile_tokens] * len(prompts)
     loop = gen.greedy
+    loop.flex = args.regen_flex and attention.flex_fits(gen.model.config)
     loop.generate(prompts, budgets)
     loop.stats = dict.fromkeys(loop.stats, 0)
     replays = loop.graphs.replays
@@ -395,6 +397,7 @@ def parse_args():
                    help="with --profile-only: also profile regeneration's decode steps on this many rows of random "
                         "ids (--profile-tokens new tokens each)")
     p.add_argument("--regen-new-tokens", type=int, default=256, help="answer budget, as the SmolLM2 recipe's")
+    p.add_argument("--regen-flex", action="store_true", help="profile regeneration with flex decode attention")
     p.add_argument("--profile-only", action="store_true",
                    help="only the profile (and the one-row replay), into decode_gpu_profile.json: run it per path "
                         "under `timeout`, as torch.profiler can hang on CUDA graphs")

@@ -93,7 +93,7 @@ def test_flex_decode_equals_the_folded_math_path(heads, kv):
     for capacity, current in ((300, 260), (2 * FLEX_BLOCK, 2 * FLEX_BLOCK - 1), (FLEX_BLOCK + 1, FLEX_BLOCK)):
         starts = [0, 7, current - 40, current]
         query, key, value, mask = decode_case(starts, current, capacity, heads, kv)
-        blocks = rows_block_mask(torch.tensor(starts), torch.tensor([current]), capacity)
+        blocks = rows_block_mask(torch.tensor(starts), torch.tensor([current]), capacity, heads // kv)
         flex, _ = few_rows_attention(None, query, key, value, mask, blocks=blocks, scaling=0.125)
         math, _ = folded_attention(None, query, key, value, mask, scaling=0.125)
         assert flex.shape == math.shape == (len(starts), 1, heads, 64)
@@ -108,7 +108,7 @@ def test_a_flex_failure_is_said_once_and_takes_the_math_path(monkeypatch, capsys
 
     monkeypatch.setattr(attention, "flex_attention", broken)
     query, key, value, mask = decode_case([0, 3], 9, 20)
-    blocks = rows_block_mask(torch.tensor([0, 3]), torch.tensor([9]), 20)
+    blocks = rows_block_mask(torch.tensor([0, 3]), torch.tensor([9]), 20, 3)
     for _ in range(2):
         out, _ = few_rows_attention(None, query, key, value, mask, blocks=blocks, scaling=0.125)
         torch.testing.assert_close(out, folded_attention(None, query, key, value, mask, scaling=0.125)[0])

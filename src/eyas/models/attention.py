@@ -65,8 +65,9 @@ def folded_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
     return out.view(B, n_heads, q, -1).transpose(1, 2).contiguous(), None
 
 
-def rows_block_mask(starts: torch.Tensor, current: torch.Tensor, capacity: int) -> BlockMask:
-    """One query per row at slot `current` [1] of a cache of `capacity` slots, where row b's
+def rows_block_mask(starts: torch.Tensor, current: torch.Tensor, capacity: int, queries: int = 1) -> BlockMask:
+    """`queries` query rows per batch row (the query heads sharing a KV head, folded as rows; see
+    `_flex`), all at slot `current` [1] of a cache of `capacity` slots, where row b's
     tokens start at slot `starts` [b] (its left padding before): the row reads the blocks from
     the one holding `starts[b]` to the one holding `current`, masked inside them to
     starts[b] <= slot <= current. Built from tensors alone (no host sync), so a CUDA graph
@@ -81,7 +82,7 @@ def rows_block_mask(starts: torch.Tensor, current: torch.Tensor, capacity: int) 
 
     extra = {"compute_q_blocks": False} if "compute_q_blocks" in _FROM_KV_BLOCKS else {}
     return BlockMask.from_kv_blocks(count[:, None, None], order.to(torch.int32)[:, None, None], BLOCK_SIZE=FLEX_BLOCK,
-                                    mask_mod=visible, seq_lengths=(1, capacity), **extra)
+                                    mask_mod=visible, seq_lengths=(queries, capacity), **extra)
 
 
 _FROM_KV_BLOCKS = inspect.signature(BlockMask.from_kv_blocks).parameters
@@ -106,15 +107,23 @@ def _compiled_flex():
 
 def _flex(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, blocks: BlockMask,
           scaling: float | None) -> torch.Tensor | None:
-    """query [B, nH, q, d], key/value [B, nKV, S, d] -> [B, q, nH, d]; None once flex failed (said
-    in one line): the caller then takes the exact math path with the pass's mask."""
+    """query [B, nH, 1, d], key/value [B, nKV, S, d] -> [B, 1, nH, d]; None once flex failed (said
+    in one line): the caller then takes the exact math path with the pass's mask.
+
+    The query heads that share a KV head are folded into the query axis, as `folded_attention`
+    does: flex's decoding kernel (a split over the keys, for few query rows) takes grouped heads
+    only in power-of-two groups, and SmolLM2's 9 over 3 fell to its general kernel, whose
+    128-row query tiles made a 2,048-row decode step 57.6 ms of attention on an H200."""
     if _flex_failed:
         return None
+    B, n_heads, q, d = query.shape
+    n_kv = key.shape[1]
+    folded = query.reshape(B, n_kv, n_heads // n_kv * q, d)  # head h reads KV head h // group
     run = _compiled_flex() if query.is_cuda else flex_attention  # off CUDA: the unfused reference (tests)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            out = run(query, key, value, block_mask=blocks, scale=scaling, enable_gqa=True)
+            out = run(folded, key, value, block_mask=blocks, scale=scaling).view(B, n_heads, q, -1)
     except Exception as e:  # noqa: BLE001 -- a kernel that cannot compile leaves the math path, which is exact
         _flex_failed.append(str(e).splitlines()[0][:160] if str(e) else type(e).__name__)
         print(f"eyas: flex attention failed ({_flex_failed[0]}); decoding reads the cache on the math path.",

@@ -81,6 +81,8 @@ class StaticGreedy:
         # Flex decode attention: by default on CUDA, where it compiles to one kernel (off it,
         # flex is an unfused reference that tests run).
         self.flex = (self.device.type == "cuda" if flex is None else flex) and attention.flex_fits(model.config)
+        text = model.config.get_text_config(decoder=True)
+        self.group = text.num_attention_heads // (getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
         # Where the time goes, summed over batches: prefill and decode seconds, and decode's
         # row-steps computed against those that produced a kept token (rows that stopped ride
         # along until a quarter of the batch has stopped; then the batch is compacted).
@@ -184,7 +186,7 @@ class StaticGreedy:
             slot = T + inputs["step"]  # [1]
             cache.aim(slot, width)
             mask = (real[:, :width] & (slots[None, :width] <= slot))[:, None, None]  # [b, 1, 1, width]
-            blocks = {"blocks": attention.rows_block_mask(T - lengths, slot, L)} if self.flex else {}
+            blocks = {"blocks": attention.rows_block_mask(T - lengths, slot, L, self.group)} if self.flex else {}
             return self.model(input_ids=inputs["token"][:, None], attention_mask=mask,
                               position_ids=(lengths + inputs["step"])[:, None], past_key_values=cache,
                               cache_position=slot, use_cache=True, **blocks).logits[:, -1].argmax(-1)
