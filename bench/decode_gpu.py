@@ -59,7 +59,7 @@ def main() -> None:
     if args.regen_only:  # regeneration's arms alone, without eval's paths
         report = {"command": " ".join(sys.argv), "commit": git("rev-parse", "HEAD"), "device": device_name(args.device),
                   "settings": vars(args), "regen": regen(args)}
-        report["regen_answer_tok_s"] = report["regen"]["parts"]["answer_tok_s"]
+        report["regen_answer_tok_s"] = report["regen"].get("flex", {}).get("answer_tok_s")
         dump(out / "decode_gpu_regen.json", report)
         return
     model, tok = load_target(args.model, dtype=args.dtype, device=args.device)
@@ -132,7 +132,7 @@ def main() -> None:
     if args.regen_prompts:
         say("regeneration")
         report["regen"] = regen(args)
-        report["regen_answer_tok_s"] = report["regen"]["parts"]["answer_tok_s"]
+        report["regen_answer_tok_s"] = report["regen"].get("flex", {}).get("answer_tok_s")
         report["identical_to_plain"] = report["identical_to_plain"] and report["regen"]["answers_equal"]
     if args.timing_questions:
         say("timing")
@@ -242,41 +242,52 @@ def regen_prompts(args, gen) -> list[list[int]]:
 
 def regen(args) -> dict:
     """`eyas regenerate`'s greedy loop (bf16, batches as its cache budget cuts them, each decode
-    step a CUDA graph) over the same prompts in three arms, one after another after a warm-up
-    each: `before`, the batch prefilled whole and decoded on the math attention path (the loop
-    before prefill parts and flex decoding); `parts`, prefilled in parts of like length; and
-    `flex`, regenerate's default (parts, and flex decode attention). Answer tokens a second,
-    prefill and decode seconds, and each arm's answers against `before`'s, row by row."""
+    step a CUDA graph) over the same prompts in the arms of `--regen-arms`, one after another
+    after a warm-up each: `before`, the batch prefilled whole and decoded on the math attention
+    path (the loop before prefill parts and flex decoding); `parts`, prefilled in parts of like
+    length; `flex`, regenerate's default (parts, and flex decode attention on CUDA); `slots=N`,
+    the default loop given N cache slots (the default: half the memory left after the weights,
+    at most 2M). Answer tokens a second, prefill and decode seconds, and each arm's answers
+    against the first arm's, row by row."""
     from eyas.regenerate.generate import HFGenerator
     from eyas.regenerate.static import StaticGreedy
 
     gen = HFGenerator(args.model, dtype="bf16", device=args.device)
     prompts = regen_prompts(args, gen)
     budgets = [args.regen_new_tokens] * len(prompts)
-    loops = {"before": StaticGreedy(gen.model, gen.pad, gen.stops, gen.slots, flex=False, prefill_tokens=1 << 62),
-             "parts": gen.greedy,
-             "flex": StaticGreedy(gen.model, gen.pad, gen.stops, gen.slots, flex=True)}
+
+    def loop(arm: str) -> StaticGreedy:
+        common = (gen.model, gen.pad, gen.stops)
+        if arm == "before":
+            return StaticGreedy(*common, gen.slots, flex=False, prefill_tokens=1 << 62)
+        if arm == "parts":
+            return StaticGreedy(*common, gen.slots, flex=False)
+        if arm == "flex":
+            return gen.greedy
+        return StaticGreedy(*common, int(arm.removeprefix("slots=")))
+
     out, answers = {}, {}
-    for name, loop in loops.items():
+    first = args.regen_arms[0]
+    for name in args.regen_arms:
         say(f"regeneration: {name}")
-        loop.generate(prompts[:64], budgets[:64])  # warm-up: kernels chosen (flex compiled), first graphs recorded
-        loop.stats = dict.fromkeys(loop.stats, 0)
+        greedy = loop(name)
+        greedy.generate(prompts[:64], budgets[:64])  # warm-up: kernels chosen (flex compiled), first graphs recorded
+        greedy.stats = dict.fromkeys(greedy.stats, 0)
         sync(args.device)
         t0 = time.perf_counter()
-        answers[name] = loop.generate(prompts, budgets)
+        answers[name] = greedy.generate(prompts, budgets)
         sync(args.device)
         seconds = time.perf_counter() - t0
         tokens = sum(map(len, answers[name]))
         out[name] = {"answer_tokens": tokens, "seconds": round(seconds, 2), "answer_tok_s": round(tokens / seconds, 1),
-                     "flex": loop.flex, "graph_replays": loop.graphs.replays,
-                     "rows_equal_before": sum(a == b for a, b in zip(answers[name], answers["before"])),
-                     **{k: round(v, 2) for k, v in loop.stats.items()}}
+                     "cache_slots": greedy.cache_tokens, "flex": greedy.flex, "graph_replays": greedy.graphs.replays,
+                     f"rows_equal_{first}": sum(a == b for a, b in zip(answers[name], answers[first])),
+                     **{k: round(v, 2) for k, v in greedy.stats.items()}}
         say(out[name])
     return {"prompts": len(prompts), "prompt_tokens": sum(map(len, prompts)), "max_new_tokens": args.regen_new_tokens,
-            "cache_slots": gen.slots, **out,
-            **{f"{n}_over_before": round(out[n]["answer_tok_s"] / out["before"]["answer_tok_s"], 3)
-               for n in ("parts", "flex")},
-            "answers_equal": all(answers[n] == answers["before"] for n in loops)}
+            **out, **{f"{n}_over_{first}": round(out[n]["answer_tok_s"] / out[first]["answer_tok_s"], 3)
+                      for n in args.regen_arms[1:]},
+            "answers_equal": all(answers[n] == answers[first] for n in args.regen_arms)}
 
 
 def regen_profile(args) -> dict:
@@ -398,6 +409,9 @@ def parse_args():
                         "ids (--profile-tokens new tokens each)")
     p.add_argument("--regen-new-tokens", type=int, default=256, help="answer budget, as the SmolLM2 recipe's")
     p.add_argument("--regen-flex", action="store_true", help="profile regeneration with flex decode attention")
+    p.add_argument("--regen-arms", type=lambda t: t.split(","), default=["before", "parts", "flex"],
+                   help="regeneration's loops timed, the first the baseline: before, parts, flex (the default loop), "
+                        "slots=N (the default loop with N cache slots)")
     p.add_argument("--profile-only", action="store_true",
                    help="only the profile (and the one-row replay), into decode_gpu_profile.json: run it per path "
                         "under `timeout`, as torch.profiler can hang on CUDA graphs")
