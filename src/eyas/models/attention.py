@@ -21,7 +21,7 @@ every row's whole cache, the batch's padding included, at about 30% of the bandw
 needs (bench/README.md). Given a `rows_block_mask` (the `blocks` keyword of the forward), a
 pass runs flex attention instead: each row reads only the KV blocks between its first real
 slot and the slot it decodes, in one fused kernel (compiled on CUDA), with the query heads
-that share a KV head read together (`enable_gqa`).
+that share a KV head folded into the query axis as on the math path.
 """
 
 from __future__ import annotations
@@ -88,13 +88,21 @@ def rows_block_mask(starts: torch.Tensor, current: torch.Tensor, capacity: int, 
 _FROM_KV_BLOCKS = inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
+def kv_layout(config) -> tuple[int, int, int, int]:
+    """(query heads, KV heads, key dim, value dim) of a decoder's attention, as its cache holds
+    them: an MLA model caches full keys (nope + rope dims) and its own value dim."""
+    text = config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    head = getattr(text, "head_dim", None) or text.hidden_size // heads
+    k_dim = (getattr(text, "qk_nope_head_dim", 0) or 0) + (getattr(text, "qk_rope_head_dim", 0) or 0) or head
+    return heads, getattr(text, "num_key_value_heads", None) or heads, k_dim, getattr(text, "v_head_dim", None) or head
+
+
 def flex_fits(config) -> bool:
     """Whether a decoder's attention takes the flex path: equal key and value head dims of a size
     its kernels are tuned for (an MLA target's 192/128 keeps the math path)."""
-    text = config.get_text_config(decoder=True)
-    head = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    k_dim = (getattr(text, "qk_nope_head_dim", 0) or 0) + (getattr(text, "qk_rope_head_dim", 0) or 0) or head
-    return k_dim == (getattr(text, "v_head_dim", None) or head) and k_dim in FLEX_HEAD_DIMS
+    _, _, k_dim, v_dim = kv_layout(config)
+    return k_dim == v_dim and k_dim in FLEX_HEAD_DIMS
 
 
 _flex_failed: list[str] = []  # the first failure's message: every later pass takes the math path

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from eyas.models.attention import kv_layout
 from eyas.models.eos import cut_at_stop, eos_ids, saved_generation_config
 from eyas.models.dtype import ENGINE_DTYPE
 from eyas.models.load import load_target, load_tokenizer
@@ -19,12 +20,8 @@ def cache_tokens_within(config, budget_bytes: int, itemsize: int, most: int = 1 
     """Cache slots (one per token and row) whose keys and values fit `budget_bytes`: a group of
     thousands of conversations is cut into batches of at most this many slots, so an 8B target
     gets ~10x fewer than a 135M one. MLA models cache full keys (nope + rope dims) and values."""
-    text = config.get_text_config()
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    k_dim = (getattr(text, "qk_nope_head_dim", 0) + getattr(text, "qk_rope_head_dim", 0)) or head_dim
-    v_dim = getattr(text, "v_head_dim", None) or head_dim
-    per_token = text.num_hidden_layers * heads * (k_dim + v_dim) * itemsize
+    _, heads, k_dim, v_dim = kv_layout(config)
+    per_token = config.get_text_config(decoder=True).num_hidden_layers * heads * (k_dim + v_dim) * itemsize
     return max(1024, min(most, budget_bytes // per_token))
 
 

@@ -81,8 +81,8 @@ class StaticGreedy:
         # Flex decode attention: by default on CUDA, where it compiles to one kernel (off it,
         # flex is an unfused reference that tests run).
         self.flex = (self.device.type == "cuda" if flex is None else flex) and attention.flex_fits(model.config)
-        text = model.config.get_text_config(decoder=True)
-        self.group = text.num_attention_heads // (getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
+        heads, kv_heads, _, _ = attention.kv_layout(model.config)
+        self.group = heads // kv_heads  # query heads per KV head: flex's query rows per batch row
         # Where the time goes, summed over batches: prefill and decode seconds, and decode's
         # row-steps computed against those that produced a kept token (rows that stopped ride
         # along until a quarter of the batch has stopped; then the batch is compacted).
