@@ -1,5 +1,5 @@
-"""The target's attention on eyas's preallocated caches (models/slots.py), for regenerate's
-greedy loop and eval's static passes.
+"""Attention on eyas's preallocated caches (models/slots.py): the target's, for regenerate's
+greedy loop and eval's static passes, and the drafters' in eval's sessions (`math_attention`).
 
 A decode or verification pass has a few query rows against a cache of hundreds to thousands
 of slots. Given a mask, torch's sdpa runs that on the memory-efficient kernel, which tiles
