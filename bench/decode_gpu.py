@@ -1,14 +1,12 @@
 """eval's two decoding paths side by side in one process: `--decode eager` (transformers'
 growing cache, every kernel launched from Python) against `--decode static` (preallocated
-caches, each verification pass and each greedy draft one CUDA graph replay); `--paths
-static-sdpa,static` instead sets the static path with the drafters' attention on torch's sdpa
-(their kernel before the math path) beside today's.
+caches, each verification pass and each greedy draft one CUDA graph replay).
 
 Per MT-bench question (stratified by category, both turns, T=0, batch 1), interleaved so
 load changes hit both alike: plain decoding, prompt lookup and the drafter's chain and tree
 on each path. Reports each path's tok/s and speed-ups (over its own plain decoding), the
-ratios each path gains over the first, every answer against plain decoding and against the
-first path's (and with `--regen-prompts`, regeneration's greedy loop with and without CUDA
+ratios the static path gains, every answer against plain decoding and against the other
+path's (and with `--regen-prompts`, regeneration's greedy loop with and without CUDA
 graphs), a synchronised timing pass (draft and verify milliseconds per step), and where a
 step's milliseconds go: the one-row graph replayed alone, the aten ops one such pass runs
 (counted without a profiler), and a torch.profiler pass per path (device against wall
@@ -24,8 +22,6 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -34,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import device_name, dump, git, profile_table, say, sync  # noqa: E402
 
 PATHS = ("eager", "static")
-KNOWN_PATHS = ("eager", "static-sdpa", "static")  # static-sdpa: static, the drafters attending through sdpa
 
 
 def main() -> None:
@@ -76,7 +71,7 @@ def main() -> None:
     paths = args.paths
     sessions, methods = {}, {}
     for path in paths:
-        cfg = EvalConfig(model=args.model, decode=path.split("-")[0], steps=depth,
+        cfg = EvalConfig(model=args.model, decode="eager" if path == "eager" else "static", steps=depth,
                          max_new_tokens=args.max_new_tokens)
         sessions[path] = target_session(model, aux, cfg)
         methods[path] = [Proposer(), PromptLookup(depth)]
@@ -105,34 +100,33 @@ def main() -> None:
             break
         q0 = time.monotonic()
         for path in (paths if i % 2 == 0 else paths[::-1]):  # the paths' order alternates per question
-            with drafter_attention(path):
-                records[path] += run_methods(sessions[path], tok, methods[path], [prompt], args.max_new_tokens, eos,
-                                             progress=False, warmup=i == 0)
+            records[path] += run_methods(sessions[path], tok, methods[path], [prompt], args.max_new_tokens, eos,
+                                         progress=False, warmup=i == 0)
         per_question = max(per_question, time.monotonic() - q0)
         say(f"question {prompt.id}: {time.monotonic() - q0:.1f} s")
     positions = {m.name: depth for m in methods[paths[-1]] if m.name != "plain"}
     summaries = {p: summarize(records[p], positions) for p in paths}
-    same = {p: _same_answers(records, p, paths[0]) for p in paths[1:]}
+    same = {p: _same_answers(records, p) for p in paths[1:]}
     report = {"command": " ".join(sys.argv), "commit": git("rev-parse", "HEAD"), "device": device_name(args.device),
               "settings": vars(args), "depth": depth,
               "questions": len({r["prompt_id"] for r in records[paths[-1]]}),
               "paths": {p: {m: s.to_dict() for m, s in summaries[p].items()} for p in paths},
               "identical_to_plain": {p: {m: f"{s.identical}/{s.answers}" for m, s in summaries[p].items()
                                          if s.identical is not None} for p in paths},
-              f"answers_equal_{paths[0]}": same}
-    first = summaries[paths[0]]
+              "static_answers_equal_eager": same}
+    eager = summaries["eager"]
     name = methods[paths[-1]][2].name if drafter else None  # the drafter's chain (or block)
     report["identical_to_plain"] = all(s.identical == s.answers for p in paths for s in summaries[p].values()
                                        if s.identical is not None) and all(v for d in same.values() for v in d.values())
     for p in paths:
         plain, chain = summaries[p]["plain"], summaries[p].get(name)
         report[p] = {"plain_tok_s": round(plain.tokens_per_s, 1),
-                     f"plain_tok_s_over_{paths[0]}": round(plain.tokens_per_s / first["plain"].tokens_per_s, 3),
+                     "plain_tok_s_over_eager": round(plain.tokens_per_s / eager["plain"].tokens_per_s, 3),
                      "chain_tau": round(chain.tau, 3) if chain else None,
                      "chain_speedup": round(chain.speedup, 3) if chain else None,
                      "chain_speedup_over_tau": round(chain.speedup / chain.tau, 3) if chain else None}
     best = paths[-1]  # the issue's keys: the last path's (the fastest variant asked for)
-    report.update({"path": best, "plain_tok_s_over_eager": report[best].get("plain_tok_s_over_eager"),
+    report.update({"path": best, "plain_tok_s_over_eager": report[best]["plain_tok_s_over_eager"],
                    "chain_speedup_over_tau": report[best]["chain_speedup_over_tau"]})
     dump(out / "decode_gpu.json", report)
     if args.regen_prompts:
@@ -142,17 +136,14 @@ def main() -> None:
         report["identical_to_plain"] = report["identical_to_plain"] and report["regen"]["answers_equal"]
     if args.timing_questions:
         say("timing")
-        report["ms_per_step"] = {}
-        for p in paths:
-            with drafter_attention(p):
-                report["ms_per_step"][p] = timing(sessions[p], tok, methods[p], order[: args.timing_questions],
-                                                  args.max_new_tokens, eos)
+        report["ms_per_step"] = {p: timing(sessions[p], tok, methods[p], order[: args.timing_questions],
+                                           args.max_new_tokens, eos) for p in paths}
         dump(out / "decode_gpu.json", report)
     report["replay_ms"] = {p: replay_ms(s) for p, s in sessions.items() if replay_ms(s) is not None}
     report["ops_per_pass"] = ops_per_pass(model, aux, tok, order[0])
     report["graphs"] = {p: {"target_replays": sessions[p].graphs.replays, "target_eager_passes": sessions[p].eager_passes,
                             "recorded": len(sessions[p].graphs.graphs), "cache_slots": sessions[p].cache.capacity}
-                        for p in paths if p != "eager"}
+                        for p in paths[1:]}
     dump(out / "decode_gpu.json", report)
     if args.profile_tokens:  # last: a profiler that hangs on graphs (pytorch#75504) loses nothing else
         say("profile")
@@ -165,34 +156,10 @@ def main() -> None:
     say({k: report[k] for k in ("identical_to_plain", *paths)})
 
 
-@contextmanager
-def drafter_attention(path: str) -> Iterator[None]:
-    """On the `static-sdpa` path the drafters' sessions attend through torch's sdpa with their
-    bool masks, as before their math path: the baseline measured beside it. Graphs recorded
-    inside keep the kernels they were recorded with."""
-    if path != "static-sdpa":
-        yield
-        return
-    import torch.nn.functional as F
-
-    import eyas.evaluate.dflash as dflash
-    import eyas.evaluate.drafter as drafter
-
-    def sdpa(q, k, v, mask, scale):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-
-    saved = drafter.math_attention, dflash.math_attention
-    drafter.math_attention = dflash.math_attention = sdpa
-    try:
-        yield
-    finally:
-        drafter.math_attention, dflash.math_attention = saved
-
-
-def _same_answers(records: dict[str, list[dict]], path: str, first: str) -> dict[str, bool]:
-    """Per method: every answer of `path` equals the `first` path's, token for token."""
+def _same_answers(records: dict[str, list[dict]], path: str) -> dict[str, bool]:
+    """Per method: every answer of `path` equals the eager path's, token for token."""
     key = ("prompt_id", "turn", "method")
-    eager = {tuple(r[k] for k in key): r["generated_ids"] for r in records[first]}
+    eager = {tuple(r[k] for k in key): r["generated_ids"] for r in records["eager"]}
     out: dict[str, bool] = {}
     for r in records[path]:
         m = r["method"]
@@ -449,13 +416,9 @@ def parse_args():
                    help="only the profile (and the one-row replay), into decode_gpu_profile.json: run it per path "
                         "under `timeout`, as torch.profiler can hang on CUDA graphs")
     p.add_argument("--paths", type=lambda t: tuple(t.split(",")), default=PATHS,
-                   help="comma-separated, the baseline first: the paths decoded side by side, of eager, static-sdpa "
-                        "(the static path with the drafters on sdpa's attention, as before their math path) and "
-                        "static (default eager,static)")
+                   help="comma-separated, eager first: the paths decoded side by side (default all)")
     p.add_argument("--smoke", action="store_true", help="CPU, 2 questions, 24 tokens: checks the script runs")
     args = p.parse_args()
-    if unknown := set(args.paths) - set(KNOWN_PATHS):
-        p.error(f"--paths: unknown {sorted(unknown)}; choose from {','.join(KNOWN_PATHS)}")
     if args.regen_only and not args.regen_prompts:
         p.error("--regen-only times regeneration: name its prompts with --regen-prompts")
     if args.random_shape and args.drafter:

@@ -9,7 +9,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import eyas.models.attention as attention
 from eyas.models.attention import (FEW_ROWS, FLEX_BLOCK, NAME, few_rows, few_rows_attention, flex_fits,
-                                   folded_attention, math_attention, rows_block_mask)
+                                   folded_attention, rows_block_mask)
 
 
 @pytest.mark.parametrize("heads,kv", [(9, 3), (4, 4), (8, 1)])
@@ -27,24 +27,6 @@ def test_folded_attention_equals_transformers_sdpa(heads, kv, q, boolean):
     ours, _ = folded_attention(module, query, key, value, mask, scaling=0.3)
     theirs, _ = sdpa_attention_forward(module, query, key, value, mask[..., :S], scaling=0.3)
     assert ours.shape == theirs.shape == (B, q, heads, d)
-    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
-
-
-@pytest.mark.parametrize("heads,kv,dv", [(9, 3, 16), (4, 1, 12)])  # (4, 1, 12): MLA's latent, dv != dk
-@pytest.mark.parametrize("mask_rows", ["each", "shared"])
-def test_math_attention_equals_sdpa_with_the_drafters_masks(heads, kv, dv, mask_rows):
-    """The drafters' sessions pass a bool mask [q, W] (EAGLE-3: each row its own) or [1, W]
-    (a DFlash block: every row the same) over a cache wider than any pass reads; torch's sdpa
-    with enable_gqa is what they called before."""
-    torch.manual_seed(0)
-    q, S, d = 5, 41, 16
-    query, key, value = torch.randn(1, heads, q, d), torch.randn(1, kv, S, d), torch.randn(1, kv, S, dv)
-    seen = torch.rand(q if mask_rows == "each" else 1, S) < 0.5
-    seen[:, 0] = True
-    ours = math_attention(query, key, value, seen, 0.25)
-    theirs = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=seen, scale=0.25,
-                                                              enable_gqa=True)
-    assert ours.shape == theirs.shape == (1, heads, q, dv)
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
 
 

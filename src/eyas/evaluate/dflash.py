@@ -8,11 +8,11 @@ cached context and to itself, without a causal mask; its own entries are never c
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from eyas.draft.dflash import DFlashDrafter
 from eyas.evaluate.drafter import EXTEND_ROWS, pick
 from eyas.evaluate.proposers import Proposer
-from eyas.models.attention import math_attention
 from eyas.models.slots import SlotCache
 from eyas.evaluate.tree import DraftTree
 from eyas.models.graphs import Recorder, bucket
@@ -77,8 +77,7 @@ class DFlashSession:
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             k, v = self.cache.update(*attn.key_value(h, cos, sin), i)  # [1, nKV, W, d]
-            q = attn.query(h, cos, sin)  # [1, nH, S, d]
-            out = math_attention(q, k, v, visible, q.shape[-1]**-0.5)
+            out = F.scaled_dot_product_attention(attn.query(h, cos, sin), k, v, attn_mask=visible, enable_gqa=True)
             x = layer.finish(x, out.transpose(1, 2).flatten(2))
         return m.lm_head(m.norm(x[0, 1:]))
 

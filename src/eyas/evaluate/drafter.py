@@ -12,9 +12,9 @@ for the accepted tokens replace them (`extend`).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from eyas.draft import Eagle3Drafter
-from eyas.models.attention import math_attention
 from eyas.models.slots import SlotCache
 from eyas.evaluate.tree import DraftTree
 from eyas.models.graphs import Recorder, bucket
@@ -66,7 +66,7 @@ class DrafterSession:
             attn = layer.self_attn
             q, k, v = attn.cache_qkv(x, cos, sin)  # q [1, nH, n, d]; k, v [1, nH or 1 (MLA's latent), n, d]
             k, v = self.cache.update(k, v, n)  # [1, ., W, d]
-            out = math_attention(q, k, v, visible, attn.scale)  # [1, nH, n, dv]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=attn.scale, enable_gqa=True)
             h = layer.post_attention(attn.merge_cached(out), residual)  # [1, n, H]
             if n + 1 < len(layers):
                 x, residual = layers[n + 1].pre_attention(h)

@@ -1,5 +1,5 @@
-"""Attention on eyas's preallocated caches (models/slots.py): the target's, for regenerate's
-greedy loop and eval's static passes, and the drafters' in eval's sessions (`math_attention`).
+"""The target's attention on eyas's preallocated caches (models/slots.py), for regenerate's
+greedy loop and eval's static passes.
 
 A decode or verification pass has a few query rows against a cache of hundreds to thousands
 of slots. Given a mask, torch's sdpa runs that on the memory-efficient kernel, which tiles
@@ -45,35 +45,24 @@ FLEX_BLOCK = 128  # KV slots per block of a `rows_block_mask`: flex attention's 
 FLEX_HEAD_DIMS = (64, 128)  # head dims the flex path takes (keys and values alike); others keep the math path
 
 
-def math_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                   scale: float) -> torch.Tensor:
-    """sdpa's contract on the math path for few query rows: query [B, nH, q, dk], key [B, nKV, S, dk],
-    value [B, nKV, S, dv], mask None or broadcastable to [B, 1, q, >=S] (additive, or bool where
-    True attends) -> [B, nH, q, dv]. Two matrix products and a float32 softmax, with the query
-    heads sharing a KV head folded into the query axis; sdpa given a mask would take its
-    memory-efficient kernel, which walks the whole cache in a handful of thread blocks."""
-    B, n_heads, q, d = query.shape
-    n_kv, S = key.shape[1], key.shape[2]
-    group = n_heads // n_kv
-    folded = query.reshape(B, n_kv, group * q, d)  # head h reads KV head h // group, as repeat_kv pairs them
-    scores = torch.matmul(folded, key.transpose(2, 3)).view(B, n_kv, group, q, S) * scale
-    if mask is not None:
-        mask = mask[..., :S]
-        mask = mask.view(*(1,) * (4 - mask.dim()), *mask.shape)[:, :, None]  # [B or 1, 1, 1, q or 1, S]
-        scores = (scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool
-                  else scores + mask)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # [B, nKV, group, q, S]
-    out = torch.matmul(probs.view(B, n_kv, group * q, S), value)  # [B, nKV, group * q, dv]
-    return out.view(B, n_heads, q, -1)
-
-
 def folded_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function contract: query [B, nH, q, d], key/value [B, nKV, S, d],
     mask [B, 1, q, >=S] (additive, or bool where True attends) -> output [B, q, nH, dv]."""
-    scale = query.shape[-1]**-0.5 if scaling is None else scaling
-    return math_attention(query, key, value, attention_mask, scale).transpose(1, 2).contiguous(), None
+    B, n_heads, q, d = query.shape
+    n_kv, S = key.shape[1], key.shape[2]
+    group = n_heads // n_kv
+    scale = d**-0.5 if scaling is None else scaling
+    folded = query.reshape(B, n_kv, group * q, d)  # head h reads KV head h // group, as repeat_kv pairs them
+    scores = torch.matmul(folded, key.transpose(2, 3)).view(B, n_kv, group, q, S) * scale
+    if attention_mask is not None:
+        mask = attention_mask[:, :, None, :, :S]  # [B, 1, 1, q, S]
+        scores = (scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool
+                  else scores + mask)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # [B, nKV, group, q, S]
+    out = torch.matmul(probs.view(B, n_kv, group * q, S), value)  # [B, nKV, group * q, dv]
+    return out.view(B, n_heads, q, -1).transpose(1, 2).contiguous(), None
 
 
 def rows_block_mask(starts: torch.Tensor, current: torch.Tensor, capacity: int, queries: int = 1) -> BlockMask:
