@@ -71,7 +71,8 @@ def _capture(cfg: CaptureConfig, progress: bool, on_batch: BatchHook | None) -> 
     engine = _open_backend(cfg, dev)
     engine.identity.check_same(prepared.identity, f"The prepared data in {data}")
     header = manifest_header(engine.identity, engine.layer_ids, cfg.dtype, engine.hidden_size, prepared.fingerprint,
-                             prepared.chat_template, backend=backend, model_dtype=_run_dtype(cfg, dev))
+                             prepared.chat_template, backend=backend, model_dtype=_run_dtype(cfg, dev),
+                             excluded_prompts=prepared.excluded_prompts)
     writer = StoreWriter(out, header, shard_bytes=int(cfg.shard_mb * (1 << 20)), expected_samples=len(prepared))
     lengths = [prepared.length(i) for i in range(len(prepared))]
     todo = [i for i in range(ranks.rank, len(prepared), ranks.world) if i not in writer.done]

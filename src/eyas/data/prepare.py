@@ -18,10 +18,10 @@ from tqdm import tqdm
 from transformers import AutoConfig
 
 from eyas.data.config import PrepareConfig
-from eyas.data.long_prompts import load_prompt_set
+from eyas.data.exclusion import exclusion_grams, recorded
 from eyas.data.prepared import PREPARED_FILES, PreparedData, PreparedSample, write_prepared
 from eyas.data.sources import BadRecord, TruncatedTail, interleave, iter_records, layout, normalize, parse_mix
-from eyas.data.synthetic import contaminated, ngram_set
+from eyas.data.synthetic import contaminated
 from eyas.data.template import ChatTemplate, encode_conversation, require_chat_template
 from eyas.errors import EyasError
 from eyas.lock import LOCK_FILE, output_lock
@@ -47,13 +47,14 @@ def prepare(cfg: PrepareConfig, progress: bool = True) -> dict[str, Any]:
                             f"into an empty folder or one it wrote before: choose another --out.")
         return prepare_into(cfg.model, cfg.data, cfg.out, cfg.max_len, limit=cfg.limit, strict=cfg.strict,
                             chat_template=cfg.chat_template, progress=progress, workers=cfg.workers,
-                            window=cfg.window, exclude=cfg.exclude_prompts, pack=cfg.pack)
+                            window=cfg.window, exclude=cfg.exclude_prompts or [], pack=cfg.pack)
 
 
 def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: int, *, limit: int | None = None,
                  strict: bool = False, chat_template: str | Path | ChatTemplate | None = None, progress: bool = True,
                  workers: int | None = None, window: int | None = None,
-                 exclude: list[str] | None = None, pack: bool = False) -> dict[str, Any]:
+                 exclude: list[str] | None = None, excluded: list[str] | None = None,
+                 pack: bool = False) -> dict[str, Any]:
     """Tokenize `source` for `model` with its tokenizer's chat template, or `chat_template` (a
     file, or one recorded earlier); keep at most `limit` samples. Returns the summary.
 
@@ -65,7 +66,10 @@ def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: 
     in any message with a prompt of an `exclude` prompt set (eval's --prompts: mt-bench, a file
     or a `long` spec, histories included) is dropped, every window of it (counted once, as one
     record); so is one that `window` leaves no window of (its assistant turns all come before
-    its first user turn).
+    its first user turn). The sets are recorded (`excluded_prompts`), with `excluded`: the sets
+    `source` was already kept free of (regeneration's, from the data it answered), so that eval
+    can tell whether its prompts were kept out (data/exclusion.py); None for both records that
+    nobody knows.
     With `pack`, consecutive kept conversations are joined into one sample of up to `max_len`
     tokens (`Packer`): long contexts from short conversations, as a long chat holds them.
 
@@ -86,7 +90,7 @@ def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: 
 
     mix = parse_mix(source)
     source = " ".join(s if w == 1 else f"{s}@{w:g}" for s, w in mix)
-    grams = _exclusion_grams(exclude or [], tokenizer)
+    grams = exclusion_grams(exclude or [], tokenizer)
     samples: list[PreparedSample] = []
     conversations: list[list[dict[str, str]]] = []
     dropped: Counter[str] = Counter()
@@ -142,6 +146,7 @@ def prepare_into(model: str, source: str | list[str], out: str | Path, max_len: 
         **({"packed_conversations": packer.joined, "packed_from": parts} if packer else {}),
         "truncated_tail_bytes": tail_bytes,
         "tokens": tokens, "trained_tokens": trained, "trained_share": trained / tokens,
+        "excluded_prompts": None if exclude is None and excluded is None else [*(excluded or []), *recorded(exclude or [])],
     }
     write_prepared(out, samples, conversations, identity, template, source, max_len, summary)
     return summary
@@ -190,25 +195,6 @@ class Packer:
             return self._encode(group[:-1]) + [(*group[-1], 1)]
         self.joined += len(group)
         return [(group[0][0], joined, ids, mask, len(group))]
-
-
-def _exclusion_grams(prompt_sets: list[str], tokenizer) -> frozenset:
-    """The 8-word sequences of every eval input in `prompt_sets`: the turns asked and the
-    histories before them (a long prompt's history is most of it). A prompt too short to hold
-    one could never be matched: a warning names it rather than let it through unsaid."""
-    grams: set[tuple[str, ...]] = set()
-    blind = []
-    for name in prompt_sets:
-        for p in load_prompt_set(name, lambda: tokenizer):
-            own = ngram_set([*p.turns, *(m["content"] for m in p.history)])
-            grams |= own
-            if not own:
-                blind.append(p.id)
-    if blind:
-        print(f"eyas prepare: warning: {len(blind)} prompt(s) of --exclude-prompts ({', '.join(blind[:3])}"
-              f"{', ...' if len(blind) > 3 else ''}) are shorter than 8 words (or 16 characters of Chinese, "
-              f"Japanese, Thai...), so no conversation is dropped for them.", file=sys.stderr)
-    return frozenset(grams)
 
 
 def windows(messages: list[dict[str, str]], size: int | None) -> list[list[dict[str, str]]]:

@@ -95,6 +95,13 @@ class PreparedData:
         tell which prepared data it was made from."""
         return self.meta["fingerprint"]
 
+    @property
+    def excluded_prompts(self) -> list[str] | None:
+        """The eval prompt sets no sample shares 8 words in a row with (`prepare --exclude-prompts`,
+        carried through regeneration); None where the data recorded none (made before eyas did)."""
+        excluded = self.meta.get("summary", {}).get("excluded_prompts")
+        return list(excluded) if isinstance(excluded, list) else None
+
     def __len__(self) -> int:
         return len(self.source_index)
 

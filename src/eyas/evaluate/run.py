@@ -22,11 +22,13 @@ import traceback
 from dataclasses import asdict, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from eyas import __version__
+from eyas.data.exclusion import not_excluded
 from eyas.data.long_prompts import load_prompt_set
 from eyas.data.template import ChatTemplate
 from eyas.device import parse_device, resolve_device
@@ -52,7 +54,7 @@ from eyas.models.eos import eos_ids
 from eyas.paths import atomic_write_json
 from eyas.prompts import EvalPrompt, render
 from eyas.timing import StepTimer
-from eyas.train.checkpoint import unfinished_note
+from eyas.train.checkpoint import data_of, unfinished_note
 
 __all__ = ["EvalConfig", "evaluate"]  # EvalConfig lives in evaluate/config.py (torch-free)
 
@@ -307,6 +309,31 @@ def _answer_in_workers(cfg: EvalConfig, prompts: list[EvalPrompt], workers: int)
     return [r for i in sorted(by_prompt) for r in by_prompt[i]], results[0][1]
 
 
+def kept_out(cfg: EvalConfig, prompts: list[EvalPrompt]) -> dict[str, Any] | None:
+    """Whether the drafter's training data was kept free of these prompts: the eval prompt sets
+    its data excluded (recorded from `prepare --exclude-prompts` through training) and the ids of
+    the prompts that exclusion did not cover, said in one line, as tau on them may be tau on
+    text the drafter trained on. None without a drafter; `checked` False where nothing says."""
+    if not cfg.draft:
+        return None
+    excluded = (data_of(cfg.draft) or {}).get("excluded_prompts")
+    if not isinstance(excluded, list):
+        return {"checked": False, "why": "the drafter's folder records no training data exclusions"}
+    try:
+        ids = not_excluded(prompts, excluded, prompt_tokenizer(cfg))
+    except EyasError as e:
+        print(f"eyas eval: note: cannot tell whether the drafter's training data held these prompts: {e}",
+              file=sys.stderr, flush=True)
+        return {"checked": False, "excluded_prompts": excluded, "why": str(e)}
+    if ids:
+        shown = ", ".join(ids[:3]) + (", ..." if len(ids) > 3 else "")
+        print(f"eyas eval: warning: {len(ids)} of {len(prompts)} prompts ({shown}) were not kept out of the drafter's "
+              f"training data, which excluded {', '.join(excluded) or 'no eval prompts'}: its tau on them may be tau on "
+              f"text it trained on. Prepare its data with --exclude-prompts {cfg.prompts} to measure new prompts.",
+              file=sys.stderr, flush=True)
+    return {"checked": True, "excluded_prompts": excluded, "not_excluded": ids}
+
+
 def draft_depth(cfg: EvalConfig) -> tuple[int, str]:
     """Tokens drafted per step, and why: --steps, else the drafter's trained depth (what its
     export serves, `DraftConfig.depth`), else prompt lookup's default. The drafter's rule is
@@ -332,6 +359,7 @@ def evaluate(cfg: EvalConfig) -> dict:
         print(f"eyas eval: {note}", file=sys.stderr, flush=True)
     torch.manual_seed(cfg.seed)
     prompts = load_prompt_set(cfg.prompts, lambda: prompt_tokenizer(cfg), cfg.limit)
+    kept = kept_out(cfg, prompts)
     workers = min(cfg.workers, len(prompts))
     if workers < cfg.workers:
         print(f"eyas eval: --workers {cfg.workers} capped at {workers}, the number of prompts", file=sys.stderr,
@@ -350,6 +378,7 @@ def evaluate(cfg: EvalConfig) -> dict:
         "eyas_version": __version__, "tau_definition": TAU_DEFINITION, "acceptance_definition": RATE_DEFINITION,
         "settings": asdict(cfg), "draft_depth": {"tokens": depth, "rule": why}, "target": identity,
         "summary": {k: s.to_dict() for k, s in summaries.items()}, "tau_by": breakdown, "records": records,
+        **({"kept_out_of_training": kept} if kept is not None else {}),
     }
     out = Path(cfg.output)
     atomic_write_json(out, results)

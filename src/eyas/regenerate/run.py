@@ -131,7 +131,7 @@ def regenerate(cfg: RegenerateConfig, progress: bool = True) -> dict[str, Any]:
                                                         for i in sorted(done)).encode("utf-8"))
         t0 = time.monotonic()
         summary = prepare_into(model, str(out / CONVERSATIONS), out, max_len, chat_template=source.chat_template,
-                               progress=progress, pack=cfg.pack)
+                               progress=progress, pack=cfg.pack, excluded=source.excluded_prompts)
         seconds["prepare"] = time.monotonic() - t0
         summary["regenerate_seconds"] = {k: round(v, 1) for k, v in seconds.items()}
         if generator is not None and decoding and decoding["batches"]:

@@ -88,20 +88,22 @@ def next_shard_name(names: Iterable[str]) -> str:
 
 def manifest_header(target: ModelIdentity, layer_ids: Sequence[int], dtype: str, hidden_size: int, prepared: str,
                     chat_template: ChatTemplate | None, *, backend: str | None = None,
-                    model_dtype: str | None = None) -> dict[str, Any]:
+                    model_dtype: str | None = None, excluded_prompts: list[str] | None = None) -> dict[str, Any]:
     """What every shard of a store agrees with, and a resumed capture must match: the target,
     its layer ids, the store's dtype and hidden size, the prepared data's fingerprint, the
     template that data was rendered with (passed on to the drafter, so that eval renders
     prompts as the training data was rendered), and how the target ran (`backend`, its
     `model_dtype`): a capture resumed in bfloat16 after a float32 start would store two
-    precisions in one store."""
+    precisions in one store. `excluded_prompts`, the eval prompts the prepared data was kept
+    free of, passes on to the drafter's training record (data/exclusion.py)."""
     header = {"target": target.to_dict(), "layer_ids": list(layer_ids), "dtype": dtype, "hidden_size": hidden_size,
               "prepared": prepared, "chat_template": None if chat_template is None else chat_template.to_dict()}
-    return {**header, **{k: v for k, v in (("backend", backend), ("model_dtype", model_dtype)) if v is not None}}
+    added = (("backend", backend), ("model_dtype", model_dtype), ("excluded_prompts", excluded_prompts))
+    return {**header, **{k: v for k, v in added if v is not None}}
 
 
 # Header keys added after stores were written: a store without one resumes as before.
-ADDED_HEADER_KEYS = ("backend", "model_dtype")
+ADDED_HEADER_KEYS = ("backend", "model_dtype", "excluded_prompts")
 
 
 def new_manifest(header: dict[str, Any], expected_samples: int | None = None) -> dict[str, Any]:

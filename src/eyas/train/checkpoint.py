@@ -153,6 +153,18 @@ def unfinished_note(folder: str | Path) -> str | None:
             f"to its `eyas train` command to finish it.")
 
 
+def data_of(folder: str | Path) -> dict[str, Any] | None:
+    """The record of what the training run in `folder` trained on (`loop.data_record`), from its
+    latest checkpoint; None for a folder that is no eyas training run or records none."""
+    try:
+        latest = latest_checkpoint(Path(folder))
+        trainer = json.loads((latest / TRAINER).read_bytes()) if latest is not None else {}
+    except (EyasError, OSError, ValueError):
+        return None
+    data = trainer.get("data") if isinstance(trainer, dict) else None
+    return data if isinstance(data, dict) else None
+
+
 def read_checkpoint(folder: Path) -> tuple[DraftConfig, dict[str, Any]]:
     try:
         trainer = json.loads((folder / TRAINER).read_bytes())

@@ -126,6 +126,7 @@ class SampleSource(Protocol):
     lengths: list[int]  # tokens of each position, after the crop
     cropped: int  # samples longer than the crop
     fingerprint: str | None  # of the prepared data the samples come from (data/prepared.py), if known
+    excluded_prompts: list[str] | None  # the eval prompt sets that data was kept free of, if known
 
     def tokens(self, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids [T] long, loss_mask [T] bool) of one position, cropped."""
@@ -163,6 +164,8 @@ class StoreSource:
         self.hidden_size = self.store.hidden_size
         self.sample_index = self.store.sample_indices().tolist()
         self.fingerprint: str | None = self.store.manifest.get("prepared")
+        excluded = self.store.manifest.get("excluded_prompts")
+        self.excluded_prompts: list[str] | None = list(excluded) if isinstance(excluded, list) else None
         self._tokens = self._read_tokens()
         self.lengths = [min(len(ids), crop) for ids, _ in self._tokens]
         self.cropped = sum(len(ids) > crop for ids, _ in self._tokens)
@@ -230,6 +233,7 @@ class OnlineSource:
         self.hidden_size = self.target.hidden_size
         self.sample_index = list(range(len(self.prepared)))
         self.fingerprint: str | None = self.prepared.fingerprint
+        self.excluded_prompts: list[str] | None = self.prepared.excluded_prompts
         self.lengths = [min(self.prepared.length(i), crop) for i in range(len(self.prepared))]
         self.cropped = sum(self.prepared.length(i) > crop for i in range(len(self.prepared)))
 

@@ -236,12 +236,14 @@ def _check_identity(spec: str, folder: str, source: StoreSource) -> None:
 
 
 def data_record(source, eval_pos: list[int]) -> dict[str, Any]:
-    """What the run trains on, recorded with each checkpoint: the prepared data, and which of its
-    samples the run holds (they set the held-out split and the batches)."""
+    """What the run trains on, recorded with each checkpoint: the prepared data, the eval prompts
+    it was kept free of (which eval checks its own against), and which of its samples the run
+    holds (they set the held-out split and the batches)."""
     def digest(indices: list[int]) -> str:
         return hashlib.sha256(json.dumps(sorted(indices)).encode()).hexdigest()
 
-    return {"prepared": getattr(source, "fingerprint", None), "samples": len(source.sample_index),
+    return {"prepared": getattr(source, "fingerprint", None), "excluded_prompts": getattr(source, "excluded_prompts", None),
+            "samples": len(source.sample_index),
             "samples_sha256": digest(source.sample_index), "held_out": len(eval_pos),
             "held_out_sha256": digest([source.sample_index[p] for p in eval_pos])}
 
