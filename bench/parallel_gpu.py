@@ -142,14 +142,17 @@ def train_arm(args, work: Path, report: dict, arm: str, options: dict) -> None:
 
 def packed_set(args, regen: Path, folder: Path, length: int) -> Path:
     """The regenerated conversations (regenerate's conversations file) prepared again, joined in
-    order into samples of up to `length` tokens: the same answers as the other arms train on."""
+    order into samples of up to `length` tokens: the same answers as the other arms train on,
+    kept out of the same eval prompts (so recorded)."""
     from eyas.data.config import PrepareConfig
     from eyas.data.prepare import prepare
+    from eyas.data.prepared import PreparedData
     from eyas.regenerate.run import CONVERSATIONS
 
     shutil.rmtree(folder, ignore_errors=True)
     summary = prepare(PrepareConfig(model=args.model, data=[str(regen / CONVERSATIONS)], out=str(folder),
-                                    max_len=length, pack=True), progress=False)
+                                    max_len=length, pack=True,
+                                    exclude_prompts=PreparedData(regen).excluded_prompts or None), progress=False)
     print(f"packed into samples of up to {length} tokens: {summary.get('kept')} samples, "
           f"{summary.get('tokens')} tokens", flush=True)
     return folder
@@ -256,6 +259,7 @@ def decode(args, report: dict, trained: dict[str, Path], seconds: float) -> None
     for p in second:
         p.id = f"second-{p.id}"  # MT-bench ids are numbers; a second file's may collide with them
     order = interleave(order, second)
+    report["kept_out_of_training"] = kept_out(trained, order, tok)
     records, per_question = [], 0.0
     timing = 60 if args.timing_questions else 0  # the timing pass needs its minute
     for i, prompt in enumerate(order):
@@ -371,6 +375,23 @@ def print_summary(report: dict) -> None:
     for m, t in (report.get("draft_vs_verify") or {}).items():
         print(f"  {m:<15} draft {t['draft_ms_per_step']:.2f} ms/step, verify {t['verify_ms_per_step']:.2f} ms/step, "
               f"wall {t['wall_ms_per_step']:.2f} ms/step")
+
+
+def kept_out(trained: dict[str, Path], prompts: list, tok) -> dict[str, list[str] | None]:
+    """Per drafter, the ids of the decoded prompts its training data's exclusion did not cover
+    (eval's check, data/exclusion.py; None where its folder records none): tau on them may be
+    tau on trained text, so a run says it rather than let it pass."""
+    from eyas.data.exclusion import not_excluded
+    from eyas.train.checkpoint import data_of
+
+    out = {}
+    for arm, folder in trained.items():
+        excluded = (data_of(folder) or {}).get("excluded_prompts")
+        out[arm] = not_excluded(prompts, excluded, tok) if isinstance(excluded, list) else None
+        if out[arm]:
+            print(f"warning: {arm}: {len(out[arm])} decoded prompts were not kept out of its training data "
+                  f"({', '.join(out[arm][:4])})", flush=True)
+    return out
 
 
 def interleave(first: list, second: list) -> list:
