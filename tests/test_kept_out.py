@@ -48,6 +48,9 @@ def test_a_prompt_is_covered_only_when_every_8_words_of_it_were_excluded(tmp_pat
     # A long spec: the first prompts of a longer set are the shorter set's (the rule builds in order).
     assert not_excluded(load_prompt_set("long:512:3", lambda: tokenizer), ["long:512:2"], tokenizer) == ["long-512-2"]
     assert not_excluded(load_prompt_set("long:512:2", lambda: tokenizer), ["long:512:3"], tokenizer) == []
+    # Prompts of a set that was excluded itself are covered without reading the sets again.
+    mt_bench = load_prompt_set("mt-bench", lambda: tokenizer, 2)
+    assert not_excluded(mt_bench, [str(tmp_path / "gone.jsonl"), "mt-bench"], tokenizer, "mt-bench") == []
 
 
 def test_the_record_travels_from_prepare_to_eval(tmp_path, tiny_llama_dir, capsys):

@@ -55,10 +55,14 @@ def _grams(prompt_sets: list[str], tokenizer) -> tuple[frozenset, list[str]]:
     return frozenset(grams), blind
 
 
-def not_excluded(prompts: list[EvalPrompt], excluded: list[str], tokenizer) -> list[str]:
+def not_excluded(prompts: list[EvalPrompt], excluded: list[str], tokenizer, source: str | None = None) -> list[str]:
     """Ids of `prompts` that the training data's exclusion of `excluded` did not cover: some 8
     words in a row of theirs are in none of the excluded prompts, so a conversation holding them
-    may have been trained on. Raises EyasError when an excluded set cannot be read here."""
+    may have been trained on. Prompts read from `source`, a set that was itself excluded, are
+    covered without building the sets again (a `long` set's take a while). Raises EyasError
+    when an excluded set cannot be read here."""
+    if source is not None and recorded([source])[0] in excluded:
+        return []
     try:
         grams = _grams(excluded, tokenizer)[0]
     except EyasError as e:

@@ -320,7 +320,7 @@ def kept_out(cfg: EvalConfig, prompts: list[EvalPrompt]) -> dict[str, Any] | Non
     if not isinstance(excluded, list):
         return {"checked": False, "why": "the drafter's folder records no training data exclusions"}
     try:
-        ids = not_excluded(prompts, excluded, prompt_tokenizer(cfg))
+        ids = not_excluded(prompts, excluded, prompt_tokenizer(cfg), cfg.prompts)
     except EyasError as e:
         print(f"eyas eval: note: cannot tell whether the drafter's training data held these prompts: {e}",
               file=sys.stderr, flush=True)
