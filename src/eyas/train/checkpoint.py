@@ -138,15 +138,22 @@ def latest_checkpoint(out: Path) -> Path | None:
     return folder
 
 
-def unfinished_note(folder: str | Path) -> str | None:
-    """A note for eval and export when `folder` is a training run stopped before the end of its
-    schedule (--minutes, Ctrl-C): its drafter is that of an earlier step. None otherwise."""
+def _latest_trainer(folder: str | Path) -> dict[str, Any]:
+    """The trainer record of the latest checkpoint in `folder`; {} for a folder that is no eyas
+    training run, or whose record cannot be read (the notes built on it then say nothing)."""
     try:
         latest = latest_checkpoint(Path(folder))
         trainer = json.loads((latest / TRAINER).read_bytes()) if latest is not None else {}
     except (EyasError, OSError, ValueError):
-        return None
-    step, total = (trainer.get("step"), trainer.get("total_steps")) if isinstance(trainer, dict) else (None, None)
+        return {}
+    return trainer if isinstance(trainer, dict) else {}
+
+
+def unfinished_note(folder: str | Path) -> str | None:
+    """A note for eval and export when `folder` is a training run stopped before the end of its
+    schedule (--minutes, Ctrl-C): its drafter is that of an earlier step. None otherwise."""
+    trainer = _latest_trainer(folder)
+    step, total = trainer.get("step"), trainer.get("total_steps")
     if not (isinstance(step, int) and isinstance(total, int) and step < total):
         return None
     return (f"note: the drafter in {folder} is from step {step} of {total}: its training stopped early; add --resume "
@@ -156,12 +163,7 @@ def unfinished_note(folder: str | Path) -> str | None:
 def data_of(folder: str | Path) -> dict[str, Any] | None:
     """The record of what the training run in `folder` trained on (`loop.data_record`), from its
     latest checkpoint; None for a folder that is no eyas training run or records none."""
-    try:
-        latest = latest_checkpoint(Path(folder))
-        trainer = json.loads((latest / TRAINER).read_bytes()) if latest is not None else {}
-    except (EyasError, OSError, ValueError):
-        return None
-    data = trainer.get("data") if isinstance(trainer, dict) else None
+    data = _latest_trainer(folder).get("data")
     return data if isinstance(data, dict) else None
 
 
