@@ -13,12 +13,14 @@ ends, however it ends, and on Linux they die with it even when it is killed outr
 from __future__ import annotations
 
 import ctypes
+import functools
 import multiprocessing
 import os
 import signal
 import sys
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -309,18 +311,19 @@ def _answer_in_workers(cfg: EvalConfig, prompts: list[EvalPrompt], workers: int)
     return [r for i in sorted(by_prompt) for r in by_prompt[i]], results[0][1]
 
 
-def kept_out(cfg: EvalConfig, prompts: list[EvalPrompt]) -> dict[str, Any] | None:
+def kept_out(cfg: EvalConfig, prompts: list[EvalPrompt], tokenizer: Callable[[], Any]) -> dict[str, Any] | None:
     """Whether the drafter's training data was kept free of these prompts: the eval prompt sets
     its data excluded (recorded from `prepare --exclude-prompts` through training) and the ids of
     the prompts that exclusion did not cover, said in one line, as tau on them may be tau on
-    text the drafter trained on. None without a drafter; `checked` False where nothing says."""
+    text the drafter trained on. None without a drafter; `checked` False where nothing says.
+    `tokenizer` gives the one that rendered the prompts (long sets are built with it)."""
     if not cfg.draft:
         return None
     excluded = (data_of(cfg.draft) or {}).get("excluded_prompts")
     if not isinstance(excluded, list):
         return {"checked": False, "why": "the drafter's folder records no training data exclusions"}
     try:
-        ids = not_excluded(prompts, excluded, prompt_tokenizer(cfg), cfg.prompts)
+        ids = not_excluded(prompts, excluded, tokenizer(), cfg.prompts)
     except EyasError as e:
         print(f"eyas eval: note: cannot tell whether the drafter's training data held these prompts: {e}",
               file=sys.stderr, flush=True)
@@ -358,8 +361,9 @@ def evaluate(cfg: EvalConfig) -> dict:
     if cfg.draft and (note := unfinished_note(cfg.draft)):
         print(f"eyas eval: {note}", file=sys.stderr, flush=True)
     torch.manual_seed(cfg.seed)
-    prompts = load_prompt_set(cfg.prompts, lambda: prompt_tokenizer(cfg), cfg.limit)
-    kept = kept_out(cfg, prompts)
+    tokenizer = functools.cache(lambda: prompt_tokenizer(cfg))  # loaded once, and only if asked for
+    prompts = load_prompt_set(cfg.prompts, tokenizer, cfg.limit)
+    kept = kept_out(cfg, prompts, tokenizer)
     workers = min(cfg.workers, len(prompts))
     if workers < cfg.workers:
         print(f"eyas eval: --workers {cfg.workers} capped at {workers}, the number of prompts", file=sys.stderr,
