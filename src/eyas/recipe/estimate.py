@@ -43,7 +43,7 @@ def _done(stage, state) -> bool:
 
 def _status(stage, state, lost_from: str | None) -> str:
     """`lost_from`: the lost stage this one was built from, if any (see run.built_from_lost)."""
-    if stage.name in state.done and not stage.output.exists():
+    if state.lost(stage):
         return f"to do again: it was done, but its output {stage.output} is gone"
     if lost_from is not None and stage.output.exists():
         return (f"STOPS: made from the {lost_from} stage's lost output; the run asks to remove {stage.output} "

@@ -290,6 +290,10 @@ class State:
                             f"{stage.name!r} entry of {self.path} (and the stages after it) to redo it.")
         return True
 
+    def lost(self, stage: Stage) -> bool:
+        """True if `stage` is recorded as done but its output is gone."""
+        return stage.name in self.done and not stage.output.exists()
+
     def start(self, stage: Stage) -> None:
         """Record the folder of WORK that `stage` writes into, before it writes anything."""
         folder = stage.output.relative_to(self.path.parent).parts[0]
@@ -325,7 +329,7 @@ def built_from_lost(stages: list[Stage], state: State) -> dict[str, str]:
     """Each stage built (directly or not) from a stage recorded as done whose output is gone ->
     that lost stage's name: the run redoes it, or stops while its output is kept."""
     return {later.name: stage.name for k, stage in enumerate(stages)
-            if stage.name in state.done and not stage.output.exists() for later in built_from(stages, k)}
+            if state.lost(stage) for later in built_from(stages, k)}
 
 
 def redo_lost(stages: list[Stage], state: State) -> None:
@@ -333,7 +337,7 @@ def redo_lost(stages: list[Stage], state: State) -> None:
     it, when none of their outputs is left; if one is, one line says what to delete first
     (they were made from the lost output, so keeping them would mix two runs)."""
     for k, stage in enumerate(stages):
-        if stage.name not in state.done or stage.output.exists():
+        if not state.lost(stage):
             continue
         after = built_from(stages, k)
         if kept := [s for s in after if s.output.exists()]:
