@@ -30,6 +30,22 @@ def test_folded_attention_equals_transformers_sdpa(heads, kv, q, boolean):
     torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("q", [1, 8])
+def test_batch_one_over_a_long_cache_sums_its_key_parts_as_one_product(q):
+    """At batch 1 over a cache of whole SPLIT_KEYS parts, probs @ values runs part by part and
+    sums (eval's recorded passes); the result is transformers' sdpa's, to float32 rounding."""
+    torch.manual_seed(0)
+    heads, kv, d, S = 9, 3, 16, 3 * attention.SPLIT_KEYS
+    query, key, value = torch.randn(1, heads, q, d), torch.randn(1, kv, S, d), torch.randn(1, kv, S, d)
+    seen = torch.rand(1, 1, q, S) < 0.7
+    seen[..., 0] = True
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = False, heads // kv
+    ours, _ = folded_attention(module, query, key, value, seen, scaling=0.3)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, seen, scaling=0.3)
+    torch.testing.assert_close(ours, theirs, atol=1e-6, rtol=1e-5)
+
+
 def test_more_rows_than_few_take_sdpa(monkeypatch):
     """So does a pass of several rows that transformers gives no mask: it means causal."""
     import eyas.models.attention as attention

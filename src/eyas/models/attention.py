@@ -12,7 +12,9 @@ So passes of up to `FEW_ROWS` query rows take the math path: two matrix products
 softmax, computed as transformers' eager attention computes them (softmax in float32), with
 the query heads that share a KV head folded into the query axis ([B, nKV, group * q, d]
 against the cache's own [B, nKV, S, d]) rather than the cache repeated per query head, as
-transformers does whenever a mask is given. Longer passes (prefill) keep transformers' sdpa.
+transformers does whenever a mask is given; at batch 1 the product with the values runs over
+parts of the cache side by side (`_weighted_values`). Longer passes (prefill) keep
+transformers' sdpa.
 Only targets that run sdpa use it (`swappable`): a family whose attention computes more
 (Gemma-2's soft-capped scores, which eyas runs eagerly) keeps its own.
 
@@ -43,6 +45,7 @@ NAME = "eyas_few_rows"
 FEW_ROWS = 128  # query rows up to which a pass takes the math path: eval's widest recorded pass
 FLEX_BLOCK = 128  # KV slots per block of a `rows_block_mask`: flex attention's default block
 FLEX_HEAD_DIMS = (64, 128)  # head dims the flex path takes (keys and values alike); others keep the math path
+SPLIT_KEYS = 256  # keys per part of a batch-1 pass's probs @ values (`_weighted_values`): the cache's ALIGN
 
 
 def folded_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -61,8 +64,22 @@ def folded_attention(module, query: torch.Tensor, key: torch.Tensor, value: torc
         scores = (scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool
                   else scores + mask)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)  # [B, nKV, group, q, S]
-    out = torch.matmul(probs.view(B, n_kv, group * q, S), value)  # [B, nKV, group * q, dv]
+    out = _weighted_values(probs.view(B, n_kv, group * q, S), value)  # [B, nKV, group * q, dv]
     return out.view(B, n_heads, q, -1).transpose(1, 2).contiguous(), None
+
+
+def _weighted_values(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """probs [B, nKV, r, S] @ value [B, nKV, S, dv] -> [B, nKV, r, dv]. At batch 1 with a few
+    rows cuBLAS runs this product in a handful of thread blocks, each walking all S keys: 2.3
+    of a SmolLM2 decode step's 4.7 ms of GPU time on an H200 at 2,304 slots, float32
+    (bench/results/decode_gpu_profile_chain_h200.json). Cut into parts of SPLIT_KEYS keys, the
+    parts are one batched product side by side, then a sum."""
+    B, n_kv, r, S = probs.shape
+    if B > 1 or S % SPLIT_KEYS or S < 2 * SPLIT_KEYS:  # a batch has blocks enough; a short or ragged read gains nothing
+        return torch.matmul(probs, value)
+    parts = S // SPLIT_KEYS
+    split = probs.reshape(B, n_kv, r, parts, SPLIT_KEYS).transpose(2, 3)  # [B, nKV, parts, r, SPLIT_KEYS]
+    return torch.matmul(split, value.reshape(B, n_kv, parts, SPLIT_KEYS, -1)).sum(2)
 
 
 def rows_block_mask(starts: torch.Tensor, current: torch.Tensor, capacity: int, queries: int = 1) -> BlockMask:
