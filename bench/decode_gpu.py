@@ -1,12 +1,14 @@
 """eval's two decoding paths side by side in one process: `--decode eager` (transformers'
 growing cache, every kernel launched from Python) against `--decode static` (preallocated
-caches, each verification pass and each greedy draft one CUDA graph replay).
+caches, each verification pass and each greedy draft one CUDA graph replay); `--paths
+static-whole,static` instead sets the static path with the target's probs @ values in one
+product over the whole cache (before it was split into parts of keys) beside today's.
 
 Per MT-bench question (stratified by category, both turns, T=0, batch 1), interleaved so
 load changes hit both alike: plain decoding, prompt lookup and the drafter's chain and tree
 on each path. Reports each path's tok/s and speed-ups (over its own plain decoding), the
-ratios the static path gains, every answer against plain decoding and against the other
-path's (and with `--regen-prompts`, regeneration's greedy loop with and without CUDA
+ratios each path gains over the first, every answer against plain decoding and against the
+first path's (and with `--regen-prompts`, regeneration's greedy loop with and without CUDA
 graphs), a synchronised timing pass (draft and verify milliseconds per step), and where a
 step's milliseconds go: the one-row graph replayed alone, the aten ops one such pass runs
 (counted without a profiler), and a torch.profiler pass per path (device against wall
@@ -22,6 +24,8 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import device_name, dump, git, profile_table, say, sync  # noqa: E402
 
 PATHS = ("eager", "static")
+KNOWN_PATHS = ("eager", "static-whole", "static")  # static-whole: static, probs @ values unsplit
 
 
 def main() -> None:
@@ -71,7 +76,7 @@ def main() -> None:
     paths = args.paths
     sessions, methods = {}, {}
     for path in paths:
-        cfg = EvalConfig(model=args.model, decode="eager" if path == "eager" else "static", steps=depth,
+        cfg = EvalConfig(model=args.model, decode=path.split("-")[0], steps=depth,
                          max_new_tokens=args.max_new_tokens)
         sessions[path] = target_session(model, aux, cfg)
         methods[path] = [Proposer(), PromptLookup(depth)]
@@ -100,33 +105,34 @@ def main() -> None:
             break
         q0 = time.monotonic()
         for path in (paths if i % 2 == 0 else paths[::-1]):  # the paths' order alternates per question
-            records[path] += run_methods(sessions[path], tok, methods[path], [prompt], args.max_new_tokens, eos,
-                                         progress=False, warmup=i == 0)
+            with attention_variant(path):
+                records[path] += run_methods(sessions[path], tok, methods[path], [prompt], args.max_new_tokens, eos,
+                                             progress=False, warmup=i == 0)
         per_question = max(per_question, time.monotonic() - q0)
         say(f"question {prompt.id}: {time.monotonic() - q0:.1f} s")
     positions = {m.name: depth for m in methods[paths[-1]] if m.name != "plain"}
     summaries = {p: summarize(records[p], positions) for p in paths}
-    same = {p: _same_answers(records, p) for p in paths[1:]}
+    same = {p: _same_answers(records, p, paths[0]) for p in paths[1:]}
     report = {"command": " ".join(sys.argv), "commit": git("rev-parse", "HEAD"), "device": device_name(args.device),
               "settings": vars(args), "depth": depth,
               "questions": len({r["prompt_id"] for r in records[paths[-1]]}),
               "paths": {p: {m: s.to_dict() for m, s in summaries[p].items()} for p in paths},
               "identical_to_plain": {p: {m: f"{s.identical}/{s.answers}" for m, s in summaries[p].items()
                                          if s.identical is not None} for p in paths},
-              "static_answers_equal_eager": same}
-    eager = summaries["eager"]
+              f"answers_equal_{paths[0]}": same}
+    first = summaries[paths[0]]
     name = methods[paths[-1]][2].name if drafter else None  # the drafter's chain (or block)
     report["identical_to_plain"] = all(s.identical == s.answers for p in paths for s in summaries[p].values()
                                        if s.identical is not None) and all(v for d in same.values() for v in d.values())
     for p in paths:
         plain, chain = summaries[p]["plain"], summaries[p].get(name)
         report[p] = {"plain_tok_s": round(plain.tokens_per_s, 1),
-                     "plain_tok_s_over_eager": round(plain.tokens_per_s / eager["plain"].tokens_per_s, 3),
+                     f"plain_tok_s_over_{paths[0]}": round(plain.tokens_per_s / first["plain"].tokens_per_s, 3),
                      "chain_tau": round(chain.tau, 3) if chain else None,
                      "chain_speedup": round(chain.speedup, 3) if chain else None,
                      "chain_speedup_over_tau": round(chain.speedup / chain.tau, 3) if chain else None}
     best = paths[-1]  # the issue's keys: the last path's (the fastest variant asked for)
-    report.update({"path": best, "plain_tok_s_over_eager": report[best]["plain_tok_s_over_eager"],
+    report.update({"path": best, "plain_tok_s_over_eager": report[best].get("plain_tok_s_over_eager"),
                    "chain_speedup_over_tau": report[best]["chain_speedup_over_tau"]})
     dump(out / "decode_gpu.json", report)
     if args.regen_prompts:
@@ -136,14 +142,17 @@ def main() -> None:
         report["identical_to_plain"] = report["identical_to_plain"] and report["regen"]["answers_equal"]
     if args.timing_questions:
         say("timing")
-        report["ms_per_step"] = {p: timing(sessions[p], tok, methods[p], order[: args.timing_questions],
-                                           args.max_new_tokens, eos) for p in paths}
+        report["ms_per_step"] = {}
+        for p in paths:
+            with attention_variant(p):
+                report["ms_per_step"][p] = timing(sessions[p], tok, methods[p], order[: args.timing_questions],
+                                                  args.max_new_tokens, eos)
         dump(out / "decode_gpu.json", report)
     report["replay_ms"] = {p: replay_ms(s) for p, s in sessions.items() if replay_ms(s) is not None}
     report["ops_per_pass"] = ops_per_pass(model, aux, tok, order[0])
     report["graphs"] = {p: {"target_replays": sessions[p].graphs.replays, "target_eager_passes": sessions[p].eager_passes,
                             "recorded": len(sessions[p].graphs.graphs), "cache_slots": sessions[p].cache.capacity}
-                        for p in paths[1:]}
+                        for p in paths if p != "eager"}
     dump(out / "decode_gpu.json", report)
     if args.profile_tokens:  # last: a profiler that hangs on graphs (pytorch#75504) loses nothing else
         say("profile")
@@ -156,10 +165,30 @@ def main() -> None:
     say({k: report[k] for k in ("identical_to_plain", *paths)})
 
 
-def _same_answers(records: dict[str, list[dict]], path: str) -> dict[str, bool]:
-    """Per method: every answer of `path` equals the eager path's, token for token."""
+@contextmanager
+def attention_variant(path: str) -> Iterator[None]:
+    """On the `static-whole` path the target's few-row attention multiplies probs by values in
+    one product over the whole cache, as before it split the keys into parts: the baseline
+    measured beside it. Graphs recorded inside keep the kernels they were recorded with."""
+    if path != "static-whole":
+        yield
+        return
+    import torch
+
+    import eyas.models.attention as attention
+
+    saved = attention._weighted_values
+    attention._weighted_values = torch.matmul
+    try:
+        yield
+    finally:
+        attention._weighted_values = saved
+
+
+def _same_answers(records: dict[str, list[dict]], path: str, first: str) -> dict[str, bool]:
+    """Per method: every answer of `path` equals the `first` path's, token for token."""
     key = ("prompt_id", "turn", "method")
-    eager = {tuple(r[k] for k in key): r["generated_ids"] for r in records["eager"]}
+    eager = {tuple(r[k] for k in key): r["generated_ids"] for r in records[first]}
     out: dict[str, bool] = {}
     for r in records[path]:
         m = r["method"]
@@ -416,9 +445,13 @@ def parse_args():
                    help="only the profile (and the one-row replay), into decode_gpu_profile.json: run it per path "
                         "under `timeout`, as torch.profiler can hang on CUDA graphs")
     p.add_argument("--paths", type=lambda t: tuple(t.split(",")), default=PATHS,
-                   help="comma-separated, eager first: the paths decoded side by side (default all)")
+                   help="comma-separated, the baseline first: the paths decoded side by side, of eager, static-whole "
+                        "(the static path with probs @ values in one product over the cache, as before the split) "
+                        "and static (default eager,static)")
     p.add_argument("--smoke", action="store_true", help="CPU, 2 questions, 24 tokens: checks the script runs")
     args = p.parse_args()
+    if unknown := set(args.paths) - set(KNOWN_PATHS):
+        p.error(f"--paths: unknown {sorted(unknown)}; choose from {','.join(KNOWN_PATHS)}")
     if args.regen_only and not args.regen_prompts:
         p.error("--regen-only times regeneration: name its prompts with --regen-prompts")
     if args.random_shape and args.drafter:
