@@ -1,8 +1,9 @@
 """eval's two decoding paths side by side in one process: `--decode eager` (transformers'
 growing cache, every kernel launched from Python) against `--decode static` (preallocated
 caches, each verification pass and each greedy draft one CUDA graph replay); `--paths
-static-whole,static` instead sets the static path with the target's probs @ values in one
-product over the whole cache (before it was split into parts of keys) beside today's.
+static-whole,static` instead sets the static path with the target's recorded passes reading
+the whole cache and multiplying probs by values in one product over it (before `read_width`
+and the split into parts of keys) beside today's.
 
 Per MT-bench question (stratified by category, both turns, T=0, batch 1), interleaved so
 load changes hit both alike: plain decoding, prompt lookup and the drafter's chain and tree
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import device_name, dump, git, profile_table, say, sync  # noqa: E402
 
 PATHS = ("eager", "static")
-KNOWN_PATHS = ("eager", "static-whole", "static")  # static-whole: static, probs @ values unsplit
+KNOWN_PATHS = ("eager", "static-whole", "static")  # static-whole: static, the whole cache read, unsplit
 
 
 def main() -> None:
@@ -167,22 +168,25 @@ def main() -> None:
 
 @contextmanager
 def attention_variant(path: str) -> Iterator[None]:
-    """On the `static-whole` path the target's few-row attention multiplies probs by values in
-    one product over the whole cache, as before it split the keys into parts: the baseline
-    measured beside it. Graphs recorded inside keep the kernels they were recorded with."""
+    """On the `static-whole` path the target's recorded passes read the whole cache and multiply
+    probs by values in one product over it, as before they read `read_width` slots and split the
+    keys into parts: the baseline measured beside it. Graphs recorded inside keep the kernels and
+    widths they were recorded with."""
     if path != "static-whole":
         yield
         return
     import torch
 
+    import eyas.evaluate.static_target as static_target
     import eyas.models.attention as attention
 
-    saved = attention._weighted_values
+    saved = attention._weighted_values, static_target.read_width
     attention._weighted_values = torch.matmul
+    static_target.read_width = lambda slots, capacity: capacity
     try:
         yield
     finally:
-        attention._weighted_values = saved
+        attention._weighted_values, static_target.read_width = saved
 
 
 def _same_answers(records: dict[str, list[dict]], path: str, first: str) -> dict[str, bool]:
@@ -354,21 +358,25 @@ def regen_profile(args) -> dict:
             "top_host_ms": {r["op"]: r["ms"] for r in table["host_top"][:8]}}
 
 
-def replay_ms(session) -> float | None:
-    """A recorded path's one-row verification graph replayed back to back, alone: the GPU's
-    share of a plain step (None where nothing was recorded)."""
+def replay_ms(session) -> dict[str, float] | None:
+    """A recorded path's one-row verification graphs replayed back to back, alone, per slots
+    read: the GPU's share of a plain step (None where nothing was recorded)."""
     import torch
 
     graphs = getattr(session, "graphs", None)
-    if graphs is None or 1 not in graphs.graphs:
+    one_row = sorted(k for k in (graphs.graphs if graphs is not None else {}) if k[0] == 1)
+    if not one_row:
         return None
-    graph = graphs.graphs[1][1]
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(100):
-        graph.replay()
-    torch.cuda.synchronize()
-    return round(1e3 * (time.perf_counter() - t0) / 100, 3)
+    out = {}
+    for key in one_row:
+        graph = graphs.graphs[key][1]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(100):
+            graph.replay()
+        torch.cuda.synchronize()
+        out[str(key[1])] = round(1e3 * (time.perf_counter() - t0) / 100, 3)
+    return out
 
 
 VIEWS = {"view", "reshape", "_unsafe_view", "unsqueeze", "squeeze", "transpose", "t", "permute", "slice", "select",
@@ -446,7 +454,8 @@ def parse_args():
                         "under `timeout`, as torch.profiler can hang on CUDA graphs")
     p.add_argument("--paths", type=lambda t: tuple(t.split(",")), default=PATHS,
                    help="comma-separated, the baseline first: the paths decoded side by side, of eager, static-whole "
-                        "(the static path with probs @ values in one product over the cache, as before the split) "
+                        "(the static path reading the whole cache, probs @ values in one product, as before read_width "
+                        "and the split) "
                         "and static (default eager,static)")
     p.add_argument("--smoke", action="store_true", help="CPU, 2 questions, 24 tokens: checks the script runs")
     args = p.parse_args()

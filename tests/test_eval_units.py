@@ -282,3 +282,17 @@ def test_a_timed_decoding_step_is_the_same_step_with_its_parts_timed(toy):
         runs.append((g.generated_ids, g.accept_counts))
     assert runs[0] == runs[1] and len(runs[0][0]) == 20
     assert set(timer.seconds) == {"draft", "verify"} and all(s > 0 for s in timer.seconds.values())
+
+
+def test_a_recorded_pass_reads_a_power_of_two_of_slots_within_the_cache():
+    """`read_width`: every row a pass writes is read, never past the cache, and the width is a
+    whole number of the attention's key parts (models/attention.SPLIT_KEYS)."""
+    from eyas.evaluate.static_target import WIDTH_MIN, read_width
+    from eyas.models.attention import SPLIT_KEYS
+
+    assert read_width(1, 2304) == WIDTH_MIN
+    assert read_width(257, 2304) == 512 and read_width(512, 2304) == 512
+    assert read_width(2049, 2304) == read_width(5000, 2304) == 2304
+    for slots in range(1, 2305, 37):
+        width = read_width(slots, 2304)
+        assert slots <= width <= 2304 and width % SPLIT_KEYS == 0
