@@ -170,6 +170,61 @@ def test_drafter_tree_nodes_are_top_k_of_their_path(drafter):
         assert path[-1] in top, f"node {i} at depth {len(path)}"
 
 
+def _reference_tree(drafter, ids: list[int], aux: torch.Tensor, depth: int, k: int, max_nodes: int) -> DraftTree:
+    """EAGLE-2's dynamic tree by its definition, each node's children from forward_ttt over its
+    own path (no cache, no masks): the k best children of the root; per level the k best-scored
+    of the last level's nodes each give their k best children; the max_nodes best nodes are
+    kept with their ancestors, in creation order."""
+    n = len(ids) - 1
+    d2t = drafter.draft_to_target(torch.arange(drafter.config.draft_vocab_size)).tolist()
+
+    def children(path: list[int]) -> list[tuple[int, float]]:
+        ttt = _ttt_logits(drafter, (ids + path + [0] * depth)[: n + depth], aux, len(path) + 1)
+        top = torch.log_softmax(ttt[len(path)][n - 1].float(), -1).topk(k)
+        return [(d2t[i], v) for v, i in zip(top.values.tolist(), top.indices.tolist())]
+
+    paths, parents, scores = [], [], []
+    for token, lp in children([]):
+        paths.append([token]), parents.append(-1), scores.append(lp)
+    frontier = list(range(k))
+    for _ in range(1, depth):
+        level = []
+        for f in frontier:
+            for token, lp in children(paths[f]):
+                level.append(len(paths))
+                paths.append(paths[f] + [token]), parents.append(f), scores.append(scores[f] + lp)
+        frontier = sorted(level, key=lambda m: -scores[m])[:k]
+    keep = set(sorted(range(len(paths)), key=lambda m: -scores[m])[:max_nodes])
+    for m in list(keep):
+        while parents[m] >= 0:
+            m = parents[m]
+            keep.add(m)
+    order = sorted(keep)
+    tree = DraftTree()
+    for m in order:
+        tree.add(paths[m][-1], order.index(parents[m]) if parents[m] >= 0 else -1)
+    return tree
+
+
+@pytest.mark.parametrize("depth,k,max_nodes", [(4, 3, 12), (3, 4, 40), (5, 2, 6), (1, 3, 2)])
+def test_drafter_tree_equals_its_definition(drafter, depth, k, max_nodes):
+    """The tree drafted on the device in fixed-shape levels (one CUDA graph on a GPU) is the
+    tree the definition builds node by node from forward_ttt: same tokens, same parents."""
+    torch.manual_seed(4)
+    n = 11
+    ids = torch.randint(0, 96, (n + 1,)).tolist()
+    aux = torch.randn(n + depth, 3, 32)
+    session = DrafterSession(drafter)
+    session.extend(torch.tensor(ids[1:]), aux[:n])
+    tree = session.tree(depth, top_k=k, max_nodes=max_nodes)
+    ref = _reference_tree(drafter, ids, aux, depth, k, max_nodes)
+    assert (tree.tokens, tree.parents) == (ref.tokens, ref.parents)
+    session.extend(torch.tensor([ids[-1]]), aux[n:n + 1])  # the drafted entries are overwritten, not kept
+    again = DrafterSession(drafter)
+    again.extend(torch.tensor(ids[1:] + [ids[-1]]), aux[:n + 1])
+    assert session.tree(depth, k, max_nodes).tokens == again.tree(depth, k, max_nodes).tokens
+
+
 def test_greedy_acceptance_walks_the_argmax_path():
     tree = DraftTree()
     a = tree.add(4, -1)

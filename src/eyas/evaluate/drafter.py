@@ -23,9 +23,9 @@ EXTEND_ROWS = 32  # the most entries a commit replays as a graph (a step's accep
 
 
 class DrafterSession:
-    """On CUDA, a greedy chain (all its steps), a commit of up to EXTEND_ROWS entries and a
-    P-EAGLE block each replay a CUDA graph (models/graphs.py); the prompt's commit, trees and
-    sampled chains run eagerly, as everything does on the CPU. Every pass writes its entries
+    """On CUDA, a greedy chain (all its steps), a tree's levels, a commit of up to EXTEND_ROWS
+    entries and a P-EAGLE block each replay a CUDA graph (models/graphs.py); the prompt's
+    commit and sampled chains run eagerly, as everything does on the CPU. Every pass writes its entries
     into one `SlotCache` (entry i at slot i; drafted entries after the committed ones, where
     the next commit overwrites them) and reads all of it through a mask."""
 
@@ -171,52 +171,73 @@ class DrafterSession:
             logits, hidden = self.m.outputs(h[0])
         return tree
 
+    def _tree_nodes(self, start: torch.Tensor, logits: torch.Tensor, hidden: torch.Tensor, depth: int, k: int,
+                    length: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every node an EAGLE-2 tree of `depth` levels and `k` children per fed node proposes,
+        in creation order: the k best children of the last committed entry (logits [Vd], hidden
+        [H]), then per level the k children of each of the k best-scored nodes of the level
+        before (k * k candidates), each fed level one pass of k entries after slot `start` [1].
+        Fixed shapes and no host reads, so a GPU replays it as one graph. `length` (the host's
+        committed count, eager only) narrows each pass to the slots it sees; None reads the
+        whole cache, as recorded. Returns target ids [N], parents [N] (-1: the root) and scores
+        [N] (cumulative log-probabilities), N = k + (depth - 1) * k * k."""
+        m, dev = self.m, self.device
+        lp, ids = torch.log_softmax(logits.float(), -1).topk(k)  # [k]
+        tokens, parents, scores = [m.draft_to_target(ids)], [torch.full((k,), -1, device=dev)], [lp]
+        frontier = torch.arange(k, device=dev)  # node numbers fed next
+        fed_total = k * (depth - 1)
+        ancestors = torch.zeros(k, max(fed_total, 1), dtype=torch.bool, device=dev)  # [k, fed]: a row's fed ancestors
+        hid = hidden[None].expand(k, -1)  # [k, H]: each frontier node's parent output
+        rows = torch.arange(k, device=dev)
+        first = k
+        for d in range(1, depth):
+            fed = k * (d - 1)
+            slots = start + fed + rows  # [k]
+            width = None if length is None else length + fed + k
+            rel = self._slot_ids[None, :width] - start  # [1, W]: slot - start
+            seen = ancestors.gather(1, rel.clamp(0, fed_total - 1).expand(k, -1)) & (rel >= 0) & (rel < fed)
+            visible = (rel < 0) | seen | (self._slot_ids[None, :width] == slots[:, None])  # [k, W]
+            h = self._layer(torch.cat(tokens).index_select(0, frontier), hid, (start - 1 + d).expand(k), slots,
+                            visible)
+            level_logits, fed_back = m.outputs(h)  # [k, Vd], [k, H]
+            lp, ids = torch.log_softmax(level_logits.float(), -1).topk(k)  # [k, k]
+            cand = (torch.cat(scores).index_select(0, frontier)[:, None] + lp).flatten()  # [k * k]
+            tokens.append(m.draft_to_target(ids.flatten()))
+            parents.append(frontier[:, None].expand(k, k).flatten())
+            scores.append(cand)
+            best = cand.topk(k).indices  # [k]
+            row = best // k  # each new frontier node's parent, as a row of this level
+            ancestors = ancestors.index_select(0, row).scatter(1, (fed + row)[:, None], True)
+            hid = fed_back.index_select(0, row)
+            frontier = first + best
+            first += k * k
+        return torch.cat(tokens), torch.cat(parents), torch.cat(scores)
+
     @torch.inference_mode()
     def tree(self, depth: int, top_k: int, max_nodes: int) -> DraftTree:
         """EAGLE-2 dynamic tree: expand the `top_k` most probable frontier nodes per level
         (score: the drafter's cumulative log-probability), each proposing its `top_k` best
-        children; after `depth` levels keep the `max_nodes` best nodes (ancestors included)."""
-        S = self.length
-        k_eff = min(top_k, len(self.logits))
-        self._reserve(k_eff * (depth - 1))
-        lp, ids = torch.log_softmax(self.logits.float(), -1).topk(k_eff)
-        tokens, parents = self._to_target(ids), [-1] * k_eff
-        scores = lp.tolist()
-        frontier = list(range(k_eff))  # nodes to feed next
-        hidden_of: dict[int, torch.Tensor] = {-1: self.hidden}
-        fed: list[int] = []  # node per drafted cache entry, at slot S + its index
-        for d in range(1, depth):
-            visible = torch.zeros(len(frontier), S + len(fed) + len(frontier), dtype=torch.bool)
-            visible[:, :S] = True
-            for r, node in enumerate(frontier):
-                anc = _ancestors(parents, node)
-                visible[r, [S + j for j, f in enumerate(fed) if f in anc]] = True
-                visible[r, S + len(fed) + r] = True
-            hid = torch.stack([hidden_of[parents[n]] for n in frontier])  # [F, H]
-            slots = torch.arange(S + len(fed), S + len(fed) + len(frontier), device=self.device)
-            h = self._layer(torch.tensor([tokens[n] for n in frontier], device=self.device), hid,
-                            torch.full((len(frontier),), S - 1 + d, device=self.device), slots,
-                            visible.to(self.device))
-            fed += frontier
-            logits, fed_back = self.m.outputs(h)  # [F, Vd], [F, H]
-            for r, node in enumerate(frontier):
-                hidden_of[node] = fed_back[r]
-            lp, ids = torch.log_softmax(logits.float(), -1).topk(k_eff)  # [F, k]
-            cand = (torch.tensor([scores[n] for n in frontier], device=lp.device)[:, None] + lp).flatten()
-            first = len(tokens)
-            tokens += self._to_target(ids.flatten())
-            parents += [frontier[i // k_eff] for i in range(len(cand))]
-            scores += cand.tolist()
-            frontier = [first + i for i in cand.topk(min(k_eff, len(cand))).indices.tolist()]
+        children; after `depth` levels keep the `max_nodes` best nodes (ancestors included).
+        The levels run on the device (one graph on a GPU, `_tree_nodes`); the host reads the
+        nodes once and picks the kept ones."""
+        k = min(top_k, len(self.logits))
+        self._reserve(k * (depth - 1))
+        start = torch.tensor([self.length], device=self.device)
+        inputs = {"start": start, "logits": self.logits, "hidden": self.hidden}
+        out = self.graphs.run(("tree", depth, k), inputs, lambda s: self._tree_nodes(s["start"], s["logits"],
+                                                                                 s["hidden"], depth, k))
+        if out is None:
+            out = self._tree_nodes(start, self.logits, self.hidden, depth, k, self.length)
+        tokens, parents, scores = (t.tolist() for t in out)
         keep = set(sorted(range(len(tokens)), key=lambda n: -scores[n])[:max_nodes])
         for n in list(keep):
             keep |= _ancestors(parents, n)
         order = sorted(keep)  # creation order: parents first
         index = {n: i for i, n in enumerate(order)}
-        out = DraftTree()
+        out_tree = DraftTree()
         for n in order:
-            out.add(tokens[n], index[parents[n]] if parents[n] >= 0 else -1)
-        return out
+            out_tree.add(tokens[n], index[parents[n]] if parents[n] >= 0 else -1)
+        return out_tree
 
 
 def pick(m, logits: torch.Tensor, temperature: float, generator: torch.Generator | None):
