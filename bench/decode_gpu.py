@@ -1,9 +1,11 @@
 """eval's two decoding paths side by side in one process: `--decode eager` (transformers'
 growing cache, every kernel launched from Python) against `--decode static` (preallocated
-caches, each verification pass and each greedy draft one CUDA graph replay); `--paths
-static-whole,static` instead sets the static path with the target's recorded passes reading
-the whole cache and multiplying probs by values in one product over it (before `read_width`
-and the split into parts of keys) beside today's.
+caches, each verification pass and each greedy draft one CUDA graph replay). Variants of
+the static path measure one change each beside today's (`--paths static-tree-eager,static`):
+`static-whole` has the target's recorded passes read the whole cache and multiply probs by
+values in one product over it (before `read_width` and the split into parts of keys);
+`static-tree-eager` launches a tree's levels from Python instead of replaying them as one
+graph.
 
 Per MT-bench question (stratified by category, both turns, T=0, batch 1), interleaved so
 load changes hit both alike: plain decoding, prompt lookup and the drafter's chain and tree
@@ -35,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import device_name, dump, git, profile_table, say, sync  # noqa: E402
 
 PATHS = ("eager", "static")
-KNOWN_PATHS = ("eager", "static-whole", "static")  # static-whole: static, the whole cache read, unsplit
+KNOWN_PATHS = ("eager", "static-whole", "static-tree-eager", "static")  # static variants: see variant()
 
 
 def main() -> None:
@@ -106,7 +108,7 @@ def main() -> None:
             break
         q0 = time.monotonic()
         for path in (paths if i % 2 == 0 else paths[::-1]):  # the paths' order alternates per question
-            with attention_variant(path):
+            with variant(path):
                 records[path] += run_methods(sessions[path], tok, methods[path], [prompt], args.max_new_tokens, eos,
                                              progress=False, warmup=i == 0)
         per_question = max(per_question, time.monotonic() - q0)
@@ -145,7 +147,7 @@ def main() -> None:
         say("timing")
         report["ms_per_step"] = {}
         for p in paths:
-            with attention_variant(p):
+            with variant(p):
                 report["ms_per_step"][p] = timing(sessions[p], tok, methods[p], order[: args.timing_questions],
                                                   args.max_new_tokens, eos)
         dump(out / "decode_gpu.json", report)
@@ -167,26 +169,28 @@ def main() -> None:
 
 
 @contextmanager
-def attention_variant(path: str) -> Iterator[None]:
-    """On the `static-whole` path the target's recorded passes read the whole cache and multiply
-    probs by values in one product over it, as before they read `read_width` slots and split the
-    keys into parts: the baseline measured beside it. Graphs recorded inside keep the kernels and
-    widths they were recorded with."""
-    if path != "static-whole":
-        yield
-        return
+def variant(path: str) -> Iterator[None]:
+    """The static path as it was before one change, the baseline measured beside it. On
+    `static-whole` the target's recorded passes read the whole cache and multiply probs by
+    values in one product over it (before `read_width` and the split into parts of keys); on
+    `static-tree-eager` a tree's levels are launched from Python, not replayed as a graph.
+    Graphs recorded inside keep the kernels and widths they were recorded with."""
     import torch
 
     import eyas.evaluate.static_target as static_target
     import eyas.models.attention as attention
+    from eyas.models.graphs import Recorder
 
-    saved = attention._weighted_values, static_target.read_width
-    attention._weighted_values = torch.matmul
-    static_target.read_width = lambda slots, capacity: capacity
+    saved = attention._weighted_values, static_target.read_width, Recorder.run
+    if path == "static-whole":
+        attention._weighted_values = torch.matmul
+        static_target.read_width = lambda slots, capacity: capacity
+    elif path == "static-tree-eager":
+        Recorder.run = lambda self, key, inputs, fn: None if key[0] == "tree" else saved[2](self, key, inputs, fn)
     try:
         yield
     finally:
-        attention._weighted_values, static_target.read_width = saved
+        attention._weighted_values, static_target.read_width, Recorder.run = saved
 
 
 def _same_answers(records: dict[str, list[dict]], path: str, first: str) -> dict[str, bool]:
@@ -236,23 +240,24 @@ def profile_steps(sessions: dict, tok, methods: dict, prompt, tokens: int, eos: 
     out: dict = {}
     for path, session in sessions.items():
         out[path] = {}
-        for m in methods[path]:
-            if m.name == "prompt-lookup" or m.name.endswith("tree"):
-                continue
-            run_methods(session, tok, [m], [prompt], tokens, eos, progress=False, warmup=False)
-            plain = run_methods(session, tok, [m], [prompt], tokens, eos, progress=False, warmup=False)
-            say(f"profile {path} {m.name}")
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                records = run_methods(session, tok, [m], [prompt], tokens, eos, progress=False, warmup=False)
-            steps = max(sum(len(r["accept_counts"]) for r in records), 1)
-            table = profile_table(prof, limit=12)
-            out[path][m.name] = {
-                "steps": steps, "wall_ms": round(1e3 * sum(r["seconds"] for r in plain) / steps, 3),
-                "wall_ms_profiled": round(1e3 * sum(r["seconds"] for r in records) / steps, 3),
-                "device_ms": round(table["device_ms"] / steps, 3),
-                "kernels": round(table["kernel_launches"] / steps, 1),
-                "top_kernels_ms": {r["kernel"]: round(r["ms"] / steps, 4) for r in table["top"][:8]},
-                "top_host_ms": {r["op"]: round(r["ms"] / steps, 4) for r in table["host_top"]}}
+        with variant(path):  # each path as its own, as when it decoded
+            for m in methods[path]:
+                if m.name == "prompt-lookup":
+                    continue
+                run_methods(session, tok, [m], [prompt], tokens, eos, progress=False, warmup=False)
+                plain = run_methods(session, tok, [m], [prompt], tokens, eos, progress=False, warmup=False)
+                say(f"profile {path} {m.name}")
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    records = run_methods(session, tok, [m], [prompt], tokens, eos, progress=False, warmup=False)
+                steps = max(sum(len(r["accept_counts"]) for r in records), 1)
+                table = profile_table(prof, limit=12)
+                out[path][m.name] = {
+                    "steps": steps, "wall_ms": round(1e3 * sum(r["seconds"] for r in plain) / steps, 3),
+                    "wall_ms_profiled": round(1e3 * sum(r["seconds"] for r in records) / steps, 3),
+                    "device_ms": round(table["device_ms"] / steps, 3),
+                    "kernels": round(table["kernel_launches"] / steps, 1),
+                    "top_kernels_ms": {r["kernel"]: round(r["ms"] / steps, 4) for r in table["top"][:8]},
+                    "top_host_ms": {r["op"]: round(r["ms"] / steps, 4) for r in table["host_top"]}}
     return out
 
 
@@ -455,7 +460,7 @@ def parse_args():
     p.add_argument("--paths", type=lambda t: tuple(t.split(",")), default=PATHS,
                    help="comma-separated, the baseline first: the paths decoded side by side, of eager, static-whole "
                         "(the static path reading the whole cache, probs @ values in one product, as before read_width "
-                        "and the split) "
+                        "and the split), static-tree-eager (a tree's levels launched from Python, not one graph) "
                         "and static (default eager,static)")
     p.add_argument("--smoke", action="store_true", help="CPU, 2 questions, 24 tokens: checks the script runs")
     args = p.parse_args()

@@ -3,7 +3,8 @@ bench spends device time on them: the static-cache greedy path (each decode step
 graph) against `model.generate`, the compiled TTT step loss against the eager one, the
 compiled flex TTT attention of a context-parallel shard against the dense path, a few
 online training steps through the real trainer (compiled loss, flex attention) and every
-decoding method of `eyas eval` on both decoding paths (eager, and CUDA graphs).
+decoding method of `eyas eval` on both decoding paths (eager, and CUDA graphs), the tree's
+recorded levels against its eager ones.
 
   PYTHONPATH=src:tests python3 bench/gpu_smoke.py --work /tmp/smoke
 """
@@ -132,7 +133,35 @@ def train_and_eval(folder: Path, work: Path, dev: str, texts: list[str]) -> dict
     taus = {m: round(s.tau, 3) for m, s in summarize(records, {"eagle3-chain": 7}).items()}
     assert identical, "a speculative method or the graph path changed the greedy output"
     assert replays > 0 or dev == "cpu", "the static path recorded no graph"
-    return {"train_eval": final.get("eval"), "tau": taus, "identical_to_plain": identical, "target_replays": replays}
+    same_trees, tree_replays = tree_graph(drafter)
+    assert same_trees, "the tree recorded as a graph is not the tree its eager levels draft"
+    assert tree_replays > 0 or dev == "cpu", "the tree's levels recorded no graph"
+    return {"train_eval": final.get("eval"), "tau": taus, "identical_to_plain": identical, "target_replays": replays,
+            "tree_graph_equals_eager": same_trees, "tree_replays": tree_replays}
+
+
+def tree_graph(drafter) -> tuple[bool, int]:
+    """The tree's levels replayed as one graph draft the tree its levels launched from Python
+    do (tokens and parents), draft after draft as the committed context grows past the
+    capacity the graphs were first recorded for. Returns (the same trees, graph replays)."""
+    from eyas.evaluate.drafter import DrafterSession
+
+    torch.manual_seed(0)
+    dev = drafter.fc.weight.device
+    layers = len(drafter.config.aux_layer_ids)
+    width = drafter.fc.weight.shape[1] // layers
+    sessions = [DrafterSession(drafter, capacity=16, graphs=g) for g in (False, True)]
+    for n in (9, 3, 1, 5, 12):
+        tokens = torch.randint(0, drafter.config.vocab_size, (n,))
+        aux = torch.randn(n, layers, width, device=dev)
+        trees = []
+        for session in sessions:
+            session.extend(tokens, aux)
+            tree = session.tree(7, top_k=10, max_nodes=60)
+            trees.append((tree.tokens, tree.parents))
+        if trees[0] != trees[1]:
+            return False, sessions[1].graphs.replays
+    return True, sessions[1].graphs.replays
 
 
 if __name__ == "__main__":
