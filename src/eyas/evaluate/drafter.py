@@ -182,9 +182,10 @@ class DrafterSession:
         whole cache, as recorded. Returns target ids [N], parents [N] (-1: the root) and scores
         [N] (cumulative log-probabilities), N = k + (depth - 1) * k * k."""
         m, dev = self.m, self.device
-        lp, ids = torch.log_softmax(logits.float(), -1).topk(k)  # [k]
-        tokens, parents, scores = [m.draft_to_target(ids)], [torch.full((k,), -1, device=dev)], [lp]
-        frontier = torch.arange(k, device=dev)  # node numbers fed next
+        score, ids = torch.log_softmax(logits.float(), -1).topk(k)  # [k]: the frontier's scores, as fed next
+        tok = m.draft_to_target(ids)  # [k]: the frontier's target ids
+        tokens, parents, scores = [tok], [torch.full((k,), -1, device=dev)], [score]
+        frontier = torch.arange(k, device=dev)  # its node numbers
         fed_total = k * (depth - 1)
         ancestors = torch.zeros(k, max(fed_total, 1), dtype=torch.bool, device=dev)  # [k, fed]: a row's fed ancestors
         hid = hidden[None].expand(k, -1)  # [k, H]: each frontier node's parent output
@@ -193,22 +194,22 @@ class DrafterSession:
         for d in range(1, depth):
             fed = k * (d - 1)
             slots = start + fed + rows  # [k]
-            width = None if length is None else length + fed + k
-            rel = self._slot_ids[None, :width] - start  # [1, W]: slot - start
+            slot_ids = self._slot_ids[None, :None if length is None else length + fed + k]  # [1, W]
+            rel = slot_ids - start  # [1, W]
             seen = ancestors.gather(1, rel.clamp(0, fed_total - 1).expand(k, -1)) & (rel >= 0) & (rel < fed)
-            visible = (rel < 0) | seen | (self._slot_ids[None, :width] == slots[:, None])  # [k, W]
-            h = self._layer(torch.cat(tokens).index_select(0, frontier), hid, (start - 1 + d).expand(k), slots,
-                            visible)
+            visible = (rel < 0) | seen | (slot_ids == slots[:, None])  # [k, W]
+            h = self._layer(tok, hid, (start - 1 + d).expand(k), slots, visible)
             level_logits, fed_back = m.outputs(h)  # [k, Vd], [k, H]
             lp, ids = torch.log_softmax(level_logits.float(), -1).topk(k)  # [k, k]
-            cand = (torch.cat(scores).index_select(0, frontier)[:, None] + lp).flatten()  # [k * k]
-            tokens.append(m.draft_to_target(ids.flatten()))
+            cand = (score[:, None] + lp).flatten()  # [k * k]
+            level = m.draft_to_target(ids.flatten())  # [k * k]
+            tokens.append(level)
             parents.append(frontier[:, None].expand(k, k).flatten())
             scores.append(cand)
-            best = cand.topk(k).indices  # [k]
-            row = best // k  # each new frontier node's parent, as a row of this level
+            best = cand.topk(k).indices  # [k]: the next frontier, of this level's candidates
+            row = best // k  # each one's parent, as a row of this level
             ancestors = ancestors.index_select(0, row).scatter(1, (fed + row)[:, None], True)
-            hid = fed_back.index_select(0, row)
+            hid, tok, score = fed_back.index_select(0, row), level.index_select(0, best), cand.index_select(0, best)
             frontier = first + best
             first += k * k
         return torch.cat(tokens), torch.cat(parents), torch.cat(scores)
