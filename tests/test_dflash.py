@@ -15,6 +15,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_mask
 
 from eyas.draft.build import new_drafter
 from eyas.draft.dflash import block_attention, block_mask_dense
@@ -57,11 +58,11 @@ def rms(x: torch.Tensor, w: torch.Tensor, eps: float = 1e-5) -> torch.Tensor:
 
 def reference_block(m, ids: list[int], ctx_aux: torch.Tensor) -> torch.Tensor:
     """The block's slot logits [S, Vd], one query at a time: ids [S] at positions C..C+S-1
-    after the context aux states ctx_aux [C, 3, H]."""
+    after the context aux states ctx_aux [C, 3, H]; in `causal_layers` slot s sees slots 0..s."""
     C, S = ctx_aux.shape[0], len(ids)
     ctx = [rms(m.fc.weight @ ctx_aux[c].reshape(-1), m.hidden_norm.weight) for c in range(C)]
     x = [m.embed_tokens.weight[t] for t in ids]
-    for layer in m.layers:
+    for li, layer in enumerate(m.layers):
         a = layer.self_attn
         nH, nKV, d = a.n_heads, a.n_kv, a.head_dim
 
@@ -75,11 +76,12 @@ def reference_block(m, ids: list[int], ctx_aux: torch.Tensor) -> torch.Tensor:
         out = []
         for s in range(S):
             q = rope(rms((a.q_proj.weight @ h[s]).view(nH, d), a.q_norm.weight), C + s)
+            seen = kv[: C + s + 1] if li in m.config.causal_layers else kv
             heads = []
             for hd in range(nH):
                 g = hd // (nH // nKV)
-                w = torch.stack([q[hd] @ k[g] for k, _ in kv]).div(math.sqrt(d)).softmax(0)
-                heads.append(sum(w[j] * v[g] for j, (_, v) in enumerate(kv)))
+                w = torch.stack([q[hd] @ k[g] for k, _ in seen]).div(math.sqrt(d)).softmax(0)
+                heads.append(sum(w[j] * v[g] for j, (_, v) in enumerate(seen)))
             y = x[s] + a.o_proj.weight @ torch.cat(heads)
             z = rms(y, layer.post_attention_layernorm.weight)
             mlp = layer.mlp
@@ -104,8 +106,10 @@ def reference_dflash(m, input_ids, hidden, labels, decay: float, rows: torch.Ten
     return logits, reference_loss(logits, labels, decay, rows)
 
 
-def test_training_step_matches_plain_reference_forward_and_gradients():
-    check_against_reference(*make_setup(), reference_dflash)
+@pytest.mark.parametrize("causal_layers", [(), (1,)])
+def test_training_step_matches_plain_reference_forward_and_gradients(causal_layers):
+    """Also with a layer whose slots see only the block's slots up to their own (speculators')."""
+    check_against_reference(*make_setup(causal_layers=causal_layers), reference_dflash)
 
 
 def test_sampled_anchors_train_as_the_reference_on_those_rows():
@@ -181,6 +185,12 @@ def test_block_attention_sees_each_anchors_context_and_its_own_block():
     dense_mask = block_mask_dense(anchor, S, T)
     flex_mask = _block_mask_flex(anchor, S, T)
     assert torch.equal(flex_mask.to_dense().bool(), _blocks(dense_mask, flex_mask.BLOCK_SIZE))
+    causal = block_mask_dense(anchor, S, T, causal=True)  # slot s: the block's slots 0..s
+    slot = torch.arange(S * N) // N
+    assert torch.equal(causal[..., T:], dense_mask[..., T:] & (slot[None, :] <= slot[:, None]))
+    assert torch.equal(causal[..., :T], dense_mask[..., :T])
+    assert torch.equal(create_mask(_block_mask_flex(anchor, S, T, causal=True).mask_mod, 2, None, S * N,
+                                   T + S * N, device="cpu")[:, 0], causal)
     q, k, v = torch.randn(2, 2, S * N, 16), torch.randn(2, 2, T + S * N, 16), torch.randn(2, 2, T + S * N, 16)
     dense = block_attention(q, k, v, dense_mask[:, None])
     w = (q @ k.transpose(-1, -2) / 4).masked_fill(~dense_mask[:, None], float("-inf")).softmax(-1)
@@ -201,26 +211,34 @@ def _blocks(mask: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
 def test_compiled_flex_block_attention_on_cuda_equals_dense_across_lengths():
     """Training on CUDA runs the block attention as compiled flex attention, its mask built per
     batch from the anchors. Values and gradients equal the dense path's for each length and
-    anchor count in turn (float32; 1e-4), and a bf16 training step of the whole drafter runs
-    with sampled anchors (head dim 16: flex's compiled kernel needs at least 16)."""
+    anchor count in turn, the last with causal blocks (float32; 1e-4); a drafter with a causal
+    layer gives the CPU's logits, and a bf16 training step of it runs with sampled anchors (head
+    dim 16: flex's compiled kernel needs at least 16)."""
     from eyas.draft.dflash import _block_mask_flex
 
     g = torch.Generator(device="cuda").manual_seed(5)
-    for T, S, N in ((300, 8, 300), (1000, 8, 96), (130, 4, 130), (64, 8, 7)):
+    for (T, S, N), causal in zip(((300, 8, 300), (1000, 8, 96), (130, 4, 130), (64, 8, 7), (200, 8, 50)),
+                                 (False, False, False, False, True)):
         anchor = torch.stack([torch.randperm(T, device="cuda", generator=g)[:N].sort().values for _ in range(2)])
         leaves = [torch.randn(2, 3, S * N + extra, 64, device="cuda", generator=g, requires_grad=True)
                   for extra in (0, T, T)]
         weight = torch.linspace(-1, 1, S * N, device="cuda")[:, None]
         out = {}
-        for name, mask in (("flex", _block_mask_flex(anchor, S, T)), ("dense", block_mask_dense(anchor, S, T)[:, None])):
+        for name, mask in (("flex", _block_mask_flex(anchor, S, T, causal)),
+                           ("dense", block_mask_dense(anchor, S, T, causal)[:, None])):
             y = block_attention(*leaves, mask)
             out[name] = (y.detach(), torch.autograd.grad((y * weight).sum(), leaves))
         torch.testing.assert_close(out["flex"][0], out["dense"][0], atol=1e-4, rtol=1e-4)
         for a, b in zip(out["flex"][1], out["dense"][1]):
             torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    drafter, head, draft_ids, input_ids, hidden, loss_mask = make_setup(head_dim=16)
-    drafter, head = drafter.cuda(), head.to("cuda")
-    rows = anchor_rows(loss_mask, K, 3, (0, 0)).cuda()
+    drafter, head, draft_ids, input_ids, hidden, loss_mask = make_setup(head_dim=16, causal_layers=(1,))
+    rows = anchor_rows(loss_mask, K, 3, (0, 0))
+    with torch.no_grad():  # a causal layer's flex mask gives the dense path's logits
+        dense = drafter.forward_ttt(input_ids, hidden[:, :, :3], K, rows)
+        flex = drafter.cuda().forward_ttt(input_ids.cuda(), hidden[:, :, :3].cuda(), K, rows.cuda())
+    for a, b in zip(flex, dense):
+        torch.testing.assert_close(a.cpu(), b, atol=1e-4, rtol=1e-4)
+    head, rows = head.to("cuda"), rows.cuda()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         labels = make_labels(head, hidden[:, :, -1].cuda(), loss_mask.cuda(), draft_ids.cuda())
         loss = drafter(input_ids.cuda(), hidden[:, :, :3].cuda(), labels, torch.ones(K, device="cuda"),
@@ -229,10 +247,11 @@ def test_compiled_flex_block_attention_on_cuda_equals_dense_across_lengths():
     assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in drafter.parameters() if p.requires_grad)
 
 
-def test_decoding_block_equals_the_training_rows():
+@pytest.mark.parametrize("causal_layers", [(), (0,)])
+def test_decoding_block_equals_the_training_rows(causal_layers):
     """DFlashSession (cached context, one pass per block) proposes what training scored at
     the same anchor, row by row, also after extending the context in pieces."""
-    drafter, _, _, input_ids, hidden, _ = make_setup()
+    drafter, _, _, input_ids, hidden, _ = make_setup(causal_layers=causal_layers)
     drafter.eval()
     with torch.no_grad():
         logits = drafter.forward_ttt(input_ids, hidden[:, :, :3])
@@ -254,6 +273,10 @@ def test_a_dflash_config_refuses_what_it_cannot_hold():
         tiny_config(drafter="dflash", mask_token_id=3, fc_norm=True)
     with pytest.raises(EyasError, match="exactly one layer"):
         tiny_config(drafter="peagle", mask_token_id=3, num_hidden_layers=2)
+    with pytest.raises(EyasError, match="causal_layers"):
+        tiny_config(drafter="dflash", mask_token_id=3, num_hidden_layers=2, causal_layers=(2,))
+    with pytest.raises(EyasError, match="block drafter"):
+        tiny_config(causal_layers=(0,))
 
 
 def toy_dflash(draft_std: float):
@@ -383,3 +406,7 @@ def test_export_writes_vllms_dflash_layout_and_refuses_the_others(tmp_path):
     for layout in ("sglang", "speculators"):
         with pytest.raises(EyasError, match="exports only --to vllm"):
             export_drafter(ExportConfig(ckpt=str(tmp_path / "ckpt"), to=layout, out=str(tmp_path / layout)))
+    causal = make_setup(causal_layers=(1,))[0]  # as imported from speculators' sliding-window layers
+    save_drafter(causal, tmp_path / "causal")
+    with pytest.raises(EyasError, match=r"Layers \[1\] .* causally .* eyas eval only"):
+        export_drafter(ExportConfig(ckpt=str(tmp_path / "causal"), to="vllm", out=str(tmp_path / "causal-vllm")))

@@ -318,7 +318,7 @@ REFUSALS = {
     "two decoder layers": ("specforge", lambda c: c.update(num_hidden_layers=2), "num_hidden_layers"),
     "a Qwen3 decoder layer": ("spec", lambda c: c["transformer_layer_config"].update(model_type="qwen3"), "model_type"),
     "no hidden_size": ("spec", lambda c: c["transformer_layer_config"].pop("hidden_size"), "`hidden_size`"),
-    "not EAGLE-3": ("spec", lambda c: c.update(speculators_model_type="dflash"), "'eagle3'"),
+    "not EAGLE-3 or DFlash": ("spec", lambda c: c.update(speculators_model_type="mtp"), "'eagle3' and 'dflash'"),
     "ids that disagree": ("specforge", lambda c: c.update(eagle_aux_hidden_state_layer_ids=[2, 4, 6]),
                           "name different layers"),
     "ids past the last layer": ("specforge", lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 3, 8]),

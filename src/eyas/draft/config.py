@@ -57,6 +57,9 @@ class DraftConfig:
     drafter: str = kinds.DEFAULT  # the kind (draft/kinds.py)
     num_hidden_layers: int = 1  # decoder layers (a kind that is not `deep` has one)
     mask_token_id: int | None = None  # a kind with a `mask_token`: the token whose embedding marks the slots to fill
+    # A block kind's layers whose block slots see only the slots up to their own (speculators'
+    # sliding-window DFlash layers); the others see the whole block. eyas trains none; `eyas import` sets them.
+    causal_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -68,6 +71,12 @@ class DraftConfig:
                                                                     for k in ids):
             raise EyasError(f"the drafter's `aux_layer_ids` {ids!r} is not a list of layer ids (integers >= 0).")
         self.aux_layer_ids = tuple(int(k) for k in ids)
+        layers = self.causal_layers
+        if not isinstance(layers, (list, tuple)) or not all(
+                Number(lo=0, integer=True, required=True).accepts(k) and k < self.num_hidden_layers for k in layers):
+            raise EyasError(f"the drafter's `causal_layers` {layers!r} is not a list of its layer indices "
+                            f"(0..{self.num_hidden_layers - 1}).")
+        self.causal_layers = tuple(sorted({int(k) for k in layers}))
         if self.draft_vocab_size > self.vocab_size:
             raise EyasError(f"draft_vocab_size {self.draft_vocab_size} exceeds the target vocabulary {self.vocab_size}.")
         if self.num_attention_heads % self.num_key_value_heads:

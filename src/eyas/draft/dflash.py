@@ -5,10 +5,12 @@ A block sits right after the committed context: slot 0 holds the last committed 
 predicts the token at P+s. The block's queries attend, without a causal mask, to each other
 and to the context: every draft layer projects its own keys and values from the same
 context states `hidden_norm(fc(aux))` (the target's aux states at positions < P), with the
-layer's `k_norm` and rotary position. Layers are Qwen3-style (per-head `q_norm`/`k_norm`),
-then `norm` and `lm_head` over the draft vocabulary. Weight names are vLLM's
-(`layers.i.*`, `fc`, `hidden_norm`, `norm`, `lm_head`, `d2t`; models/qwen3_dflash.py); the
-embeddings are the target's, frozen, and never saved.
+layer's `k_norm` and rotary position. In the layers of `causal_layers` (drafters imported from
+speculators' sliding-window layers; eyas trains none) slot s sees only slots 0..s of the block.
+Layers are Qwen3-style (per-head `q_norm`/`k_norm`), then `norm` and `lm_head` over the draft
+vocabulary. Weight names are vLLM's (`layers.i.*`, `fc`, `hidden_norm`, `norm`, `lm_head`,
+`d2t`; models/qwen3_dflash.py), and speculators' too; the embeddings are the target's, frozen,
+and never saved.
 
 Training runs the blocks of many anchors at once. Row i's block is anchored at P = i+1: its
 context is the aux states at 0..i, slot 0 holds token i+1, and slot k+1 predicts the
@@ -128,8 +130,9 @@ class DFlashDrafter(Drafter):
         cos_c, sin_c = self.rotary(ctx, torch.arange(T, device=input_ids.device).expand(B, T))
         slots = torch.arange(S, device=input_ids.device)[None, :, None]
         cos_b, sin_b = self.rotary(x, (anchor[:, None, :] + 1 + slots).flatten(1))  # slot s of row i at i+1+s
-        mask = block_mask(anchor, S, T)
-        for layer in self.layers:
+        causal = self.config.causal_layers
+        masks = {c: block_mask(anchor, S, T, c) for c in {i in causal for i in range(len(self.layers))}}
+        for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             q = attn.query(h, cos_b, sin_b)  # [B, nH, S*N, d]
@@ -137,7 +140,7 @@ class DFlashDrafter(Drafter):
             kc, vc = attn.key_value(ctx, cos_c, sin_c)  # [B, nKV, T, d]
             k = attn.repeat(torch.cat([kc, kb], dim=2))  # [B, nH, T + S*N, d]
             v = attn.repeat(torch.cat([vc, vb], dim=2))
-            out = block_attention(q, k, v, mask)  # [B, nH, S*N, d]
+            out = block_attention(q, k, v, masks[i in causal])  # [B, nH, S*N, d]
             x = layer.finish(x, out.transpose(1, 2).flatten(2))
         normed = self.norm(x.view(B, S, N, -1)[:, 1:]).transpose(1, 2)  # [B, N, K, H]
         b, n = valid.nonzero(as_tuple=True)
@@ -177,13 +180,14 @@ def anchor_table(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(valid, ordered, 0), valid
 
 
-def block_mask(anchor: torch.Tensor, S: int, T: int):
+def block_mask(anchor: torch.Tensor, S: int, T: int, causal: bool = False):
     """The visibility of the blocks of anchors [B, N] over T context positions: query (s, n) sees
-    context positions <= anchor n and the S block entries of anchor n. A flex BlockMask on CUDA
-    (built once per batch, for every layer), else a dense [B, 1, S*N, T + S*N] bool mask."""
+    context positions <= anchor n and the S block entries of anchor n (`causal`: slots 0..s of
+    them). A flex BlockMask on CUDA (built once per batch, for every layer of its kind), else a
+    dense [B, 1, S*N, T + S*N] bool mask."""
     if anchor.is_cuda:
-        return _block_mask_flex(anchor, S, T)
-    return block_mask_dense(anchor, S, T)[:, None]
+        return _block_mask_flex(anchor, S, T, causal)
+    return block_mask_dense(anchor, S, T, causal)[:, None]
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> torch.Tensor:
@@ -194,17 +198,20 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask) -> 
     return compiled("dflash-block")(q, k, v, block_mask=mask)
 
 
-def block_mask_dense(anchor: torch.Tensor, S: int, T: int) -> torch.Tensor:
+def block_mask_dense(anchor: torch.Tensor, S: int, T: int, causal: bool = False) -> torch.Tensor:
     """[B, S*N, T + S*N] bool: the visibility `block_attention` applies."""
     N = anchor.shape[1]
-    n = torch.arange(S * N, device=anchor.device) % N  # each query's anchor
+    q = torch.arange(S * N, device=anchor.device)
+    n = q % N  # each query's anchor
     kv = torch.arange(T + S * N, device=anchor.device)
     context = (kv < T) & (kv <= anchor[:, n, None])  # [B, S*N, T + S*N]
     block = (kv >= T) & ((kv - T) % N == n[:, None])  # [S*N, T + S*N]
+    if causal:  # slot-major: the entry's slot is (kv - T) // N, the query's q // N
+        block &= (kv - T) // N <= (q // N)[:, None]
     return context | block
 
 
-def _block_mask_flex(anchor: torch.Tensor, S: int, T: int):
+def _block_mask_flex(anchor: torch.Tensor, S: int, T: int, causal: bool = False):
     """The flex BlockMask of `block_mask_dense`. The mask reads the batch's sizes from tensors,
     not Python ints, so the compiled attention guards on no length: batches of every length
     and anchor count share its compiled variants."""
@@ -214,6 +221,9 @@ def _block_mask_flex(anchor: torch.Tensor, S: int, T: int):
     def mask(b, h, q_idx, kv_idx):
         n = q_idx % anchors
         before = (kv_idx < context) & (kv_idx <= anchor[b, n])
-        return before | ((kv_idx >= context) & ((kv_idx - context) % anchors == n))
+        own = (kv_idx >= context) & ((kv_idx - context) % anchors == n)
+        if causal:
+            own = own & ((kv_idx - context) // anchors <= q_idx // anchors)
+        return before | own
 
     return create_block_mask(mask, B=B, H=None, Q_LEN=S * N, KV_LEN=T + S * N, device=anchor.device)

@@ -99,6 +99,8 @@ class Kind:
         if self.mask_token and (cfg.mask_token_id is None or not 0 <= cfg.mask_token_id < cfg.vocab_size):
             raise EyasError(f"{self.a_title(True)} drafter needs a mask token id in 0..{cfg.vocab_size - 1}, not "
                             f"{cfg.mask_token_id}.")
+        if cfg.causal_layers and self.drafting != BLOCK:
+            raise EyasError(f"causal_layers are a block drafter's; {self.a_title()} drafter has none.")
         if not self.eagle_options and (cfg.fc_norm or cfg.norm_output or cfg.norm_before_residual):
             raise EyasError(f"fc_norm, norm_output and norm_before_residual are EAGLE-3 options; {self.a_title()} "
                             f"drafter has none of them.")
@@ -144,6 +146,13 @@ def _eagle3_check(cfg) -> None:
                         "train --draft-layers with --draft-attention gqa.")
 
 
+def _dflash_served(cfg) -> None:
+    if cfg.causal_layers:  # vLLM's qwen3_dflash.py: a sliding-window layer, or every layer (dflash_config.causal)
+        raise EyasError(f"Layers {list(cfg.causal_layers)} of this DFlash drafter attend causally within the block "
+                        "(imported from speculators' sliding-window layers); eyas writes no vLLM config that serves "
+                        "that (vLLM 0.32 reads it from sliding-window layers), so the drafter runs in eyas eval only.")
+
+
 def _peagle_served(cfg) -> None:
     if cfg.attention == MLA:  # deepseek_eagle3.py has no `mask_hidden`, which the proposer reads
         raise EyasError("vLLM 0.32 serves parallel drafting (P-EAGLE) only with its Llama EAGLE-3 head, not "
@@ -158,7 +167,7 @@ register(Kind(
     name="dflash", title="DFlash", summary="a block of K in one pass of a few layers",
     module="eyas.draft.dflash:DFlashDrafter", vllm_config=vllm_config.dflash, drafting=BLOCK,
     attentions=(GQA,), deep=True, default_layers=default_num_layers, mask_token=True, eagle_options=False,
-    anchored=True, formats=("vllm",), vllm_method={"method": "dflash"}))
+    anchored=True, formats=("vllm",), vllm_method={"method": "dflash"}, check_served=_dflash_served))
 register(Kind(
     name="peagle", title="P-EAGLE", summary="EAGLE-3 drafting its K in one pass (vLLM's parallel_drafting)",
     module="eyas.draft.peagle:PEagleDrafter", vllm_config=vllm_config.peagle, drafting=PARALLEL,

@@ -2,7 +2,8 @@
 projected from the committed context's states (one entry per position, from the target's
 aux states there), and one forward pass over the block [last token, mask x K] at positions
 P..P+K proposes K tokens, slot s predicting the token at P+s. The block attends to the whole
-cached context and to itself, without a causal mask; its own entries are never cached.
+cached context and to itself, without a causal mask (in the drafter's `causal_layers`, slot s
+to slots 0..s of it); its own entries are never cached.
 """
 
 from __future__ import annotations
@@ -72,12 +73,14 @@ class DFlashSession:
         slots = start + torch.arange(S, device=self.device)
         cos, sin = m.rotary(x, slots[None])
         visible = self._slot_ids[None, :width] < start + S  # [1, W]: every query, the context and the block
+        causal = self._slot_ids[None, :width] <= slots[:, None]  # [S, W]: slot s, the context and slots 0..s
         self.cache.aim(slots, visible.shape[-1])
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
             k, v = self.cache.update(*attn.key_value(h, cos, sin), i)  # [1, nKV, W, d]
-            out = F.scaled_dot_product_attention(attn.query(h, cos, sin), k, v, attn_mask=visible, enable_gqa=True)
+            mask = causal if i in m.config.causal_layers else visible
+            out = F.scaled_dot_product_attention(attn.query(h, cos, sin), k, v, attn_mask=mask, enable_gqa=True)
             x = layer.finish(x, out.transpose(1, 2).flatten(2))
         return m.lm_head(m.norm(x[0, 1:]))
 

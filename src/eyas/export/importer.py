@@ -1,4 +1,4 @@
-"""Read EAGLE-3 drafters trained elsewhere into an eyas checkpoint, so `eyas eval` can score them.
+"""Read EAGLE-3 and DFlash drafters trained elsewhere into an eyas checkpoint, so `eyas eval` can score them.
 
 Understood layouts; anything else is refused with the field that is missing or unsupported:
 - official EAGLE-3 (SafeAILab/EAGLE): a Llama config (`LlamaForCausalLM` or
@@ -10,6 +10,14 @@ Understood layouts; anything else is refused with the field that is missing or u
 - vLLM: ids at top level, already eyas's convention (input of layer k).
 - speculators: `speculators_model_type: eagle3`, the layer in `transformer_layer_config`,
   weights under `layers.0.*`; the `speculative_tokens` it is served with becomes its depth.
+- speculators DFlash (`speculators_model_type: dflash`, its `DFlashDraftModel`): Qwen3 (or Llama)
+  layers in `transformer_layer_config` (read through transformers' config class, as the peer
+  reads them), `block_size` (depth block_size - 1), `mask_token_id`, `aux_hidden_state_layer_ids`
+  (eyas's convention already, ascending); weights under eyas's own names (`layers.i.*`, `fc`,
+  `hidden_norm`, `norm`, `lm_head`, `d2t`, `t2d`), where a full-vocabulary drafter saves no
+  `lm_head` (the target's is used). Refused: `sample_from_anchor` (slot 0 drafts too). Its
+  sliding-window layers attend causally within the block unless `sliding_window_non_causal`:
+  they become eyas's `causal_layers`, exactly.
 - eyas's own exports (an `eyas` block): restored exactly, the engine-visible fields checked
   against it.
 - MLA heads (vLLM's `Eagle3DeepseekV3ForCausalLM`, SGLang's `Eagle3DeepseekV2ForCausalLM`,
@@ -19,20 +27,20 @@ In every layout the options `fc_norm` (weights `fc_norm.{i}.weight`), `norm_outp
 `norm_before_fc` (weight `input_norm.weight`; speculators' default) are read where vLLM reads
 them: at the top level of config.json. A speculators layer's sliding window (its default, 2048)
 is reported, not applied: eyas's drafter attends to the whole context, the same at any context
-up to the window.
+up to the window (DFlash: a block drafted after at most that many tokens).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoConfig
 
-from eyas.draft import mla_config as mla
+from eyas.draft import kinds, mla_config as mla
 from eyas.draft.checkpoint import CONFIG, save_drafter
 from eyas.draft.config import DraftConfig
 from eyas.errors import EyasError
@@ -44,10 +52,12 @@ from eyas.models.layers import default_aux_ids
 from eyas.models.resolve import resolve_model
 from eyas.models.target_head import load_target_head
 from eyas.paths import check_confined
-from eyas.validate import COUNT
+from eyas.validate import COUNT, Number
 
 LLAMA_EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM")
 MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2", "kimi_k2")
+DFLASH_MODEL_TYPES = ("qwen3", "llama")  # speculators' --draft-arch; its DFlash layer is Qwen3's either way
+SLIDING = "sliding_attention"  # a layer type of transformers' layer_types
 SPECULATORS_PREFIX = "layers.0."
 # speculators keeps frozen copies of the target's final norm and lm_head for training; never served.
 IGNORED_PREFIXES = ("verifier_norm.", "verifier_lm_head.")
@@ -74,6 +84,10 @@ class Foreign:
     norm_before_residual: bool
     verifier: str | None  # the target named by the folder itself
     depth: int | None = None  # the draft tokens a step it is served with (speculators), its trained depth
+    drafter: str = kinds.DEFAULT  # the eyas kind it becomes
+    kind_fields: dict[str, Any] = field(default_factory=dict)  # DraftConfig fields of that kind (DFlash's)
+    layer_prefix: str | None = SPECULATORS_PREFIX  # its name for eyas's EAGLE-3 `midlayer.`; None: eyas's names
+    shared_lm_head: bool = False  # saves no lm_head when its vocabulary is the target's (it uses the target's)
 
     @property
     def attention(self) -> str:
@@ -93,13 +107,18 @@ def import_drafter(src: str | Path, out: str | Path, *, target: str | None = Non
     foreign = parse_config(raw, src)
     own = DraftConfig.from_hf_dict(raw, f"{src}/{CONFIG}") if "eyas" in raw else None
     identity = target_identity(target, own, foreign, src)
-    state = {_eyas_name(k): v for k, v in read_tensors(src).items() if not k.startswith(IGNORED_PREFIXES)}
+    state = {_eyas_name(k, foreign.layer_prefix): v for k, v in read_tensors(src).items()
+             if not k.startswith(IGNORED_PREFIXES)}
     cfg = own or draft_config(foreign, identity, state, src)
     if own is not None:
         check_agrees(own, foreign, src)
+    reference = target or foreign.verifier or cfg.identity.model
     embed = state.pop("embed_tokens.weight", None)
     if embed is not None:
-        check_embeddings(embed, target or foreign.verifier or cfg.identity.model, src)
+        check_embeddings(embed, reference, src)
+    shared_head = foreign.shared_lm_head and "lm_head.weight" not in state and cfg.draft_vocab_size == cfg.vocab_size
+    if shared_head:
+        state["lm_head.weight"] = load_target_head(resolve_model(reference)).lm_head_weight
     state.update(vocab_tables(state, cfg, src))
     model = build_drafter(cfg, state, str(src))
     with owned_out(out, force, src, "import"):
@@ -108,9 +127,11 @@ def import_drafter(src: str | Path, out: str | Path, *, target: str | None = Non
         "layout": foreign.layout, "out": str(out), "target": cfg.identity.model,
         "aux_layer_ids": list(cfg.aux_layer_ids), "draft_vocab_size": cfg.draft_vocab_size, "depth": cfg.depth,
         "embed_tokens": "equal to the target's, dropped" if embed is not None else "absent (the target's are used)",
+        "drafter": cfg.drafter, **{k: list(v) if isinstance(v, tuple) else v for k, v in foreign.kind_fields.items()},
+        **({"lm_head": "absent (full vocabulary): the target's"} if shared_head else {}),
     }
     window = foreign.layer.get("sliding_window")
-    if window and "sliding_attention" in (foreign.layer.get("layer_types") or ["sliding_attention"]):
+    if window and SLIDING in (foreign.layer.get("layer_types") or [SLIDING]):
         summary["sliding_window"] = (f"{window} tokens in training, not applied: eyas attends to the whole context "
                                      f"(the same drafts while the context is at most {window} tokens)")
     return summary
@@ -137,16 +158,7 @@ def _field(d: dict[str, Any], key: str, where: str, why: str = "") -> Any:
 def parse_config(raw: dict[str, Any], src: Path) -> Foreign:
     where = f"{src}/{CONFIG}"
     if "speculators_model_type" in raw:
-        if raw["speculators_model_type"] != "eagle3":
-            raise EyasError(f"{where}: speculators_model_type is {raw['speculators_model_type']!r}; "
-                            "eyas imports only 'eagle3' speculators.")
-        layer = _field(raw, "transformer_layer_config", where)
-        nbr = _field(raw, "norm_before_residual", where,
-                     " (vLLM assumes true when it is absent, the speculators library false)")
-        ids = raw.get("eagle_aux_hidden_state_layer_ids")
-        verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-        foreign = Foreign("speculators", raw, layer, tuple(ids) if ids else None, bool(nbr), verifier,
-                          _speculative_tokens(raw, where))
+        foreign = _speculators(raw, where)
     else:
         architectures = _field(raw, "architectures", where)
         if not set(architectures) & {*LLAMA_EAGLE3_ARCHITECTURES, *mla.ARCHITECTURES}:
@@ -163,6 +175,65 @@ def parse_config(raw: dict[str, Any], src: Path) -> Foreign:
                 COUNT.check(f"{where}: `{key}`", d[key])
     _check_supported(foreign, where)
     return foreign
+
+
+def _speculators(raw: dict[str, Any], where: str) -> Foreign:
+    """A folder speculators saved: its EAGLE-3 head or its DFlash drafter."""
+    kind = raw["speculators_model_type"]
+    if kind not in ("eagle3", "dflash"):
+        raise EyasError(f"{where}: speculators_model_type is {kind!r}; eyas imports only 'eagle3' and 'dflash' "
+                        "speculators.")
+    layer = _field(raw, "transformer_layer_config", where)
+    verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    if kind == "dflash":
+        return _speculators_dflash(raw, layer, verifier, where)
+    nbr = _field(raw, "norm_before_residual", where,
+                 " (vLLM assumes true when it is absent, the speculators library false)")
+    ids = raw.get("eagle_aux_hidden_state_layer_ids")
+    return Foreign("speculators", raw, layer, tuple(ids) if ids else None, bool(nbr), verifier,
+                   _speculative_tokens(raw, where))
+
+
+def _speculators_dflash(raw: dict[str, Any], layer: Any, verifier: str | None, where: str) -> Foreign:
+    """speculators' DFlashDraftModel as eyas's DFlash drafter (module docstring): its block,
+    mask token, aux ids and layers; its sliding-window layers' causal blocks as `causal_layers`."""
+    if raw.get("sample_from_anchor"):
+        raise EyasError(f"{where}: sample_from_anchor is true (slot 0 drafts a token too); eyas's DFlash drafts only "
+                        "the slots after the last token, so it cannot run this drafter.")
+    block = _field(raw, "block_size", where)
+    COUNT.check(f"{where}: `block_size`", block)
+    if block < 2:
+        raise EyasError(f"{where}: block_size is {block}; a DFlash block holds the last token and at least one "
+                        "token to draft (block_size >= 2).")
+    mask = _field(raw, "mask_token_id", where, " (the token whose embedding fills the slots to draft)")
+    Number(lo=0, integer=True, required=True).check(f"{where}: `mask_token_id`", mask)
+    ids = _check_ids(_field(raw, "aux_hidden_state_layer_ids", where), "aux_hidden_state_layer_ids", where)
+    if not ids or ids != sorted(set(ids)):
+        raise EyasError(f"{where}: aux_hidden_state_layer_ids {ids} are not distinct ascending layer ids; eyas feeds "
+                        "fc the aux states in ascending layer order.")
+    layer = _peer_layer(layer, where)
+    sliding = [i for i, kind in enumerate(layer.get("layer_types") or []) if kind == SLIDING]
+    causal = () if raw.get("sliding_window_non_causal") else tuple(sliding)
+    fields = {"mask_token_id": mask, "num_hidden_layers": layer.get("num_hidden_layers", 1), "causal_layers": causal}
+    return Foreign("speculators DFlash", raw, layer, tuple(ids), False, verifier, block - 1, "dflash", fields,
+                   layer_prefix=None, shared_lm_head=True)
+
+
+def _peer_layer(layer: Any, where: str) -> dict[str, Any]:
+    """The DFlash layer's fields as the peer reads them: through transformers' config class of its
+    model_type (Qwen3 without one), which fills in what the file leaves out (e.g. Qwen3's
+    layer_types, from use_sliding_window and max_window_layers). Another model_type is left as
+    it is, for `_check_supported` to refuse."""
+    if not isinstance(layer, dict):
+        raise EyasError(f"{where}: the decoder layer's config is not a JSON object.")
+    model_type = layer.get("model_type", DFLASH_MODEL_TYPES[0])
+    if model_type not in DFLASH_MODEL_TYPES:
+        return layer
+    try:
+        return type(AutoConfig.for_model(model_type))(**layer).to_dict()
+    except (TypeError, ValueError) as e:
+        raise EyasError(f"{where}: transformer_layer_config is not a {model_type} config transformers reads "
+                        f"({(str(e).splitlines() or [''])[0][:200]}).") from None
 
 
 def _speculative_tokens(raw: dict[str, Any], where: str) -> int | None:
@@ -188,10 +259,8 @@ def _hf_layer_ids(raw: dict[str, Any], where: str) -> tuple[str, tuple[int, ...]
                         "eyas drafters read the target's aux layers.")
     sglang = eagle.get("eagle_aux_hidden_state_layer_ids")
     for ids in (top, sglang):
-        if ids is not None and (not isinstance(ids, list)
-                                or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in ids)):
-            raise EyasError(f"{where}: eagle_aux_hidden_state_layer_ids {ids!r} is not a list of layer ids "
-                            f"(integers >= 0).")
+        if ids is not None:
+            _check_ids(ids, "eagle_aux_hidden_state_layer_ids", where)
     if sglang:
         shifted = tuple(int(k) + 1 for k in sglang)
         if top and tuple(top) != shifted:
@@ -203,16 +272,25 @@ def _hf_layer_ids(raw: dict[str, Any], where: str) -> tuple[str, tuple[int, ...]
     return "EAGLE-3, no layer ids (engine default)", None
 
 
+def _check_ids(ids: Any, key: str, where: str) -> list[int]:
+    """`ids` if it is a list of layer ids (integers >= 0); else one line naming `key`."""
+    if not isinstance(ids, list) or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in ids):
+        raise EyasError(f"{where}: {key} {ids!r} is not a list of layer ids (integers >= 0).")
+    return ids
+
+
 def _check_supported(foreign: Foreign, where: str) -> None:
+    kind = kinds.get(foreign.drafter)
     for d in (foreign.raw, foreign.layer):
         for key, what in UNSUPPORTED.items():
             if d.get(key):
-                raise EyasError(f"{where}: {key} is set ({what}); eyas's EAGLE-3 drafter does not implement it.")
-    kinds = MLA_MODEL_TYPES if foreign.attention == "mla" else ("llama",)
-    if foreign.layer.get("model_type", kinds[0]) not in kinds:
+                raise EyasError(f"{where}: {key} is set ({what}); eyas's {kind.title} drafter does not implement it.")
+    types = DFLASH_MODEL_TYPES if kind.drafting == kinds.BLOCK else (
+        MLA_MODEL_TYPES if foreign.attention == "mla" else ("llama",))
+    if foreign.layer.get("model_type", types[0]) not in types:
         raise EyasError(f"{where}: the decoder layer's model_type is {foreign.layer['model_type']!r}; "
-                        f"eyas imports {' or '.join(kinds)} layers for {foreign.raw.get('architectures')}.")
-    if foreign.layer.get("num_hidden_layers", 1) != 1:
+                        f"eyas imports {' or '.join(types)} layers for {foreign.raw.get('architectures')}.")
+    if kind.drafting == kinds.STEPS and foreign.layer.get("num_hidden_layers", 1) != 1:
         raise EyasError(f"{where}: num_hidden_layers is {foreign.layer['num_hidden_layers']}; "
                         "eyas imports one-layer EAGLE-3 heads (it trains deeper ones with --draft-layers, but "
                         "does not read them back).")
@@ -272,7 +350,7 @@ def draft_config(foreign: Foreign, identity: ModelIdentity, state: dict[str, tor
         rms_norm_eps=layer.get("rms_norm_eps", 1e-6), rope_parameters=rope_parameters(layer),
         max_position_embeddings=layer.get("max_position_embeddings", 8192), hidden_act=layer.get("hidden_act", "silu"),
         norm_before_residual=foreign.norm_before_residual, **foreign.options,
-        **({"ttt_steps": foreign.depth} if foreign.depth else {}),
+        **({"ttt_steps": foreign.depth} if foreign.depth else {}), drafter=foreign.drafter, **foreign.kind_fields,
     )
 
 
@@ -300,8 +378,9 @@ def check_agrees(own: DraftConfig, foreign: Foreign, src: Path) -> None:
                             "the file was edited after export.")
 
 
-def _eyas_name(name: str) -> str:
-    return EYAS_PREFIX + name.removeprefix(SPECULATORS_PREFIX) if name.startswith(SPECULATORS_PREFIX) else name
+def _eyas_name(name: str, layer_prefix: str | None) -> str:
+    """eyas's name of a foreign tensor: its EAGLE-3 layer under `midlayer.`."""
+    return EYAS_PREFIX + name.removeprefix(layer_prefix) if layer_prefix and name.startswith(layer_prefix) else name
 
 
 def vocab_tables(state: dict[str, torch.Tensor], cfg: DraftConfig, src: Path) -> dict[str, torch.Tensor]:
