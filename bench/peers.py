@@ -21,6 +21,15 @@
                   eyas's on held-out samples), and all three are scored by the same held-out
                   teacher-forced check and the same decoding (MT-bench both turns + a second
                   prompt set, chain 7 and tree, every answer compared with plain decoding).
+  --part quality --kind dflash
+                  the same for DFlash (issue 41): eyas's DFlash (--block-size, --anchors,
+                  --position-weights) against the peer's dflash trainer matched to it (block,
+                  layers, mask token, decay as gamma, KL loss, AdamW, schedule, tokens per step,
+                  anchors per token, full attention) and at its own defaults (block 16, 5 layers,
+                  D-PACE, hard cross-entropy, Muon, 512 anchors a row of 8,192 tokens); held-out
+                  accuracy per block position; then bench/parallel_gpu.py trains eyas's EAGLE-3
+                  chain on the same store for the same minutes and decodes every drafter, prompt
+                  lookup and plain in one process on eval's static path.
   --smoke         both parts at toy sizes on the CPU (the peer on sdpa attention).
 
 The peer is imported from PYTHONPATH (speculators and its dependencies installed --no-deps
@@ -42,6 +51,7 @@ STARTED = time.monotonic()
 import argparse
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -507,9 +517,11 @@ def main() -> None:
             "torch": torch.__version__, "peer": f"speculators {version('speculators')}", "flop_formula": FLOP_FORMULA,
             "smoke": args.smoke}
     for part in ([args.part] if args.part else ["speed", "quality"]):
-        record = Record(out / f"peers_{part}{'_smoke' if args.smoke else ''}.json", args.minutes, {**meta, "part": part})
+        kind = "_dflash" if part == "quality" and args.kind == "dflash" else ""
+        record = Record(out / f"peers_{part}{kind}{'_smoke' if args.smoke else ''}.json", args.minutes,
+                        {**meta, "part": part})
         (part_speed if part == "speed" else part_quality)(args, record)
-        say(json.dumps({k: record.data[k] for k in Record.KEYS}, default=str))
+        say(json.dumps({k: v for k, v in record.data.items() if k != "parts"}, default=str)[:3000])
 
 
 def _device_name(device: str) -> str:
@@ -537,6 +549,19 @@ def add_quality_args(p) -> None:
     q.add_argument("--max-len", type=int, default=1024)
     q.add_argument("--lr", type=float, default=1e-3)
     q.add_argument("--ttt-steps", type=int, default=7, help="eyas's recipe; the matched peer unrolls as many")
+    q.add_argument("--kind", choices=["eagle3", "dflash"], default="eagle3",
+                   help="the drafter every arm trains: eyas's EAGLE-3 recipe against the peer's eagle3 (default), or "
+                        "eyas's DFlash against the peer's dflash trainer (then the decode stage also trains eyas's "
+                        "EAGLE-3 chain on the same store for the same minutes, and decodes all of them in one process "
+                        "with bench/parallel_gpu.py)")
+    q.add_argument("--block-size", type=int, default=8, help="dflash: eyas's block, and the matched peer's")
+    q.add_argument("--draft-layers", type=int, default=None,
+                   help="dflash: decoder layers, eyas's and the matched peer's (default: eyas's, a tenth of the target's)")
+    q.add_argument("--anchors", type=int, default=128,
+                   help="dflash: eyas's anchors per sample and step (128 trained better than 512 at equal minutes, "
+                        "bench/results/parallel_dflash_anchors_h200.json); the matched peer gets as many per token")
+    q.add_argument("--position-weights", choices=["decay", "dpace"], default="decay",
+                   help="dflash: eyas's --position-weights, and the matched peer's (fixed-exp-decay or dpace)")
     q.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
                    help="eyas's (`eyas train --optimizer`); the matched peer uses the same")
     q.add_argument("--heldout-samples", type=int, default=24)
@@ -575,7 +600,7 @@ def part_quality(args, record: Record) -> None:
              ("peer_defaults", 60 * args.arm_minutes + 20 + peer_reserve, lambda: q_peer(args, ctx, matched=False)),
              ("import", 10, lambda: q_import(args, ctx)),
              ("heldout", 20, lambda: q_heldout(args, ctx)),
-             ("decode", 40, lambda: q_decode(args, ctx))]
+             ("decode", 40, lambda: (q_decode_parallel if args.kind == "dflash" else q_decode)(args, ctx))]
     for name, need, fn in steps:
         if name not in args.stages:
             continue
@@ -584,7 +609,11 @@ def part_quality(args, record: Record) -> None:
         if not (out or {}).get("ok") and name in ("data", "eyas", "convert"):
             break
     decode = record.data["parts"].get("decode") or {}
-    if decode.get("ok"):
+    if args.kind == "dflash":
+        for key in Record.KEYS:  # the EAGLE-3 run's keys; dflash_keys has its own identical_to_plain
+            record.data.pop(key, None)
+        record.data = {**dflash_keys(record.data["parts"]), **record.data, "kind": "dflash"}
+    elif decode.get("ok"):
         taus = decode["tau"]
         peers = [a for a in ARMS[1:] if f"{a}-chain" in taus]
         record.data["tau_chain_eyas"] = taus.get("eyas-chain")
@@ -597,6 +626,19 @@ def part_quality(args, record: Record) -> None:
     record.save()
     if args.work:
         shutil.copyfile(record.path, work / RECORD)
+
+
+def dflash_keys(parts: dict[str, Any]) -> dict[str, Any]:
+    """Issue 41's keys from the parts that ran: eyas's DFlash held-out accuracy over the peer's best
+    at its worst block position, DFlash's tau and MT-bench speed-up over eyas's EAGLE-3 chain on the
+    same store and minutes, and eyas's anchors and peak memory a step."""
+    eyas, held, decode = (parts.get(k) or {} for k in ("eyas", "heldout", "decode"))
+    return {"dflash_heldout_over_peer_min": held.get("eyas_over_peer_best_min"),
+            "tau_dflash_over_chain": decode.get("tau_dflash_over_chain"),
+            "speedup_dflash_over_chain": decode.get("speedup_dflash_over_chain"),
+            "tau_dflash_eyas": decode.get("tau_dflash_eyas"), "tau_dflash_peer_best": decode.get("tau_dflash_peer_best"),
+            "anchors_per_step": eyas.get("anchors_per_step"), "peak_gib_dflash": eyas.get("peak_gib"),
+            "identical_to_plain": decode.get("identical_to_plain")}
 
 
 QUALITY_STAGES = ("data", "eyas", "convert", "peer_matched", "peer_defaults", "import", "heldout", "decode")
@@ -671,6 +713,16 @@ def q_data(args, ctx) -> dict[str, Any]:
                                                                              store.num_tokens / (1 << 30), 2)}
 
 
+def eyas_options(args) -> dict[str, Any]:
+    """eyas's arm: its EAGLE-3 recipe (+ --ttt-steps), or DFlash at --block-size, --anchors,
+    --position-weights (and --draft-layers)."""
+    if args.kind == "dflash":
+        options = {"drafter": "dflash", "block_size": args.block_size, "anchors": args.anchors,
+                   "position_weights": args.position_weights}
+        return {**options, **({"draft_layers": args.draft_layers} if args.draft_layers else {})}
+    return {**EYAS_RECIPE, "ttt_steps": args.ttt_steps}
+
+
 def q_eyas(args, ctx) -> dict[str, Any]:
     """eyas train offline from the store with its recipe, its schedule sized by `--minutes`.
     A peer's minutes start after its first step, which compiles its step; so eyas's start after
@@ -681,13 +733,17 @@ def q_eyas(args, ctx) -> dict[str, Any]:
     work = ctx["work"]
     for old in ("eyas-warmup", "eyas"):  # a rerun in the same --work starts afresh
         shutil.rmtree(work / old, ignore_errors=True)
+    options = eyas_options(args)
     common = dict(store=str(ctx["store"]), batch_tokens=args.batch_tokens, lr=args.lr, max_len=args.max_len,
                   device=args.device, progress=False, save_every=10**6, eval_fraction=0.05, seed=0,
-                  ttt_steps=args.ttt_steps, optimizer=args.optimizer, **EYAS_RECIPE)
+                  optimizer=args.optimizer, **options)
     t0 = time.monotonic()
     train(TrainConfig(out=str(work / "eyas-warmup"), steps=8, eval_every=10**6, log_every=8, **common))
     warmup_s = time.monotonic() - t0
     shutil.rmtree(work / "eyas-warmup")
+    cuda = args.device.startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     t0 = time.monotonic()
     final = train(TrainConfig(out=str(work / "eyas"), minutes=args.arm_minutes, eval_every=10**6,
                               log_every=10, **common))
@@ -697,8 +753,17 @@ def q_eyas(args, ctx) -> dict[str, Any]:
     ctx.update(eyas=ckpt, steps=steps, draft_to_target=_draft_to_target(ckpt))
     return {"steps": steps, "wall_s": round(wall, 1), "warmup_s": round(warmup_s, 1),
             "schedule": "eyas train --minutes (steady-state rate), after an 8-step warm-up run",
-            "tokens_per_step": args.batch_tokens, "recipe": {**EYAS_RECIPE, "ttt_steps": args.ttt_steps,
-                                                                "optimizer": args.optimizer}, "lr": args.lr, "final": final}
+            "tokens_per_step": args.batch_tokens, "recipe": {**options, "optimizer": args.optimizer}, "lr": args.lr,
+            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+            **({"anchors_per_step": anchors_per_step(ctx, args.anchors, args.batch_tokens)} if args.kind == "dflash"
+               else {}), "final": final}
+
+
+def anchors_per_step(ctx, anchors: int, step_tokens: int) -> int:
+    """The rows eyas anchors blocks at in a step of `step_tokens`, on average: --anchors a sample,
+    or each of its trained rows where it has fewer (train/anchors.py), over its tokens."""
+    rows = _sample_rows(ctx, ctx["train_pos"])
+    return max(1, round(sum(min(anchors, masked) for _, masked in rows) / max(sum(n for n, _ in rows), 1) * step_tokens))
 
 
 def _draft_to_target(ckpt: Path) -> torch.Tensor:
@@ -769,12 +834,15 @@ def peer_command(args, ctx, save: Path, matched: bool) -> list[str]:
         cmd += ["--loss-implementation", PEER_LOSS[0]]
     tokens = ctx["steps"] * args.batch_tokens  # eyas's planned tokens: the schedule's length for both
     train_tokens = sum(_lengths(ctx, ctx["train_pos"]))
+    if args.kind == "dflash":
+        cmd += ["--speculator-type", "dflash"]
     if matched:
         per_step = args.batch_tokens
-        cmd += ["--ttt-steps", str(args.ttt_steps), "--ttt-step-loss-decay", "0.8", "--optimizer", args.optimizer,
-                "--lr", str(args.lr), "--weight-decay", "0", "--muon-weight-decay", "0", "--scheduler-type", "cosine",
-                "--scheduler-warmup-ratio", "0.03", "--total-seq-len", str(per_step), "--no-norm-before-fc",
-                "--no-norm-before-residual", "--fc-norm", "--norm-output", "--full-attention-indices", "0"]
+        cmd += ["--optimizer", args.optimizer, "--lr", str(args.lr), "--weight-decay", "0", "--muon-weight-decay", "0",
+                "--scheduler-type", "cosine", "--scheduler-warmup-ratio", "0.03", "--total-seq-len", str(per_step)]
+        cmd += matched_dflash(args, ctx, per_step) if args.kind == "dflash" else [
+            "--ttt-steps", str(args.ttt_steps), "--ttt-step-loss-decay", "0.8", "--no-norm-before-fc",
+            "--no-norm-before-residual", "--fc-norm", "--norm-output", "--full-attention-indices", "0"]
     else:
         per_step = 8192  # its --total-seq-len default
     steps = max(1, tokens // per_step)
@@ -782,11 +850,34 @@ def peer_command(args, ctx, save: Path, matched: bool) -> list[str]:
     return cmd + ["--max-steps", str(steps), "--epochs", str(epochs)]
 
 
-def _lengths(ctx, positions: list[int]) -> list[int]:
+def matched_dflash(args, ctx, per_step: int) -> list[str]:
+    """eyas's DFlash settings in the peer's flags: its block, layers, mask token, position weights
+    (decay^k as exp(-k/gamma)), the soft loss (KL: eyas's soft cross-entropy less a constant, the
+    same gradients), full attention, and eyas's anchor density. eyas draws --anchors rows a sample,
+    the peer --max-anchors a packed row of per_step tokens: the same anchors per token is eyas's
+    anchored rows over all the training tokens, times the row."""
+    from eyas.draft.checkpoint import load_config
+
+    cfg = load_config(ctx["eyas"])
+    anchors = anchors_per_step(ctx, args.anchors, per_step)
+    weights = ["--per-position-loss-weight", "dpace"] if args.position_weights == "dpace" else [
+        "--per-position-loss-weight", "fixed-exp-decay", "--dflash-decay-gamma", repr(-1 / math.log(cfg.ttt_decay))]
+    return ["--block-size", str(cfg.ttt_steps + 1), "--num-layers", str(cfg.num_hidden_layers),
+            "--mask-token-id", str(cfg.mask_token_id), "--max-anchors", str(anchors), "--loss-fn", "kl_div",
+            *weights, "--full-attention-indices", *map(str, range(cfg.num_hidden_layers))]
+
+
+def _sample_rows(ctx, positions: list[int]) -> list[tuple[int, int]]:
+    """Each sample's (tokens, rows that train a pair: its loss mask), without reading its states."""
     from eyas.store import Store
 
     store = Store(ctx["store"])
-    return [len(store.stored(p)["input_ids"]) for p in positions]
+    rows = [store.stored(p, rows=(0, 0)) for p in positions]
+    return [(len(r["input_ids"]), int(r["loss_mask"].sum())) for r in rows]
+
+
+def _lengths(ctx, positions: list[int]) -> list[int]:
+    return [n for n, _ in _sample_rows(ctx, positions)]
 
 
 def q_peer(args, ctx, matched: bool) -> dict[str, Any]:
@@ -861,7 +952,8 @@ def q_import(args, ctx) -> dict[str, Any]:
         shutil.rmtree(folder, ignore_errors=True)
         summary = import_drafter(ctx[arm], folder, target=args.model)
         ctx[f"{arm}-eyas"] = folder
-        out[arm] = {**summary, "forward_vs_peer": forward_agreement(ctx, ctx[arm], folder, args.device)}
+        agreement = dflash_forward_agreement if args.kind == "dflash" else forward_agreement
+        out[arm] = {**summary, "forward_vs_peer": agreement(ctx, ctx[arm], folder, args.device)}
     return out
 
 
@@ -902,6 +994,19 @@ def forward_agreement(ctx, peer_dir: Path, eyas_dir: Path, device: str) -> dict[
             "positions_per_step": total.int().tolist()}
 
 
+def dflash_forward_agreement(ctx, peer_dir: Path, eyas_dir: Path, device: str) -> dict[str, Any]:
+    """bench/peer_check.py's comparison of the peer's own DFlash forward with the import's, per
+    block position, on 2 held-out samples (64 anchors each), float32."""
+    from peer_check import dflash_agreement
+
+    from eyas.store import Store
+
+    store = Store(ctx["store"])
+    samples = [(s["input_ids"], s["hidden"][:, :-1], s["hidden"][:, -1])
+               for s in (store.sample(pos) for pos in ctx["held_pos"][:2])]
+    return dflash_agreement(peer_dir, eyas_dir, samples, device)
+
+
 def q_heldout(args, ctx) -> dict[str, Any]:
     """The same teacher-forced check for every drafter: eyas's own held-out scorer
     (`eyas.train.loop.score`, what `eyas train` and `eyas eval --teacher-forced` report) on the
@@ -922,20 +1027,35 @@ def q_heldout(args, ctx) -> dict[str, Any]:
     for arm, folder in _drafters(ctx).items():
         drafter = load_drafter(folder, head.embed_weight).to(device).eval()
         draft_ids = torch.arange(len(drafter.d2t), device=device) + drafter.d2t
-        m = score(source, head, drafter, draft_ids, 7, held, args.batch_tokens, 0, device,
-                  distributed.Dist())
+        depth = drafter.config.depth if args.kind == "dflash" else 7  # a block's drafted slots; EAGLE-3: 7 steps
+        m = score(source, head, drafter, draft_ids, depth, held, args.batch_tokens, 0, device, distributed.Dist())
         out[arm] = {"acc_per_step": [round(a, 4) for a in m["acc_per_step"]], "tau_sim": round(m["tau_sim"], 3),
                     "positions": m.get("positions")}
         del drafter
     source.close()
-    return {"samples": len(held), "drafters": out, "eyas_at_least_peer_best_every_step": _ge_every_step(out)}
+    return {"samples": len(held), "drafters": out, "eyas_at_least_peer_best_every_step": _ge_every_step(out),
+            "eyas_over_peer_best_min": _over_peer_best_min(out)}
+
+
+def _peer_best(out: dict) -> list[float]:
+    """The best peer drafter's accuracy at each step (or block position) every peer drafter reaches."""
+    peers = [out[a]["acc_per_step"] for a in ARMS[1:] if a in out]
+    return [max(p[k] for p in peers) for k in range(min(map(len, peers)))] if peers else []
 
 
 def _ge_every_step(out: dict) -> bool | None:
-    peers = [out[a]["acc_per_step"] for a in ARMS[1:] if a in out]
-    if "eyas" not in out or not peers:
+    best = _peer_best(out)
+    if "eyas" not in out or not best:
         return None
-    return all(e >= max(p[k] for p in peers) for k, e in enumerate(out["eyas"]["acc_per_step"]))
+    return all(e >= b for e, b in zip(out["eyas"]["acc_per_step"], best))
+
+
+def _over_peer_best_min(out: dict) -> float | None:
+    """eyas's accuracy over the peer's best at its worst step (or block position), over the steps both reach."""
+    best = _peer_best(out)
+    if "eyas" not in out or not best:
+        return None
+    return round(min(e / max(b, 1e-9) for e, b in zip(out["eyas"]["acc_per_step"], best)), 4)
 
 
 def _drafters(ctx) -> dict[str, Path]:
@@ -948,22 +1068,11 @@ def q_decode(args, ctx) -> dict[str, Any]:
     worker processes; every answer compared with plain decoding's."""
     import subprocess
 
-    from eyas.data.prepared import PreparedData
     from eyas.evaluate.report import summarize
 
     work = ctx["work"]
     mt = load_mt_bench(args)
-    prepared = PreparedData(ctx["data"])
-    store_index = _store_index(ctx)
-    conversations = prepared.conversations()
-    second = []
-    for pos in ctx["held_pos"]:
-        messages = conversations[store_index[pos]]
-        first = next((m["content"] for m in messages if m["role"] == "user"), None)
-        if first:
-            second.append({"id": f"heldout-{pos}", "prompt": first})
-        if len(second) >= args.second_set:
-            break
+    second = second_set(args, ctx)
     # The two sets interleaved: workers that run out of seconds still answer some of each.
     rows = [p for pair in zip_longest(mt[: args.questions], second) for p in pair if p is not None]
     prompts = work / "prompts.jsonl"
@@ -995,6 +1104,65 @@ def q_decode(args, ctx) -> dict[str, Any]:
             "answers": every["plain"].answers if "plain" in every else 0,
             "prompts_answered": len({r["prompt_id"] for r in records}),
             "worker_exit_codes": codes, "max_new_tokens": args.max_new_tokens, "worker_seconds": seconds}
+
+
+def second_set(args, ctx) -> list[dict[str, str]]:
+    """The second prompt set: the first user turn of held-out conversations (no arm trained on them)."""
+    from eyas.data.prepared import PreparedData
+
+    conversations = PreparedData(ctx["data"]).conversations()
+    store_index = _store_index(ctx)
+    second = []
+    for pos in ctx["held_pos"]:
+        first = next((m["content"] for m in conversations[store_index[pos]] if m["role"] == "user"), None)
+        if first:
+            second.append({"id": f"heldout-{pos}", "prompt": first})
+        if len(second) >= args.second_set:
+            break
+    return second
+
+
+def q_decode_parallel(args, ctx) -> dict[str, Any]:
+    """DFlash: bench/parallel_gpu.py trains eyas's EAGLE-3 chain (its recipe) on the same store for
+    the same minutes, then decodes it, prompt lookup and every DFlash drafter in one process on
+    eval's static path (MT-bench both turns, interleaved with the second set), each answer
+    compared with plain decoding; wall-clock speed-ups are the MT-bench ones."""
+    import subprocess
+
+    work = ctx["work"] / "parallel"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    prompts = work / "second.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in second_set(args, ctx)))
+    drafters = {"dflash": ctx["eyas"], **{f"dflash:{a.replace('_', '-')}": ctx[f"{a}-eyas"] for a in ARMS[1:]
+                                          if f"{a}-eyas" in ctx}}
+    left = ctx["left"]() / 60
+    cmd = [sys.executable, str(Path(__file__).with_name("parallel_gpu.py")), "--model", args.model,
+           "--store", str(ctx["store"]), "--work", str(work), "--out", str(work), "--device", args.device,
+           "--arms", "eagle3", "--arm-minutes", str(args.arm_minutes), "--batch-tokens", str(args.batch_tokens),
+           "--max-len", str(args.max_len), "--lr", str(args.lr), "--mt-bench", args.mt_bench or "mt-bench",
+           "--second-prompts", str(prompts), "--questions", str(args.questions),
+           "--second-questions", str(args.second_set), "--max-new-tokens", str(args.max_new_tokens),
+           "--timing-questions", "0", "--minutes", f"{left - 0.3:.2f}",
+           "--eval-minutes", f"{max(left - args.arm_minutes - 1.5, 0.5):.2f}",
+           *[x for arm, folder in drafters.items() for x in ("--drafter", f"{arm}={folder}")]]
+    subprocess.run(cmd, check=True)
+    report = json.loads((work / "parallel_gpu.json").read_text())
+    if report.get("errors"):
+        raise RuntimeError(f"parallel_gpu.py: {report['errors']}")
+    decoded = report["arms_decoded"]
+    summary = report["mt_bench"]["summary"]
+    peers = [m for m in decoded if m.startswith("dflash[")]
+    chain = decoded.get("eagle3-chain", {}).get("tau_both")
+    return {"command": " ".join(cmd[1:]), "tau": {m: v["tau_both"] for m, v in decoded.items()},
+            "tau_by_set": decoded, "speedup_mt_bench": {m: v.get("speedup") for m, v in summary.items()},
+            "tau_dflash_eyas": decoded["dflash"]["tau_both"],
+            "tau_dflash_peer_best": max((decoded[m]["tau_both"] for m in peers), default=None),
+            "tau_dflash_over_chain": round(decoded["dflash"]["tau_both"] / chain, 4) if chain else None,
+            "speedup_dflash_over_chain": (report["parallel_over_chain"].get("dflash") or {}).get("speedup_over_chain"),
+            "identical_to_plain": report["identical_to_plain"], "kept_out_of_training": report["kept_out_of_training"],
+            "eagle3_chain_arm": report["train"].get("eagle3"), "mt_bench": report["mt_bench"],
+            "second_set": report["second_set"]}
 
 
 def _store_index(ctx) -> list[int]:
