@@ -562,6 +562,9 @@ def add_quality_args(p) -> None:
                         "bench/results/parallel_dflash_anchors_h200.json); the matched peer gets as many per token")
     q.add_argument("--position-weights", choices=["decay", "dpace"], default="decay",
                    help="dflash: eyas's --position-weights, and the matched peer's (fixed-exp-decay or dpace)")
+    q.add_argument("--chain-minutes", type=float, default=None,
+                   help="dflash: minutes of eyas's EAGLE-3 chain trained for the decode stage (default --arm-minutes, "
+                        "equal to the DFlash arms'; 0: none, the DFlash drafters are decoded beside prompt lookup only)")
     q.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
                    help="eyas's (`eyas train --optimizer`); the matched peer uses the same")
     q.add_argument("--heldout-samples", type=int, default=24)
@@ -1137,14 +1140,15 @@ def q_decode_parallel(args, ctx) -> dict[str, Any]:
     drafters = {"dflash": ctx["eyas"], **{f"dflash:{a.replace('_', '-')}": ctx[f"{a}-eyas"] for a in ARMS[1:]
                                           if f"{a}-eyas" in ctx}}
     left = ctx["left"]() / 60
+    chain = args.arm_minutes if args.chain_minutes is None else args.chain_minutes
     cmd = [sys.executable, str(Path(__file__).with_name("parallel_gpu.py")), "--model", args.model,
            "--store", str(ctx["store"]), "--work", str(work), "--out", str(work), "--device", args.device,
-           "--arms", "eagle3", "--arm-minutes", str(args.arm_minutes), "--batch-tokens", str(args.batch_tokens),
+           "--arms", "eagle3" if chain else "", "--arm-minutes", str(chain), "--batch-tokens", str(args.batch_tokens),
            "--max-len", str(args.max_len), "--lr", str(args.lr), "--mt-bench", args.mt_bench or "mt-bench",
            "--second-prompts", str(prompts), "--questions", str(args.questions),
            "--second-questions", str(args.second_set), "--max-new-tokens", str(args.max_new_tokens),
            "--timing-questions", "0", "--minutes", f"{left - 0.3:.2f}",
-           "--eval-minutes", f"{max(left - args.arm_minutes - 1.5, 0.5):.2f}",
+           "--eval-minutes", f"{max(left - chain - 1.5 * bool(chain) - 0.5, 0.5):.2f}",
            *[x for arm, folder in drafters.items() for x in ("--drafter", f"{arm}={folder}")]]
     subprocess.run(cmd, check=True)
     report = json.loads((work / "parallel_gpu.json").read_text())
@@ -1153,12 +1157,12 @@ def q_decode_parallel(args, ctx) -> dict[str, Any]:
     decoded = report["arms_decoded"]
     summary = report["mt_bench"]["summary"]
     peers = [m for m in decoded if m.startswith("dflash[")]
-    chain = decoded.get("eagle3-chain", {}).get("tau_both")
+    chain_tau = decoded.get("eagle3-chain", {}).get("tau_both")
     return {"command": " ".join(cmd[1:]), "tau": {m: v["tau_both"] for m, v in decoded.items()},
             "tau_by_set": decoded, "speedup_mt_bench": {m: v.get("speedup") for m, v in summary.items()},
             "tau_dflash_eyas": decoded["dflash"]["tau_both"],
             "tau_dflash_peer_best": max((decoded[m]["tau_both"] for m in peers), default=None),
-            "tau_dflash_over_chain": round(decoded["dflash"]["tau_both"] / chain, 4) if chain else None,
+            "tau_dflash_over_chain": round(decoded["dflash"]["tau_both"] / chain_tau, 4) if chain_tau else None,
             "speedup_dflash_over_chain": (report["parallel_over_chain"].get("dflash") or {}).get("speedup_over_chain"),
             "identical_to_plain": report["identical_to_plain"], "kept_out_of_training": report["kept_out_of_training"],
             "eagle3_chain_arm": report["train"].get("eagle3"), "mt_bench": report["mt_bench"],
