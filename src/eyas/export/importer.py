@@ -179,14 +179,16 @@ def parse_config(raw: dict[str, Any], src: Path) -> Foreign:
 
 def _speculators(raw: dict[str, Any], where: str) -> Foreign:
     """A folder speculators saved: its EAGLE-3 head or its DFlash drafter."""
-    kind = raw["speculators_model_type"]
-    if kind not in ("eagle3", "dflash"):
-        raise EyasError(f"{where}: speculators_model_type is {kind!r}; eyas imports only 'eagle3' and 'dflash' "
-                        "speculators.")
+    model_type = raw["speculators_model_type"]
+    if model_type not in SPECULATORS_READERS:
+        raise EyasError(f"{where}: speculators_model_type is {model_type!r}; eyas imports only "
+                        f"{' and '.join(map(repr, SPECULATORS_READERS))} speculators.")
     layer = _field(raw, "transformer_layer_config", where)
     verifier = ((raw.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
-    if kind == "dflash":
-        return _speculators_dflash(raw, layer, verifier, where)
+    return SPECULATORS_READERS[model_type](raw, layer, verifier, where)
+
+
+def _speculators_eagle3(raw: dict[str, Any], layer: Any, verifier: str | None, where: str) -> Foreign:
     nbr = _field(raw, "norm_before_residual", where,
                  " (vLLM assumes true when it is absent, the speculators library false)")
     ids = raw.get("eagle_aux_hidden_state_layer_ids")
@@ -217,6 +219,10 @@ def _speculators_dflash(raw: dict[str, Any], layer: Any, verifier: str | None, w
     fields = {"mask_token_id": mask, "num_hidden_layers": layer.get("num_hidden_layers", 1), "causal_layers": causal}
     return Foreign("speculators DFlash", raw, layer, tuple(ids), False, verifier, block - 1, "dflash", fields,
                    layer_prefix=None, shared_lm_head=True)
+
+
+# speculators_model_type -> the reader of that layout (the peer's names, not eyas's kinds).
+SPECULATORS_READERS = {"eagle3": _speculators_eagle3, "dflash": _speculators_dflash}
 
 
 def _peer_layer(layer: Any, where: str) -> dict[str, Any]:
