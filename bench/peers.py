@@ -1033,7 +1033,8 @@ def q_heldout(args, ctx) -> dict[str, Any]:
         depth = drafter.config.depth if args.kind == "dflash" else 7  # a block's drafted slots; EAGLE-3: 7 steps
         m = score(source, head, drafter, draft_ids, depth, held, args.batch_tokens, 0, device, distributed.Dist())
         out[arm] = {"acc_per_step": [round(a, 4) for a in m["acc_per_step"]], "tau_sim": round(m["tau_sim"], 3),
-                    "positions": m.get("positions")}
+                    "positions": m.get("positions"),
+                    **{k: m[k] for k in ("tau_walk", "accept_walk_per_step", "chains", "greedy_path") if k in m}}
         del drafter
     source.close()
     return {"samples": len(held), "drafters": out, "eyas_at_least_peer_best_every_step": _ge_every_step(out),
