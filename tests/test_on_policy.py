@@ -1,12 +1,15 @@
 """On-policy distillation (`eyas train --position-weights on-policy`, the recipe's `onpolicy`
 stage): training scores exactly the steps that greedy decoding with the drafter reaches, as a
-draft -> verify loop run by hand on the real SmolLM2 finds them; `--init` starts from a trained
-drafter; a run killed mid-write resumes to the weights of one never killed."""
+draft -> verify loop run by hand on the real SmolLM2 finds them (and for DFlash, whose decoding
+keeps a context cache across steps, the held-out walk over a block at every row drafts the
+loop's own blocks); `--init` starts from a trained drafter; a run killed mid-write resumes to
+the weights of one never killed."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from safetensors.torch import load_file
 from eyas.draft.loss import CHAINS_ACCEPTING, CHAINS_REACHING, COUNT, step_counts
 from eyas.draft.objective import Objective
 from eyas.draft.reach import accepted_lengths, chain_reach, reached_pairs
+from eyas.evaluate.proposers import Proposer
 from eyas.train.metrics import summarize
 from test_adversarial import cli, train_args
 from test_store_damage import tiny_prepared, tiny_store  # noqa: F401
@@ -54,16 +58,14 @@ def smollm2(smollm2_dir):
 
 
 @pytest.fixture(scope="module")
-def drafter(smollm2, tmp_path_factory):
-    """A drafter trained briefly on SmolLM2's own answers to the two questions, so that its
-    chains are accepted whole, in part and not at all."""
+def answers(smollm2, tmp_path_factory) -> Path:
+    """A folder whose `store` holds SmolLM2's own greedy answers to the two questions, captured."""
     from eyas.capture.config import CaptureConfig
     from eyas.capture.run import capture
     from eyas.data.config import PrepareConfig
     from eyas.data.prepare import prepare
     from eyas.prompts import render
     from eyas.models.eos import eos_ids
-    from eyas.train import TrainConfig, train
 
     model, tokenizer, _ = smollm2
     eos = sorted(eos_ids(model.generation_config, tokenizer))
@@ -81,27 +83,50 @@ def drafter(smollm2, tmp_path_factory):
             progress=False)
     capture(CaptureConfig(model=SMOLLM2, data=str(root / "prepared"), out=str(root / "store"), dtype="fp32"),
             progress=False)
-    train(TrainConfig(out=str(root / "drafter"), store=str(root / "store"), steps=25, lr=3e-3, warmup=0, ttt_steps=K,
-                      batch_tokens=512, draft_vocab=2048, eval_fraction=0, device="cpu", progress=False))
-    return root / "drafter"
+    return root
 
 
-def hand_run(smollm2, drafter_dir: Path) -> tuple[list[int], list[bool], list[tuple[int, int]]]:
-    """Two turns decoded by eyas's draft -> verify loop (greedy, chains of K): the sample they
-    make (prompt, answer, next user turn, answer), its assistant mask, and each verification
-    step's (row the chain was drafted from, drafts accepted)."""
-    from eyas.evaluate.drafter import DrafterSession
+def train_on_answers(answers: Path, name: str, **options) -> Path:
+    """A drafter trained briefly on the answers, so that its chains are accepted whole, in part
+    and not at all."""
+    from eyas.train import TrainConfig, train
+
+    train(TrainConfig(out=str(answers / name), store=str(answers / "store"), warmup=0, ttt_steps=K, batch_tokens=512,
+                      draft_vocab=2048, eval_fraction=0, device="cpu", progress=False, **options))
+    return answers / name
+
+
+@pytest.fixture(scope="module")
+def drafter(answers):
+    return train_on_answers(answers, "drafter", steps=25, lr=3e-3)
+
+
+@pytest.fixture(scope="module")
+def dflash_drafter(answers):
+    """A DFlash drafter with blocks of K + 1, every row with a trained label anchoring one at
+    every step (--anchors as long as the sample may be)."""
+    return train_on_answers(answers, "dflash", drafter="dflash", block_size=K + 1, anchors=512, steps=35, lr=3e-3)
+
+
+def hand_run(smollm2, drafter_dir: Path, proposer: Callable[[torch.nn.Module], Proposer], static: bool = False
+             ) -> tuple[list[int], list[bool], list[tuple[int, int]]]:
+    """Two turns decoded by eyas's draft -> verify loop (greedy, chains of K) with the drafter's
+    proposer, `proposer(drafter)` as eval builds it, on the eager target (`static`: eval's
+    static path, preallocated caches grown from 16 slots): the sample they make (prompt,
+    answer, next user turn, answer), its assistant mask, and each verification step's (row the
+    chain was drafted from, drafts accepted)."""
     from eyas.evaluate.generate import generate
     from eyas.prompts import render
-    from eyas.evaluate.proposers import Eagle3
     from eyas.evaluate.run import load_checked_drafter
+    from eyas.evaluate.static_target import StaticTargetSession
     from eyas.evaluate.target import TargetSession
     from eyas.models.eos import eos_ids
 
     model, tokenizer, identity = smollm2
     drafter = load_checked_drafter(str(drafter_dir), model, identity)
-    target = TargetSession(model, drafter.config.aux_layer_ids)
-    proposer = Eagle3(DrafterSession(drafter), steps=K)
+    aux = drafter.config.aux_layer_ids
+    target = StaticTargetSession(model, aux, capacity=16) if static else TargetSession(model, aux)
+    propose = proposer(drafter)
     eos = set(eos_ids(model.generation_config, tokenizer))
     ids: list[int] = []
     mask: list[bool] = []
@@ -110,7 +135,7 @@ def hand_run(smollm2, drafter_dir: Path) -> tuple[list[int], list[bool], list[tu
         first = render(tokenizer, [{"role": "user", "content": question}])
         # The next user turn, as the chat template renders it after a finished answer.
         prompt = ids + (first if turn == 0 else tokenizer.encode("\n", add_special_tokens=False) + first)
-        g = generate(target, proposer, prompt, MAX_NEW, eos)
+        g = generate(target, propose, prompt, MAX_NEW, eos)
         assert g.generated_ids[-1] in eos, "each answer ends before the length limit"
         row = len(prompt) - 1  # the prefill's token is read by the row before it
         for accepted in g.accept_counts:
@@ -118,7 +143,46 @@ def hand_run(smollm2, drafter_dir: Path) -> tuple[list[int], list[bool], list[tu
             row += accepted + 1
         mask += [False] * (len(prompt) - len(ids)) + [True] * len(g.generated_ids)
         ids = prompt + g.generated_ids
+    target.close()  # the module's model serves the next loop without this one's hooks
     return ids, mask, chains
+
+
+def accepted_mix(chains: list[tuple[int, int]]) -> list[int]:
+    """The loop's accepted counts, checked to hold chains accepted whole, in part and not at all."""
+    accepted = [a for _, a in chains]
+    assert {0, K} <= set(accepted) and any(0 < a < K for a in accepted), accepted
+    return accepted
+
+
+def on_sample(ids: list[int], mask: list[bool], drafter_dir: Path):
+    """The hand-run sample as training sees it: input_ids [1, T], the target's states [1, T, 4, H]
+    (the drafter's aux layers, then id N), the drafter, the loss mask and the labels."""
+    from eyas.draft.checkpoint import load_drafter
+    from eyas.models import resolve_model
+    from eyas.models.states import TargetStates
+    from eyas.models.target_head import load_target_head
+    from eyas.train.labels import make_labels
+
+    head = load_target_head(resolve_model(SMOLLM2))
+    model = load_drafter(drafter_dir, head.embed_weight)
+    states = TargetStates(SMOLLM2, layers=",".join(map(str, model.config.aux_layer_ids)))
+    input_ids = torch.tensor([ids])
+    hidden = states.states(input_ids, torch.ones_like(input_ids)).float().clone()  # out of inference mode
+    assert hidden.shape[2] == len(model.config.aux_layer_ids) + 1
+    loss_mask = torch.tensor([mask])
+    draft_ids = torch.arange(len(model.d2t)) + model.d2t
+    labels = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids, input_ids)
+    assert labels.greedy[0, :-1][labels.trained[0, :-1]].all(), "the answers are the target's greedy tokens"
+    return input_ids, hidden, model, loss_mask, labels
+
+
+def assert_counts_the_loop(stats: torch.Tensor, accepted: list[int]) -> None:
+    """The chains the statistics count are the loop's: how many reach and accept each step; so
+    tau_walk is the loop's own tau on these answers."""
+    assert stats[:, CHAINS_REACHING].tolist() == [sum(min(a + 1, K) > k for a in accepted) for k in range(K)]
+    assert stats[:, CHAINS_ACCEPTING].tolist() == [sum(a > k for a in accepted) for k in range(K)]
+    assert summarize(stats)["tau_walk"] == round(1 + sum(accepted) / len(accepted), 4)
+    assert summarize(stats)["greedy_path"] == 1.0
 
 
 def test_on_policy_training_scores_exactly_what_a_draft_verify_loop_reaches(smollm2, drafter):
@@ -127,25 +191,12 @@ def test_on_policy_training_scores_exactly_what_a_draft_verify_loop_reaches(smol
     tokens, finds the same ones; and the on-policy loss is soft cross-entropy summed over
     exactly those pairs, over the trained positions of step 0, values and gradients (float32,
     1e-5); the chains counted in the statistics are the loop's, so tau_walk is its tau."""
-    from eyas.draft.checkpoint import load_drafter
-    from eyas.models import resolve_model
-    from eyas.models.states import TargetStates
-    from eyas.models.target_head import load_target_head
-    from eyas.train.labels import make_labels
+    from eyas.evaluate.drafter import DrafterSession
+    from eyas.evaluate.proposers import Eagle3
 
-    ids, mask, chains = hand_run(smollm2, drafter)
-    accepted = [a for _, a in chains]
-    assert {0, K} <= set(accepted) and any(0 < a < K for a in accepted), accepted
-
-    states = TargetStates(SMOLLM2, layers="2,15,27")
-    input_ids = torch.tensor([ids])
-    hidden = states.states(input_ids, torch.ones_like(input_ids)).float().clone()  # [1, T, 4, H], out of inference mode
-    head = load_target_head(resolve_model(SMOLLM2))
-    model = load_drafter(drafter, head.embed_weight)
-    loss_mask = torch.tensor([mask])
-    draft_ids = torch.arange(len(model.d2t)) + model.d2t
-    labels = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids, input_ids)
-    assert labels.greedy[0, :-1][labels.trained[0, :-1]].all(), "the answers are the target's greedy tokens"
+    ids, mask, chains = hand_run(smollm2, drafter, lambda d: Eagle3(DrafterSession(d), steps=K))
+    accepted = accepted_mix(chains)
+    input_ids, hidden, model, loss_mask, labels = on_sample(ids, mask, drafter)
 
     T = len(ids)
     expected = torch.zeros(K, 1, T, dtype=torch.bool)
@@ -184,13 +235,51 @@ def test_on_policy_training_scores_exactly_what_a_draft_verify_loop_reaches(smol
     assert stats[:, COUNT].tolist() == counts.tolist()
     plain_loss, plain_stats, _ = model(input_ids, hidden[:, :, :-1], labels, weights)
     assert not torch.isclose(loss, plain_loss, rtol=1e-3)
-    # Either way the statistics count the loop's chains: how many, and how many accepted each
-    # step; so tau_walk is the loop's own tau on these answers.
+    # Either way the statistics count the loop's chains.
     for s in (stats, plain_stats):
-        assert s[:, CHAINS_REACHING].tolist() == [sum(min(a + 1, K) > k for a in accepted) for k in range(K)]
-        assert s[:, CHAINS_ACCEPTING].tolist() == [sum(a > k for a in accepted) for k in range(K)]
-    assert summarize(stats)["tau_walk"] == round(1 + sum(accepted) / len(accepted), 4)
-    assert summarize(stats)["greedy_path"] == 1.0
+        assert_counts_the_loop(s, accepted)
+
+
+def test_dflash_held_out_walk_counts_exactly_the_chains_its_draft_verify_loop_accepts(smollm2, dflash_drafter):
+    """DFlash decoding (eval's DFlash proposer: a context cache extended by each verification
+    step's committed states, one block [last token, mask x K] after it) drafts exactly the
+    chains that the training forward with every row anchoring a block (rows=None, as the
+    held-out scorer runs it) walks along the same sample: the statistics count the loop's
+    chains, each step's, so tau_walk is the loop's tau; and every block the loop drafts, after
+    accepted and rejected steps alike, is the forward's row before its last token, logits
+    within 1e-4 (float32), so no difference hides behind equal argmaxes. A mismatch between the
+    two paths would lose acceptance and leave the answers as they were, which no answer check
+    sees."""
+    from eyas.evaluate.dflash import DFlash, DFlashSession
+
+    blocks = []  # every block the loop drafts: (committed context length, its last token, slot logits [K, Vd])
+
+    def recorded(drafter):
+        session = DFlashSession(drafter)
+        block = session.block
+
+        def drafted(last: int) -> torch.Tensor:
+            blocks.append((session.length, last, block(last)))
+            return blocks[-1][2]
+
+        session.block = drafted
+        return DFlash(session, steps=K)
+
+    ids, mask, chains = hand_run(smollm2, dflash_drafter, recorded)
+    accepted = accepted_mix(chains)
+    # Eval's static path (preallocated caches, the drafter's grown from 16 slots) runs the same loop.
+    assert hand_run(smollm2, dflash_drafter, lambda d: DFlash(DFlashSession(d, capacity=16), steps=K),
+                    static=True) == (ids, mask, chains)
+    input_ids, hidden, model, loss_mask, labels = on_sample(ids, mask, dflash_drafter)
+    weights = torch.full((K,), 1.0) / step_counts(loss_mask, K)[0]
+    with torch.no_grad():
+        _, stats, _ = model(input_ids, hidden[:, :, :-1], labels, weights)  # rows=None: every row anchors
+        logits = model.forward_ttt(input_ids, hidden[:, :, :-1], K)  # K x [1, T, Vd]
+    assert_counts_the_loop(stats, accepted)
+    assert [length - 1 for length, _, _ in blocks] == [row for row, _ in chains]
+    for length, last, block in blocks:  # measured: within 6e-6 of logits ~12
+        torch.testing.assert_close(block, torch.stack([lg[0, length - 1] for lg in logits]), atol=1e-4, rtol=1e-4)
+        assert last == ids[length]
 
 
 TRAIN = ["--steps", "3", "--ttt-steps", "2", "--save-every", "1", "--lr", "0.001"]
