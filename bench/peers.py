@@ -565,6 +565,9 @@ def add_quality_args(p) -> None:
     q.add_argument("--chain-minutes", type=float, default=None,
                    help="dflash: minutes of eyas's EAGLE-3 chain trained for the decode stage (default --arm-minutes, "
                         "equal to the DFlash arms'; 0: none, the DFlash drafters are decoded beside prompt lookup only)")
+    q.add_argument("--also", action="append", default=[], metavar="NAME=FOLDER",
+                   help="an eyas drafter of --kind trained elsewhere on this run's store (e.g. bench/parallel_gpu.py "
+                        "--store W/store, one setting changed): scored by the heldout stage and decoded beside the arms")
     q.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
                    help="eyas's (`eyas train --optimizer`); the matched peer uses the same")
     q.add_argument("--heldout-samples", type=int, default=24)
@@ -588,7 +591,8 @@ def part_quality(args, record: Record) -> None:
         from tiny import build_model
 
         args.model = str(build_model(work / "tiny-target"))
-    ctx: dict[str, Any] = {"work": work, **load_ctx(work, args.stages), "left": record.left}
+    ctx: dict[str, Any] = {"work": work, **load_ctx(work, args.stages), "left": record.left,
+                           "also": dict(a.split("=", 1) for a in args.also)}
     record.resume(work / RECORD)
     scoring = ("import" in args.stages) * 30 + ("decode" in args.stages) * (args.eval_seconds + 20)
     peer_reserve = 90 + scoring
@@ -1063,7 +1067,9 @@ def _over_peer_best_min(out: dict) -> float | None:
 
 
 def _drafters(ctx) -> dict[str, Path]:
-    return {"eyas": ctx["eyas"], **{a: ctx[f"{a}-eyas"] for a in ARMS[1:] if f"{a}-eyas" in ctx}}
+    """eyas's arm, the peer's imported ones, then --also's."""
+    return {"eyas": ctx["eyas"], **{a: ctx[f"{a}-eyas"] for a in ARMS[1:] if f"{a}-eyas" in ctx},
+            **{name: Path(folder) for name, folder in ctx.get("also", {}).items()}}
 
 
 def q_decode(args, ctx) -> dict[str, Any]:
@@ -1138,8 +1144,8 @@ def q_decode_parallel(args, ctx) -> dict[str, Any]:
     work.mkdir(parents=True)
     prompts = work / "second.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in second_set(args, ctx)))
-    drafters = {"dflash": ctx["eyas"], **{f"dflash:{a.replace('_', '-')}": ctx[f"{a}-eyas"] for a in ARMS[1:]
-                                          if f"{a}-eyas" in ctx}}
+    drafters = {"dflash" if arm == "eyas" else f"dflash:{arm.replace('_', '-')}": folder
+                for arm, folder in _drafters(ctx).items()}
     left = ctx["left"]() / 60
     chain = args.arm_minutes if args.chain_minutes is None else args.chain_minutes
     cmd = [sys.executable, str(Path(__file__).with_name("parallel_gpu.py")), "--model", args.model,
@@ -1157,7 +1163,7 @@ def q_decode_parallel(args, ctx) -> dict[str, Any]:
         raise RuntimeError(f"parallel_gpu.py: {report['errors']}")
     decoded = report["arms_decoded"]
     summary = report["mt_bench"]["summary"]
-    peers = [m for m in decoded if m.startswith("dflash[")]
+    peers = [f"dflash[{a.replace('_', '-')}]" for a in ARMS[1:] if f"dflash[{a.replace('_', '-')}]" in decoded]
     chain_tau = decoded.get("eagle3-chain", {}).get("tau_both")
     return {"command": " ".join(cmd[1:]), "tau": {m: v["tau_both"] for m, v in decoded.items()},
             "tau_by_set": decoded, "speedup_mt_bench": {m: v.get("speedup") for m, v in summary.items()},
