@@ -50,6 +50,7 @@ STARTED = time.monotonic()
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -875,11 +876,19 @@ def matched_dflash(args, ctx, per_step: int) -> list[str]:
 
 
 def _sample_rows(ctx, positions: list[int]) -> list[tuple[int, int]]:
-    """Each sample's (tokens, rows that train a pair: its loss mask), without reading its states."""
+    """Each sample's (tokens, rows that train a pair: its loss mask)."""
+    rows = _store_rows(str(ctx["store"]))
+    return [rows[p] for p in positions]
+
+
+@functools.cache
+def _store_rows(store_path: str) -> list[tuple[int, int]]:
+    """Every sample's (tokens, masked rows) of a store, read once without its states (the arms'
+    schedules and anchor counts each ask)."""
     from eyas.store import Store
 
-    store = Store(ctx["store"])
-    rows = [store.stored(p, rows=(0, 0)) for p in positions]
+    store = Store(store_path)
+    rows = [store.stored(p, rows=(0, 0)) for p in range(len(store))]
     return [(len(r["input_ids"]), int(r["loss_mask"].sum())) for r in rows]
 
 

@@ -73,7 +73,8 @@ class DFlashSession:
         slots = start + torch.arange(S, device=self.device)
         cos, sin = m.rotary(x, slots[None])
         visible = self._slot_ids[None, :width] < start + S  # [1, W]: every query, the context and the block
-        causal = self._slot_ids[None, :width] <= slots[:, None]  # [S, W]: slot s, the context and slots 0..s
+        # [S, W]: slot s sees the context and slots 0..s; built only for a drafter with causal layers
+        causal = self._slot_ids[None, :width] <= slots[:, None] if m.config.causal_layers else None
         self.cache.aim(slots, visible.shape[-1])
         for i, layer in enumerate(m.layers):
             attn = layer.self_attn
