@@ -76,7 +76,9 @@ def arms(args) -> dict[str, dict]:
     it for M minutes instead of --arm-minutes, `init=N` starts it from the drafter of the N-th
     arm (from 0) trained before it (`eagle3:init=0:position_weights=on-policy`), and `packed=L`
     trains it on the same regenerated conversations joined in order into samples of up to L
-    tokens, as the long recipe's `regenerate --pack` does (`eagle3:packed=7680`: long contexts)."""
+    tokens, as the long recipe's `regenerate --pack` does (`eagle3:packed=7680`: long contexts).
+    EAGLE-3 arms train 7 TTT steps unless they say otherwise; `eagle3:ttt_steps=null` leaves the
+    depth to the trainer's budget rule, as a user's run without --ttt-steps does."""
     dflash = {"drafter": "dflash", "block_size": CHAIN + 1, "anchors": args.dflash_anchors}
     if args.dflash_layers:
         dflash["draft_layers"] = args.dflash_layers
@@ -93,7 +95,8 @@ def arms(args) -> dict[str, dict]:
         options = dict(every[kind])
         for change in changes:
             key, _, value = change.partition("=")
-            options[key] = json.loads(value) if value[:1].isdigit() or value[:1] in "-[{" else value
+            literal = value[:1].isdigit() or value[:1] in "-[{" or value in ("null", "true", "false")
+            options[key] = json.loads(value) if literal else value
         out[arm] = options
     return out
 

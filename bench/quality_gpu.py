@@ -110,8 +110,9 @@ def regen_stage(args, work: Path, report: dict) -> None:
     print("regenerated:", json.dumps(report["regenerate"]), flush=True)
 
 
-# The main run's drafter options; `recipe` runs in the eval call compare them.
-RECIPE = {"fc_norm": True, "norm_output": True}
+# The main run's drafter options; `recipe` runs in the eval call compare them. The depth is
+# given, so that arms compared side by side train it (the budget rule would pick it otherwise).
+RECIPE = {"fc_norm": True, "norm_output": True, "ttt_steps": 7}
 # `train --arms`: drafters trained one after another on the same regenerated data, each for
 # an equal share of the call. `wide` asks whether the drafter's capacity limits it: the third
 # run's drafter fit its own training batches at only 0.80.

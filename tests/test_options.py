@@ -179,5 +179,7 @@ def test_shared_defaults_are_stated_once_and_mean_what_the_help_says():
     assert capture["batch_tokens"].metadata["eyas.option"].rule == train["batch_tokens"].metadata["eyas.option"].rule
     n = 32  # "(2, N//2, N-3)" is what auto resolves to
     assert default_aux_ids(n) == eval(AUTO_LAYERS_MEANS, {"N": n})
-    assert (default_of(train["ttt_steps"]), default_of(train["ttt_decay"])) == (DraftConfig.ttt_steps,
-                                                                                 DraftConfig.ttt_decay)
+    assert default_of(train["ttt_decay"]) == DraftConfig.ttt_decay
+    # --ttt-steps left open is the drafter's default depth (which the budget rule may lower), as its help says
+    assert default_of(train["ttt_steps"]) is None and f"default {DraftConfig.ttt_steps};" in help_text(train["ttt_steps"])
+    assert TrainConfig(out="o", store="s").start_depth == DraftConfig.ttt_steps

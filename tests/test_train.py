@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eyas.draft import load_drafter
+from eyas.draft import load_config, load_drafter
 from eyas.errors import EyasError
 from eyas.store import Store, StoreWriter
 from eyas.train import TrainConfig, train
@@ -228,10 +228,12 @@ def test_minutes_stops_with_a_checkpoint_and_resume_finishes(tiny_llama_data, tm
 
 
 def _budgeted_run(data: Path, out: Path, monkeypatch, seconds_per_step, minutes: float = 0.5,
-                  eval_seconds=None, **options) -> tuple[dict, list[dict], float]:
+                  eval_seconds=None, per_depth: bool = False, stop_at: int | None = None,
+                  **options) -> tuple[dict, list[dict], float]:
     """A --minutes run on a fake clock that `seconds_per_step(step)` advances after each step
-    (and `eval_seconds(n)` after the n-th held-out pass, when given): returns its result, its
-    train rows and the clock at its end."""
+    (times depth / 7 with `per_depth`: a step's cost follows its TTT steps) and `eval_seconds(n)`
+    after the n-th held-out pass, when given; returns its result, its train rows and the clock
+    at its end."""
     from eyas.train import budget, loop
 
     now = [0.0]
@@ -241,7 +243,7 @@ def _budgeted_run(data: Path, out: Path, monkeypatch, seconds_per_step, minutes:
 
     def timed(run):
         stats = real_step(run)
-        now[0] += seconds_per_step(run.step)
+        now[0] += seconds_per_step(run.step) * (run.draft.ttt_steps / 7 if per_depth else 1)
         return stats
 
     def timed_eval(run, positions):
@@ -252,9 +254,9 @@ def _budgeted_run(data: Path, out: Path, monkeypatch, seconds_per_step, minutes:
     monkeypatch.setattr(loop, "train_step", timed)
     if eval_seconds is not None:
         monkeypatch.setattr(loop, "evaluate", timed_eval)
-    options = {"eval_fraction": 0.0, **options}
-    result = train(TrainConfig(out=str(out), store=str(data), minutes=minutes, batch_tokens=128, ttt_steps=1,
-                               progress=False, log_every=1, **options))
+    options = {"eval_fraction": 0.0, "ttt_steps": 1, **options}
+    result = train(TrainConfig(out=str(out), store=str(data), minutes=minutes, batch_tokens=128, progress=False,
+                               log_every=1, **options), stop_at)
     return result, rows(out), now[0]
 
 
@@ -321,6 +323,67 @@ def test_minutes_completes_the_schedule_through_recompiles_and_a_compiling_first
         assert end <= 60 * options["minutes"], (name, end)
     evals = [json.loads(x) for x in (tmp_path / "eval" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in evals if r["split"] == "eval"] == [5, result["step"]]
+
+
+def test_budget_rule_picks_the_depth_from_the_tokens_a_budget_fits():
+    """The rule alone: below SHORT_RUN_TOKENS at depth 7 an EAGLE-3 run trains 3 TTT steps; at or
+    above it, when --steps/--epochs end the run first, or at a depth of 3 or less, it keeps its
+    depth; the same inputs always give the same choice, and the reason names the figures."""
+    from eyas.train.budget import SHORT_RUN_DEPTH, SHORT_RUN_TOKENS, depth_choice
+
+    short = depth_choice(193, 56_000.0, 7, 0.466, 1.5, capped=False)  # the 1.5-minute run at 65,536 tokens
+    assert short == depth_choice(193, 56_000.0, 7, 0.466, 1.5, capped=False)
+    assert short[0] == SHORT_RUN_DEPTH == 3
+    assert "193 steps" in short[1] and "10.8 M tokens" in short[1] and "training 3 TTT steps" in short[1]
+    assert depth_choice(SHORT_RUN_TOKENS // 1000, 1000.0, 7, 0.5, 7.5, capped=False)[0] == 7  # exactly at the line
+    assert depth_choice(SHORT_RUN_TOKENS // 1000 - 1, 1000.0, 7, 0.5, 7.5, capped=False)[0] == 3
+    assert depth_choice(691, 57_000.0, 7, 0.6, 7.5, capped=False)[0] == 7  # the recipe: 39 M tokens
+    kept = depth_choice(100, 1000.0, 7, 0.5, 1.5, capped=True)
+    assert kept[0] == 7 and "--steps/--epochs" in kept[1]
+    assert depth_choice(100, 1000.0, 2, 0.5, 1.5, capped=False)[0] == 2
+
+
+def test_budget_rule_lowers_a_short_runs_depth_once_the_rate_shows_and_resume_keeps_it(
+        tiny_llama_data, tmp_path, monkeypatch, capsys):
+    """An EAGLE-3 run without --ttt-steps in 30 s of 1 s steps (a few thousand tokens): at the
+    steady state (step 5) the rule lowers its depth from 7 to 3, says why, and records it; the
+    steps after it are the cheaper depth's (3/7 s), so the schedule is replanned to more steps
+    than 7 would fit (29) and still completes inside the budget. The drafter is saved at depth 3,
+    and a run stopped after the switch resumes at depth 3 without deciding again."""
+    result, log, end = _budgeted_run(tiny_llama_data[1], tmp_path / "short", monkeypatch, lambda step: 1.0,
+                                     per_depth=True, ttt_steps=None)
+    printed = capsys.readouterr().out
+    assert printed.count("budget rule:") == 1 and "training 3 TTT steps instead" in printed, printed
+    assert [len(r["acc_per_step"]) for r in log] == [7] * 5 + [3] * (len(log) - 5)
+    assert result["step"] == log[-1]["total_steps"] > 35 and end <= 30 and log[-1]["lr"] < 1e-6, (result, end)
+    assert load_config(tmp_path / "short").ttt_steps == 3
+    trainer = json.loads(next((tmp_path / "short" / "checkpoints").glob("step-*/trainer.json")).read_text())
+    assert (trainer["depth_rule"]["from"], trainer["depth_rule"]["depth"], trainer["depth_rule"]["at_step"]) == (7, 3, 5)
+
+    _budgeted_run(tiny_llama_data[1], tmp_path / "cut", monkeypatch, lambda step: 1.0, per_depth=True,
+                  ttt_steps=None, stop_at=8, save_every=4)
+    capsys.readouterr()
+    resumed, log, _ = _budgeted_run(tiny_llama_data[1], tmp_path / "cut", monkeypatch, lambda step: 1.0,
+                                    per_depth=True, ttt_steps=None, resume=True)
+    assert "budget rule:" not in capsys.readouterr().out
+    assert {len(r["acc_per_step"]) for r in log if r["step"] > 8} == {3} and resumed["step"] > 8
+    assert load_config(tmp_path / "cut").ttt_steps == 3
+
+
+def test_budget_rule_keeps_the_depth_of_a_long_enough_run_and_never_overrides_ttt_steps(
+        tiny_llama_data, tmp_path, monkeypatch, capsys):
+    """With the line moved below what the run fits, the rule keeps depth 7 and says so; with
+    --ttt-steps given (even 7) there is no rule: the run trains the depth asked for."""
+    from eyas.train import budget
+
+    monkeypatch.setattr(budget, "SHORT_RUN_TOKENS", 100)
+    _, log, _ = _budgeted_run(tiny_llama_data[1], tmp_path / "long", monkeypatch, lambda step: 1.0, ttt_steps=None)
+    printed = capsys.readouterr().out
+    assert "budget rule:" in printed and "keeping 7 TTT steps" in printed, printed
+    assert {len(r["acc_per_step"]) for r in log} == {7}
+    monkeypatch.setattr(budget, "SHORT_RUN_TOKENS", 10**12)
+    _, log, _ = _budgeted_run(tiny_llama_data[1], tmp_path / "asked", monkeypatch, lambda step: 1.0, ttt_steps=7)
+    assert "budget rule:" not in capsys.readouterr().out and {len(r["acc_per_step"]) for r in log} == {7}
 
 
 def test_learning_rate_warms_up_then_decays_to_zero():

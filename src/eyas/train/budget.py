@@ -61,6 +61,12 @@ class Budget:
             self.steps.append(seconds)
             self.recent.append(seconds)
 
+    def restart(self) -> None:
+        """Measure the rate afresh (the steps changed their cost), keeping the held-out and save costs."""
+        self.early.clear()
+        self.steps.clear()
+        self.recent.clear()
+
     @property
     def steady(self) -> bool:
         return len(self.steps) >= STEADY
@@ -97,3 +103,47 @@ class Budget:
             return None
         total = step + fit
         return min(total, self.cap) if self.cap else total
+
+
+# The budget rule: the TTT depth an EAGLE-3 run trains at when --ttt-steps leaves it open. A step's
+# cost follows its depth, so on a short budget a shallower drafter takes more updates, and early in
+# training the number of updates matters more than the depth trained. Measured with SmolLM2-135M on
+# one H200 (docs/train.md; padded tokens, about 0.87 of them real):
+#   1.5 min, 1.94 M tokens of data (bench/results/peers_quality_h200.json), held-out step 0 / 6:
+#     65,536-token steps, depth 7:   193 steps = 12.6 M tokens: 0.470 / 0.415
+#      8,192-token steps, depth 7:   839 steps =  6.9 M tokens: 0.619 / 0.570
+#      8,192-token steps, depth 3: 1,887 steps = 15.5 M tokens: 0.791 / 0.725 (drafting past its depth)
+#   7.5 min, the recipe's 40,903 conversations (recipe_smollm2_h200.json, issue 38's re-run):
+#     65,536-token steps, depth 7: 619-691 steps = 40.6-45.3 M tokens: 0.760-0.772 / 0.731-0.746,
+#       MT-bench chain tau 3.13; 8,192-token steps at depth 3: 0.780 / 0.720, chain 3.12: no gain.
+# So a run that fits fewer tokens at depth 7 than about halfway (on a log scale) between the short
+# runs' 12.6 M and the recipe's 40.6 M trains at depth 3; a longer one keeps its depth, where the
+# deep steps' accuracy is what depth buys. Tokens per step are not the rule's: its default (8,192)
+# is already the short budgets' best, and at 7.5 minutes 65,536 did no better.
+SHORT_RUN_TOKENS = 20_000_000  # real tokens the run trains at its starting depth
+SHORT_RUN_DEPTH = 3  # speculators' default depth, and the 1.5-minute winner above
+
+
+def rule_depth(tokens: float, depth: int) -> int:
+    """The depth a --minutes run trains at, from the real `tokens` it fits at `depth` (its starting one)."""
+    return depth if depth <= SHORT_RUN_DEPTH or tokens >= SHORT_RUN_TOKENS else SHORT_RUN_DEPTH
+
+
+def depth_choice(steps: int, tokens_per_step: float, depth: int, step_s: float, minutes: float,
+                 capped: bool) -> tuple[int, str]:
+    """(depth, why): the budget rule applied to a run whose steady state fits `steps` steps of
+    `tokens_per_step` real tokens at `depth`, `step_s` seconds each, in --minutes `minutes`;
+    `capped` when --steps/--epochs end it first (faster steps then buy no updates)."""
+    tokens = steps * tokens_per_step
+    fits = (f"at {step_s:.3g} s/step, {steps:,} steps of ~{tokens_per_step:,.0f} tokens = {tokens / 1e6:.1f} M "
+            f"tokens at {depth} TTT steps")
+    if capped:
+        return depth, f"{fits}, as many as --steps/--epochs allow: keeping {depth} TTT steps"
+    picked = rule_depth(tokens, depth)
+    if picked == depth:
+        return depth, (f"{fits} fit --minutes {minutes:g}, at least the {SHORT_RUN_TOKENS / 1e6:.0f} M below "
+                       f"which a shallower drafter trained better: keeping {depth} TTT steps")
+    return picked, (f"{fits} fit --minutes {minutes:g}, fewer than {SHORT_RUN_TOKENS / 1e6:.0f} M: training "
+                    f"{picked} TTT steps instead, each step cheaper, so more of them (on a 1.5-minute budget "
+                    f"this took held-out step-0 accuracy from 0.62 to 0.79; docs/train.md). The drafter is "
+                    f"served drafting {picked} tokens; --ttt-steps N chooses the depth yourself")

@@ -15,6 +15,7 @@ from eyas.draft.objective import LOSSES
 from eyas.draft.mla_config import ATTENTION_CHOICES, AUTO_ATTENTION
 from eyas.options import (AUTO_LAYERS, batch_tokens_option, check_rules, crop_length, device_option,
                           layers_option, option, seed_option)
+from eyas.train import budget
 from eyas.validate import COUNT, POSITIVE, SHARE, Number
 
 ANCHORS = 512  # SpecForge's and speculators' default: bounds a sample's block tokens at 512 x block size
@@ -66,7 +67,9 @@ class TrainConfig:
         rule=COUNT, group=DRAFTER)
     draft_vocab: int | None = option("draft vocabulary size (default min(32000, target vocab))", None, rule=COUNT,
                                      group=DRAFTER)
-    ttt_steps: int = option("unrolled training-time-test steps", DraftConfig.ttt_steps, rule=COUNT, group=DRAFTER)
+    ttt_steps: int | None = option(
+        f"unrolled training-time-test steps (default {DraftConfig.ttt_steps}; an eagle3 run on a short --minutes "
+        f"budget: {budget.SHORT_RUN_DEPTH}, see --minutes)", None, rule=COUNT, group=DRAFTER)
     ttt_decay: float = option("loss weight decay^k of step k (dflash: of block slot k+1); SpecForge's DFlash "
                               "weight exp(-(k-1)/gamma) is --ttt-decay exp(-1/gamma) (gamma 7: 0.867)",
                               DraftConfig.ttt_decay, rule=Number(lo=0, hi=1, lo_open=True, required=True), group=DRAFTER)
@@ -112,7 +115,9 @@ class TrainConfig:
     steps: int | None = option("optimizer steps instead of --epochs", None, rule=COUNT, group=SCHEDULE)
     minutes: float | None = option(
         "fit the whole schedule into this many minutes: its length follows the steady-state rate (after warm-up), "
-        "at most --steps/--epochs when given", None, rule=POSITIVE, group=SCHEDULE)
+        "at most --steps/--epochs when given. An eagle3 run without --ttt-steps that fits fewer than "
+        f"{budget.SHORT_RUN_TOKENS // 10**6} M tokens trains {budget.SHORT_RUN_DEPTH} TTT steps: more, cheaper "
+        "steps (the budget rule; it prints its choice and why)", None, rule=POSITIVE, group=SCHEDULE)
     lr: float = option("peak learning rate, cosine to 0", 1e-4, rule=Number(lo=0, lo_open=True, required=True),
                        group=SCHEDULE)
     warmup: float = option("warm-up: share of steps if < 1, else steps", 0.03, rule=Number(lo=0, required=True),
@@ -208,14 +213,16 @@ class TrainConfig:
                             f"{kinds.names(lambda k: self.draft_attention in k.attentions)}; {kind.a_title()} "
                             f"drafter's layer has {' or '.join(kind.attentions)} attention.")
         if not kind.anchored:
+            if kind.drafting != kinds.STEPS:  # a parallel drafter's depth is its one pass's slots: no budget rule
+                self.ttt_steps = self.ttt_steps or DraftConfig.ttt_steps
             return
         if self.block_size is not None:
-            # --ttt-steps at its default is not asked for: the block sets it.
-            if self.ttt_steps not in (DraftConfig.ttt_steps, self.block_size - 1):
+            if self.ttt_steps not in (None, self.block_size - 1):
                 raise EyasError(f"--ttt-steps {self.ttt_steps} and --block-size {self.block_size} disagree: a block "
                                 f"drafts --block-size - 1 tokens. Give one of them (--ttt-steps "
                                 f"{self.block_size - 1} with --block-size {self.block_size}).")
             self.ttt_steps = self.block_size - 1
+        self.ttt_steps = self.ttt_steps or DraftConfig.ttt_steps
         # A sample holds at most `crop` tokens: a block's slot s predicts s tokens past its anchor
         # row, and the anchors are rows of one sample, so neither can be longer and still train.
         if self.ttt_steps + 1 > self.crop:
@@ -248,6 +255,19 @@ class TrainConfig:
         return options
 
     @property
+    def start_depth(self) -> int:
+        """The TTT steps a new drafter starts with; under --minutes the budget rule may lower an EAGLE-3's
+        (loop.py), when --ttt-steps leaves the depth to it."""
+        return self.ttt_steps or DraftConfig.ttt_steps
+
+    @property
+    def depth_rule(self) -> bool:
+        """Whether the budget rule picks the depth: an EAGLE-3 (step-by-step drafter) whose --ttt-steps is not
+        given, under --minutes, with every process training different batches (--context-parallel reads
+        each batch's positions by the depth)."""
+        return self.ttt_steps is None and self.minutes is not None and not self.context_parallel
+
+    @property
     def crop(self) -> int:
         return crop_length(self.max_len, self.batch_tokens)
 
@@ -259,6 +279,8 @@ class TrainConfig:
         `also` names settings the caller has checked another way (--grad-accum, where the run
         records its step's micro-batches). --ttt-decay weighs nothing under dpace or on-policy."""
         unused = ("ttt_decay",) if self.position_weights != "decay" else ()
+        if self.ttt_steps is None:  # left to the budget rule: the run's depth stands (its checkpoint's drafter)
+            unused += ("ttt_steps",)
         names = {f.name for f in fields(self)} - set(self.MAY_CHANGE) - set(also) - set(unused)
         differ = [
             f"{k.replace('_', '-')} {getattr(self, k)!r} (the run has {recorded.get(k)!r})"

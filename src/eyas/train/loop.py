@@ -81,6 +81,7 @@ class Run:
     resumed_from: int | None = None
     started: float = field(default_factory=lambda: budget.clock())
     cap: int | None = None  # the --steps / --epochs length, which a --minutes plan never exceeds
+    depth_rule: dict[str, Any] | None = None  # the budget rule's choice, once made (budget.depth_choice)
 
     @property
     def drafter(self) -> Drafter:
@@ -190,6 +191,7 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device, memory: I
               train_stream=stream, eval_positions=eval_pos, total_steps=total, cap=cap, data=data)
     if previous is not None:
         run.step = run.resumed_from = trainer["step"]
+        run.depth_rule = trainer.get("depth_rule")
         ckpt.load_optimizer(model, optimizers, ckpt.read_optimizer(previous))
     return run
 
@@ -311,7 +313,7 @@ def _init_drafter(cfg: TrainConfig, source, head: TargetHead, d: distributed.Dis
             raise EyasError(f"{shown}: --init {cfg.init} has {own}; a run from it keeps its shape and settings "
                             f"(drop {flag}, or train a new drafter without --init).")
     # No module is shaped by these: every kind reads them from its config as it runs.
-    trained.config = replace(given, ttt_steps=cfg.ttt_steps, ttt_decay=cfg.ttt_decay,
+    trained.config = replace(given, ttt_steps=cfg.start_depth, ttt_decay=cfg.ttt_decay,
                              chat_template=source.chat_template)
     _log(d, f"starting from --init {cfg.init}: {given.kind.a_title()} drafter, {given.num_hidden_layers} layer(s), "
             f"a draft vocabulary of {given.draft_vocab_size}")
@@ -342,7 +344,7 @@ def _new_draft_config(cfg: TrainConfig, source, folder: str | None, train_pos: l
     width = {"intermediate_size": cfg.intermediate_size} if cfg.intermediate_size else {}
     target_config = AutoConfig.from_pretrained(folder)
     draft = DraftConfig.for_target(target_config, source.identity, source.layer_ids, size,
-                                   ttt_steps=cfg.ttt_steps, ttt_decay=cfg.ttt_decay, fc_norm=cfg.fc_norm,
+                                   ttt_steps=cfg.start_depth, ttt_decay=cfg.ttt_decay, fc_norm=cfg.fc_norm,
                                    norm_output=cfg.norm_output, chat_template=source.chat_template,
                                    attention=_draft_attention(cfg, target_config, d), **width,
                                    **cfg.kind_options(source.identity))
@@ -701,7 +703,7 @@ def save(run: Run) -> None:
             cpu = new_drafter(run.draft)
         cpu.load_state_dict(model_state, assign=True)
         trainer = {"config": run.cfg.to_dict(), "total_steps": run.total_steps, "data": run.data,
-                   "group": run.group, "processes": run.dp}
+                   "group": run.group, "processes": run.dp, "depth_rule": run.depth_rule}
         ckpt.save_checkpoint(Path(run.cfg.out), run.step, cpu, optim_state, trainer, run.cfg.keep)
     distributed.barrier(run.d)
 
@@ -733,6 +735,27 @@ def _replan(run: Run, plan: budget.Budget, eval_batches: int) -> None:
     run.total_steps = total
 
 
+def _apply_depth_rule(run: Run, plan: budget.Budget) -> bool:
+    """The budget rule, once the steady state shows: keep the starting depth, or lower it for the
+    rest of the run (returns whether it did). The steps so far trained the deeper unroll of the same
+    weights; the rate is measured afresh at the new depth (its first steps compile) and replans the run."""
+    per_epoch = len(run.train_stream) / run.group
+    tokens_per_step = sum(run.source.lengths[p] for b in run.train_stream.batches for p in b) / per_epoch
+    step_s = distributed.max_over_processes(plan.step_s, run.d, run.device)
+    depth, why = budget.depth_choice(run.total_steps, tokens_per_step, run.draft.ttt_steps, step_s,
+                                     run.cfg.minutes, run.cap is not None and run.total_steps >= run.cap)
+    run.depth_rule = {"from": run.draft.ttt_steps, "depth": depth, "at_step": run.step,
+                      "planned_steps": run.total_steps, "tokens_per_step": round(tokens_per_step, 1),
+                      "step_s": step_s, "why": why}
+    _log(run.d, f"budget rule: {why}")
+    if depth == run.draft.ttt_steps:
+        return False
+    run.draft = replace(run.draft, ttt_steps=depth)
+    run.drafter.config = run.draft
+    plan.restart()
+    return True
+
+
 def fit(run: Run, stop_at: int | None = None) -> dict[str, Any]:
     cfg, d = run.cfg, run.d
     log = MetricsLog(Path(cfg.out), run.resumed_from) if d.main else None
@@ -745,6 +768,7 @@ def fit(run: Run, stop_at: int | None = None) -> dict[str, Any]:
     plan = budget.Budget(cfg.minutes, run.started, run.cap) if cfg.minutes else None
     eval_batches = len(BatchStream(run.eval_positions, run.source.lengths, run.source.sample_index,
                                    cfg.batch_tokens, cfg.seed)) if plan and run.eval_positions else 0
+    pick_depth = plan is not None and cfg.depth_rule and run.depth_rule is None
     try:
         while run.step < (end := min(run.total_steps, stop_at or run.total_steps)):
             tokens += sum(run.source.lengths[p] for b in run.train_stream.for_step(run.step, run.group, 0, 1) for p in b)
@@ -758,10 +782,16 @@ def fit(run: Run, stop_at: int | None = None) -> dict[str, Any]:
                 bar.total = run.total_steps
             stopping = _out_of_time(run)
             if run.step % cfg.log_every == 0 or run.step == end or stopping:
-                last["train"] = summarize(distributed.all_reduce(window, d))
-                _write(log, run, "train", last["train"], bar, tokens / (time.monotonic() - window_start))
+                last["train"] = _log_window(log, run, window, bar, tokens, window_start)
                 window.zero_()
                 window_start, tokens = time.monotonic(), 0
+            if pick_depth and plan.steady and not stopping:
+                pick_depth = False
+                if _apply_depth_rule(run, plan):
+                    if not (run.step % cfg.log_every == 0 or run.step == end):  # the old depth's steps unlogged
+                        last["train"] = _log_window(log, run, window, bar, tokens, window_start)
+                    window = torch.zeros(run.draft.ttt_steps, STATS, device=run.device)
+                    window_start, tokens = time.monotonic(), 0
             t0 = budget.clock()
             early = plan is not None and plan.steady and not plan.evaluated and bool(run.eval_positions)
             due = run.step % cfg.eval_every == 0 or early
@@ -806,6 +836,14 @@ def walk_note(cfg: TrainConfig) -> str:
     return ("\nthe held-out blocks are drafted from the sampled anchors; decoding drafts each block right after the "
             "last rejection and accepts less. For the blocks it drafts (tau_walk): eyas eval --draft "
             f"{cfg.out} --teacher-forced DATA --held-out")
+
+
+def _log_window(log: MetricsLog | None, run: Run, window: torch.Tensor, bar, tokens: int, since: float
+                ) -> dict[str, Any]:
+    """The training metrics of the steps summed in `window` [K, STATS] (every process's), written as one row."""
+    m = summarize(distributed.all_reduce(window, run.d))
+    _write(log, run, "train", m, bar, tokens / (time.monotonic() - since))
+    return m
 
 
 def _write(log: MetricsLog | None, run: Run, split_name: str, m: dict[str, Any], bar,
