@@ -85,7 +85,8 @@ class TrainConfig:
     loss: str = option(
         "what each scored pair's loss is, with p the target's distribution over the draft vocabulary, q the "
         "drafter's and alpha = sum min(p, q) the chance speculative sampling accepts the drafter's token: soft-ce = "
-        "-sum p log q; lk-hybrid = lambda KL(p||q) + (1 - lambda)(1 - alpha), lambda = exp(-eta alpha) "
+        "-sum p log q; hard-ce = -log q(t), t the target's greedy token (cross-entropy against its argmax, "
+        "speculators' DFlash default; a t outside the draft vocabulary adds no loss, as under every loss); lk-hybrid = lambda KL(p||q) + (1 - lambda)(1 - alpha), lambda = exp(-eta alpha) "
         "(--lk-eta); lk-alpha = -log alpha (the LK losses, arXiv 2602.23881). Metrics' loss is this loss",
         "soft-ce", choices=LOSSES, group=DRAFTER)
     lk_eta: float = option("lk-hybrid: how soon the loss moves from KL to the acceptance rate as the two overlap",
