@@ -74,9 +74,10 @@ def compiled_loss(dev: str) -> bool:
     probs = torch.softmax(3 * torch.randn(1200, 2000, device=dev, generator=g), -1)
     weight = torch.rand(1200, device=dev, generator=g)
     inside = torch.rand(1200, device=dev, generator=g) * 0.5 + 0.5
+    target = torch.where(torch.rand(1200, device=dev, generator=g) < 0.1, -1, probs.argmax(-1))  # -1: outside
     for loss in LOSSES:  # each loss the compiled chunk computes equals its eager form
-        eager = chunk_loss(logits, probs, weight, inside, loss)
-        fused = fused_chunk_loss(True)(logits, probs, weight, inside, loss, 3.0)
+        eager = chunk_loss(logits, probs, target, weight, inside, loss)
+        fused = fused_chunk_loss(True)(logits, probs, target, weight, inside, loss, 3.0)
         for a, b in zip(fused, eager):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     return True

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -72,7 +73,8 @@ def arms(args) -> dict[str, dict]:
     """The drafters trained (--arms, in order), each for --arm-minutes on the same regenerated data.
     P-EAGLE is EAGLE-3's recipe drafting its CHAIN tokens in one pass (CHAIN = its TTT steps). An
     arm `KIND:OPTION=VALUE:...` is that kind with `eyas train` options changed (e.g.
-    `dflash:anchors=512:position_weights=dpace`), trained into its own folder; `minutes=M` trains
+    `dflash:anchors=512:position_weights=dpace`, or with commas `dflash:batch_tokens=8192,loss=hard-ce`;
+    `arm_options`), trained into its own folder; `minutes=M` trains
     it for M minutes instead of --arm-minutes, `init=N` starts it from the drafter of the N-th
     arm (from 0) trained before it (`eagle3:init=0:position_weights=on-policy`), and `packed=L`
     trains it on the same regenerated conversations joined in order into samples of up to L
@@ -85,20 +87,49 @@ def arms(args) -> dict[str, dict]:
     every = {"eagle3": RECIPE, "dflash": dflash, "peagle": {**RECIPE, "drafter": "peagle", "ttt_steps": CHAIN}}
     out = {}
     for arm in args.arms:
-        kind, *pieces = arm.split(":")
-        changes: list[str] = []
-        for piece in pieces:  # a value may hold ':' itself (layers=spread:5)
-            if "=" in piece or not changes:
-                changes.append(piece)
-            else:
-                changes[-1] += ":" + piece
+        kind, _, changes = arm.partition(":")
         options = dict(every[kind])
-        for change in changes:
+        for change in arm_options(changes):
             key, _, value = change.partition("=")
-            literal = value[:1].isdigit() or value[:1] in "-[{" or value in ("null", "true", "false")
-            options[key] = json.loads(value) if literal else value
+            options[key] = arm_value(value)
         out[arm] = options
     return out
+
+
+def split_arms(text: str) -> list[str]:
+    """--arms as its arms: a comma starts an arm only before a kind (`KIND` or `KIND:...`);
+    elsewhere it separates an arm's options or sits in a value (`dflash:causal_layers=0,2,eagle3`
+    is two arms)."""
+    out: list[str] = []
+    for piece in text.split(","):
+        if not out or arm_kind(piece) in KINDS:
+            out.append(piece)
+        else:
+            out[-1] += "," + piece
+    return [a for a in out if a]
+
+
+def arm_options(text: str) -> list[str]:
+    """An arm's `OPTION=VALUE` pieces, separated by ':' or ','; a piece without '=' belongs to the
+    value before it, its separator kept (layers=spread:5, causal_layers=0,2)."""
+    parts = re.split(r"([:,])", text) if text else []
+    changes: list[str] = []
+    for sep, piece in zip([""] + parts[1::2], parts[0::2]):
+        if "=" in piece or not changes:
+            changes.append(piece)
+        else:
+            changes[-1] += sep + piece
+    return changes
+
+
+def arm_value(value: str):
+    """A number, list, mapping, null or boolean as JSON; other text, and what JSON does not read (0,2), as text."""
+    if value[:1].isdigit() or value[:1] in "-[{" or value in ("null", "true", "false"):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            pass
+    return value
 
 
 def arm_kind(arm: str) -> str:
@@ -434,7 +465,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--regen-group", type=int, default=4096)
     p.add_argument("--arms", default=",".join(KINDS),
                    help=f"drafters trained, in order (default {','.join(KINDS)}); KIND:OPTION=VALUE:... changes "
-                        "`eyas train` options of that kind's arm (e.g. dflash:anchors=512:position_weights=dpace)")
+                        "`eyas train` options of that kind's arm (e.g. dflash:anchors=512:position_weights=dpace; "
+                        "',' separates options too, and a new arm only before a kind: "
+                        "dflash:causal_layers=0,2,loss=hard-ce,eagle3)")
     p.add_argument("--prepared", help="an `eyas prepare` folder of such windows made elsewhere (e.g. where the "
                    "--conversations sources are): regenerated as it is")
     p.add_argument("--data", help="a regenerated set from an earlier run (its --work/regen): no regeneration")
@@ -472,7 +505,7 @@ def parse_args() -> argparse.Namespace:
                    help="CPU end to end in minutes: the packaged SmolLM2, 12 chitchat dialogues, 32-token answers, "
                         "tiny batches, one question")
     args = p.parse_args()
-    args.arms = [a for a in args.arms.split(",") if a]
+    args.arms = split_arms(args.arms)
     drafters = {}
     for given in args.drafter:
         arm, _, folder = given.rpartition("=")

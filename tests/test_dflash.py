@@ -10,6 +10,7 @@ loss) and 1e-4 relative (gradients).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -27,7 +28,9 @@ from eyas.models.target_head import TargetHead
 from eyas.train.anchors import anchor_rows
 from eyas.draft.loss import step_counts
 from eyas.train.labels import make_labels
+from test_adversarial import cli, fails, train_args
 from test_eval_sampling import T as TEMPERATURE, V as TOY_V, build_toy, check_sampling
+from test_store_damage import tiny_prepared, tiny_store  # noqa: F401
 from test_ttt import K, V, H, VD, check_against_reference, reference_loss, rope, tiny_config
 
 LAYERS = 2
@@ -380,6 +383,80 @@ def test_train_dflash_offline_equals_online_and_reloads(tiny_llama_dir, tiny_lla
     for flag, option in (("--block-size", {"block_size": 4}), ("--anchors", {"anchors": 5})):
         with pytest.raises(EyasError, match=f"^{flag} is for --drafter dflash, not eagle3"):
             TrainConfig(out="x", store=str(store), **option)
+
+
+def causal_args(store, out, *extra) -> list:
+    """A two-layer DFlash run of blocks of 4, with speculators' other DFlash losses and weights."""
+    return train_args(store, out, "--drafter", "dflash", "--draft-layers", "2", "--ttt-steps", "3", "--steps", "2",
+                      "--loss", "hard-ce", "--position-weights", "dpace", "--lr", "1e-2", *extra)
+
+
+def test_train_causal_layers_records_them_trains_the_reference_and_must_agree_on_init_and_resume(
+        tmp_path, capsys, tiny_store):  # noqa: F811
+    """`eyas train --causal-layers all` builds a drafter whose config has every layer causal;
+    its forward at every anchor equals `reference_block`'s slot logits, causal layers included,
+    and differs from the same weights without them (float32, 1e-5). A --resume or --init that
+    asks for other layers is refused in one line; `0,1` of two layers is `all`."""
+    import json
+
+    from eyas.draft import load_drafter
+
+    out = tmp_path / "run"
+    got, err = cli(capsys, *causal_args(tiny_store, out, "--causal-layers", "all"))
+    assert got == 0, err
+    assert json.loads((out / "config.json").read_text())["eyas"]["causal_layers"] == [0, 1]
+    trainer = json.loads((out / "checkpoints" / "step-0000002" / "trainer.json").read_text())["config"]
+    assert trainer["causal_layers"] == "all" and trainer["loss"] == "hard-ce"
+    g = torch.Generator().manual_seed(0)
+    cfg = load_drafter(out).config
+    drafter = load_drafter(out, torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g)).eval()
+    assert drafter.config.causal_layers == (0, 1)
+    T = 6
+    input_ids = torch.randint(0, cfg.vocab_size - 1, (1, T), generator=g)
+    aux = torch.randn(1, T, 3, cfg.hidden_size, generator=g)
+    steps = drafter.config.ttt_steps
+    with torch.no_grad():
+        logits = drafter.forward_ttt(input_ids, aux, steps)
+        unmasked = new_drafter(dataclasses.replace(drafter.config, causal_layers=()), drafter.embed_tokens.weight)
+        unmasked.load_state_dict(drafter.state_dict())
+        plain = unmasked.eval().forward_ttt(input_ids, aux, steps)
+        for i in range(T - 1):
+            block = reference_block(drafter, [int(input_ids[0, i + 1])] + [drafter.config.mask_token_id] * steps,
+                                    aux[0, : i + 1])
+            for k in range(min(steps, T - 1 - i)):
+                torch.testing.assert_close(logits[k][0, i], block[k + 1], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(logits[0][0, : T - 1], plain[0][0, : T - 1], atol=1e-3)
+
+    fails(capsys, tmp_path, out, *causal_args(tiny_store, out, "--causal-layers", "none", "--steps", "3", "--resume"),
+          match=r"causal-layers 'none' \(the run has 'all'\)")
+    fails(capsys, tmp_path, tmp_path / "init", *causal_args(tiny_store, tmp_path / "init", "--causal-layers", "1",
+                                                            "--init", out),
+          match=rf"--causal-layers 1: --init {out} has all; a run from it keeps its shape")
+    got, err = cli(capsys, *causal_args(tiny_store, tmp_path / "init", "--causal-layers", "1,0", "--init", out))
+    assert got == 0, err
+    assert load_drafter(tmp_path / "init").config.causal_layers == (0, 1)
+
+
+@pytest.mark.parametrize("kind, spec, message", [
+    ("eagle3", "all", r"--causal-layers is for --drafter dflash, not eagle3\.$"),
+    ("peagle", "none", r"--causal-layers is for --drafter dflash, not peagle\.$"),
+    ("dflash", "first", r"--causal-layers 'first': give none, all or drafter layer indices such as 0,2\.$"),
+    ("dflash", "0,-1", r"--causal-layers '0,-1': give none, all"),
+    ("dflash", "0,2", r"--causal-layers 0,2 names layer 2: the drafter \(--draft-layers\) has layers 0\.\.1\.$"),
+])
+def test_causal_layers_that_cannot_be_are_refused_in_one_line(tmp_path, capsys, tiny_store, kind, spec,
+                                                               message):  # noqa: F811
+    extra = ["--drafter", kind, "--causal-layers", spec] + (["--draft-layers", "2"] if kind != "peagle" else [])
+    fails(capsys, tmp_path, tmp_path / "run", *train_args(tiny_store, tmp_path / "run", *extra),
+          match=rf"^eyas train: error: {message}")
+
+
+def test_causal_layers_past_the_default_depth_are_refused_once_the_target_is_known(tmp_path, capsys,
+                                                                                   tiny_store):  # noqa: F811
+    """The 8-layer tiny target gives a DFlash drafter one layer unless --draft-layers says more."""
+    fails(capsys, tmp_path, tmp_path / "run", *train_args(tiny_store, tmp_path / "run", "--drafter", "dflash",
+                                                          "--causal-layers", "1"),
+          match=r"--causal-layers 1 names layer 1: the drafter \(--draft-layers\) has layers 0\.\.0\.$")
 
 
 def test_export_writes_vllms_dflash_layout_and_refuses_the_others(tmp_path):

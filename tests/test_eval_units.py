@@ -351,3 +351,29 @@ def test_a_recorded_pass_reads_a_power_of_two_of_slots_within_the_cache():
     for slots in range(1, 2305, 37):
         width = read_width(slots, 2304)
         assert slots <= width <= 2304 and width % SPLIT_KEYS == 0
+
+
+def test_parallel_bench_arms_pass_their_train_options_through(monkeypatch):
+    """bench/parallel_gpu.py's --arms: options separated by ':' or ',', a value holding either
+    (layers=spread:5, causal_layers=0,2), a new arm only before a kind; each arm's options make
+    the TrainConfig its trainer gets."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from eyas.train.config import TrainConfig
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    parallel = pytest.importorskip("parallel_gpu")
+    given = "dflash:batch_tokens=8192,loss=hard-ce,causal_layers=0,2:layers=spread:5,eagle3,dflash:causal_layers=all"
+    arms = parallel.split_arms(given)
+    assert arms == ["dflash:batch_tokens=8192,loss=hard-ce,causal_layers=0,2:layers=spread:5", "eagle3",
+                    "dflash:causal_layers=all"]
+    options = parallel.arms(SimpleNamespace(arms=arms, dflash_anchors=8, dflash_layers=3))
+    first, last = options[arms[0]], options[arms[2]]
+    assert (first["batch_tokens"], first["loss"], first["causal_layers"], first["layers"]) == \
+        (8192, "hard-ce", "0,2", "spread:5")
+    assert last["causal_layers"] == "all"
+    target = SimpleNamespace(vocab_size=100, num_layers=30)
+    for arm, causal, loss in ((first, (0, 2), "hard-ce"), (last, (0, 1, 2), "soft-ce")):
+        cfg = TrainConfig(out="unused", online=True, model="m", data="d", **arm)
+        assert cfg.kind_options(target)["causal_layers"] == causal and cfg.loss == loss

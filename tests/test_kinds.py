@@ -84,6 +84,8 @@ def test_a_kind_refuses_what_its_record_does_not_take(toy):
 
     with pytest.raises(EyasError, match="--draft-layers is for --drafter eagle3 or dflash, not toy"):
         TrainConfig(store="s", out="o", drafter="toy", draft_layers=2)
+    with pytest.raises(EyasError, match="--causal-layers is for --drafter dflash, not toy"):
+        TrainConfig(store="s", out="o", drafter="toy", causal_layers="all")
     with pytest.raises(EyasError, match="--draft-attention mla is for --drafter eagle3 or peagle"):
         TrainConfig(store="s", out="o", drafter="toy", draft_attention="mla")
     with pytest.raises(EyasError, match=r"--drafter must be one of eagle3, dflash, peagle, toy \(got 'nope'\)"):

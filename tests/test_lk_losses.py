@@ -1,10 +1,12 @@
-"""The LK losses (`eyas train --loss`, draft/loss.py; arXiv 2602.23881), each against a
-hand-written reference differentiated by autograd: per pair, chunk by chunk, and as the whole
-training-time-test objective of EAGLE-3 and DFlash, in values and gradients. The closed-form
-gradients the chunked loss computes in its forward are what autograd gives."""
+"""The losses beside soft cross-entropy (`eyas train --loss`, draft/loss.py): hard
+cross-entropy against the target's greedy token and the LK losses (arXiv 2602.23881), each
+against a hand-written reference differentiated by autograd: per pair, chunk by chunk, and as
+the whole training-time-test objective of EAGLE-3 and DFlash, in values and gradients. The
+closed-form gradients the chunked loss computes in its forward are what autograd gives."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,9 +15,11 @@ import torch
 import eyas.draft.loss as loss_module
 from eyas.draft.loss import ACCEPT, COUNT, IN_VOCAB, LK_EPS, chunk_loss, step_counts
 from eyas.draft.objective import LOSSES, Objective
+from eyas.train.anchors import anchor_rows
 from eyas.train.labels import make_labels
 from test_adversarial import cli, train_args
 from test_chunked_loss import DECAY, _setup
+from test_dflash import make_setup as dflash_setup
 from test_store_damage import tiny_prepared, tiny_store  # noqa: F401
 from test_ttt import K, VD, make_setup, reference_loss, soft_cross_entropy
 
@@ -28,6 +32,8 @@ def reference_pair(loss: str, eta: float = ETA):
     def pair(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         if loss == "soft-ce":
             return soft_cross_entropy(logits, p)
+        if loss == "hard-ce":  # against the target's greedy token
+            return -logits.log_softmax(-1)[p.argmax()]
         q = logits.softmax(-1)
         alpha = torch.minimum(p, q).sum()  # the acceptance rate of speculative sampling
         if loss == "lk-alpha":
@@ -40,8 +46,9 @@ def reference_pair(loss: str, eta: float = ETA):
 
 
 def _loss(logits: torch.Tensor, probs: torch.Tensor, weight: torch.Tensor, loss: str, eta: float = ETA):
-    """chunk_loss's value and gradient (the acceptance it also returns is tested below)."""
-    value, _, grad = chunk_loss(logits, probs, weight, torch.ones(len(probs)), loss, eta)
+    """chunk_loss's value and gradient (the acceptance it also returns is tested below), the
+    target's token its distribution's argmax."""
+    value, _, grad = chunk_loss(logits, probs, probs.argmax(-1), weight, torch.ones(len(probs)), loss, eta)
     return value, grad
 
 
@@ -94,11 +101,13 @@ def test_the_losses_meet_their_limits():
         assert (_loss(logits, probs, weight, loss, ETA)[0] > best).all(), loss
 
 
-@pytest.mark.parametrize("loss", ["lk-hybrid", "lk-alpha"])
+@pytest.mark.parametrize("loss", ["hard-ce", "lk-hybrid", "lk-alpha"])
 @pytest.mark.parametrize("kind", ["eagle3", "dflash"])
 def test_the_whole_objective_equals_the_reference(kind, loss, monkeypatch):
     """The drafter's own loss with --loss: one pair a chunk, three, and all at once equal the
-    reference over every scored pair's full logits, in values and gradients (float32, 1e-5)."""
+    reference over every scored pair's full logits, in values and gradients (float32, 1e-5).
+    The reference takes hard CE's token as the argmax of the target's distribution over the
+    draft vocabulary and skips the pairs whose greedy token lies outside it (there are some)."""
     drafter, input_ids, aux, labels, weights, rows = _setup(kind)
     params = [p for p in drafter.parameters() if p.requires_grad]
     logits = drafter.forward_ttt(input_ids, aux, K, rows)
@@ -141,6 +150,55 @@ def test_acceptance_at_temperature_1_is_the_overlap_with_the_targets_full_distri
         torch.testing.assert_close(stats[:, ACCEPT], expected, rtol=1e-5, atol=1e-5)
     assert (stats[:, IN_VOCAB] < stats[:, COUNT]).any()  # out-of-vocabulary pairs were among them
     assert ((stats[:, ACCEPT] > 0) & (stats[:, ACCEPT] < stats[:, COUNT])).all()
+
+
+def test_hard_ce_gives_no_loss_and_no_gradient_outside_the_draft_vocabulary():
+    """A pair whose greedy token lies outside the draft vocabulary (-1) adds nothing whatever its
+    weight; the others are soft CE against that token one-hot (float32, 1e-6)."""
+    logits, probs, weight = _draw()
+    target = probs.argmax(-1)
+    target[::3] = -1
+    value, _, grad = chunk_loss(logits, probs, target, weight, torch.ones(len(probs)), "hard-ce")
+    one_hot = torch.nn.functional.one_hot(target.clamp_min(0), probs.shape[-1]).float()
+    soft_value, soft_grad = _loss(logits, one_hot, weight, "soft-ce")
+    out = target < 0
+    assert out.any() and (value[out] == 0).all() and (grad[out] == 0).all()
+    torch.testing.assert_close(value[~out], soft_value[~out], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad[~out], soft_grad[~out], rtol=1e-6, atol=1e-6)
+
+
+WEIGHTINGS = {"decay": Objective(), "dpace": Objective(dpace_alpha=0.3), "on-policy": Objective(on_policy=True)}
+
+
+@pytest.mark.parametrize("kind, weighting", [("eagle3", w) for w in WEIGHTINGS] + [("dflash", "decay"),
+                                                                                   ("dflash", "dpace")])
+def test_hard_ce_under_each_position_weighting_is_soft_ce_against_the_greedy_token(kind, weighting, monkeypatch):
+    """Each --position-weights option (on-policy: EAGLE-3's only) weighs hard CE's pairs as it
+    weighs soft CE's: with the target's distribution made one-hot at its greedy token (its
+    logits scaled 1e6), soft CE's objective is hard CE's in loss, statistics, per-row loss and
+    gradients, one pair a chunk or all at once (float32, 1e-5). Soft CE under each weighting
+    equals its reference in test_chunked_loss.py, test_position_weights.py and
+    test_on_policy.py."""
+    drafter, head, draft_ids, input_ids, hidden, loss_mask = (make_setup if kind == "eagle3" else dflash_setup)()
+    input_ids[:, 1:] = head.logits(hidden[:, :-1, -1]).argmax(-1)  # the target's greedy path: on-policy walks it
+    rows = None if kind == "eagle3" else anchor_rows(loss_mask, K, 3, (0, 5))
+    labels = make_labels(head, hidden[:, :, -1], loss_mask, draft_ids, input_ids)
+    sharp = dataclasses.replace(labels, teacher=lambda h: labels.teacher(h) * 1e6)
+    assert (labels.target_draft < 0).any()  # pairs outside the draft vocabulary are among them
+    weights = torch.full((K,), 1.0) / step_counts(loss_mask, K, rows).sum()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    objective = WEIGHTINGS[weighting]
+    for pairs in (1, None):
+        monkeypatch.setattr(loss_module, "LOSS_CHUNK", VD * pairs if pairs else 1 << 26)
+        runs = []
+        for loss in ("hard-ce", "soft-ce"):
+            got, stats, row_loss = drafter(input_ids, hidden[:, :, :3], sharp, weights, rows,
+                                           dataclasses.replace(objective, loss=loss))
+            runs.append((got.detach(), stats, row_loss, torch.autograd.grad(got, params)))
+        (hard, stats, row_loss, grads), (soft, soft_stats, soft_row_loss, soft_grads) = runs
+        assert hard > 0 and all(g.abs().sum() > 0 for g in grads)
+        for a, b in zip((hard, stats, row_loss, *grads), (soft, soft_stats, soft_row_loss, *soft_grads)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_an_unknown_loss_is_refused():

@@ -240,10 +240,12 @@ def test_labels_are_the_target_distribution_restricted_to_the_draft_vocab(setup)
     assert not trained_positions(loss_mask)[:, -1].any()
 
 
-def test_compiled_chunk_loss_equals_eager():
+@pytest.mark.parametrize("loss", ["soft-ce", "hard-ce"])
+def test_compiled_chunk_loss_equals_eager(loss):
     """The compiled chunk loss (what CUDA runs, on bf16 logits under autocast) gives the eager
     loss and logits gradient, for two chunk sizes (the dynamic graph serves both), and the
-    gradient it returns is autograd's. Tolerance: the loss is float32 (1e-5); the gradient is
+    gradient it returns is autograd's; hard CE's targets include -1 (outside the draft
+    vocabulary: no loss, no gradient). Tolerance: the loss is float32 (1e-5); the gradient is
     float32 from the same float32 softmax (1e-5)."""
     from eyas.draft.loss import chunk_loss
 
@@ -252,14 +254,20 @@ def test_compiled_chunk_loss_equals_eager():
     probs = torch.softmax(torch.randn(21, 64, generator=g) * 3, -1)
     weight = torch.rand(21, generator=g)
     inside = torch.rand(21, generator=g) * 0.5 + 0.5
+    target = probs.argmax(-1)
+    target[::5] = -1
+    hard = F.one_hot(target.clamp_min(0), 64).float() * (target >= 0)[:, None]  # all zero at -1
+    labels = probs if loss == "soft-ce" else hard
     compiled = torch.compile(chunk_loss, dynamic=True)
     for n in (21, 13):
         logits = base[:n].float().requires_grad_(True)
-        ce, accept, grad = chunk_loss(logits.detach(), probs[:n], weight[:n], inside[:n])
-        (auto,) = torch.autograd.grad((-(probs[:n] * logits.log_softmax(-1)).sum(-1) * weight[:n]).sum(), logits)
+        ce, accept, grad = chunk_loss(logits.detach(), probs[:n], target[:n], weight[:n], inside[:n], loss)
+        auto_ce = -(labels[:n] * logits.log_softmax(-1)).sum(-1)
+        (auto,) = torch.autograd.grad((auto_ce * weight[:n]).sum(), logits)
+        torch.testing.assert_close(ce, auto_ce.detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(grad, auto, rtol=1e-5, atol=1e-6)
-        assert (ce > 0).all() and grad.abs().sum() > 0
-        c_ce, c_accept, c_grad = compiled(base[:n], probs[:n], weight[:n], inside[:n])
+        assert (ce[target[:n] >= 0] > 0).all() and grad.abs().sum() > 0
+        c_ce, c_accept, c_grad = compiled(base[:n], probs[:n], target[:n], weight[:n], inside[:n], loss)
         torch.testing.assert_close(c_ce, ce, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(c_accept, accept, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(c_grad, grad, rtol=1e-5, atol=1e-6)

@@ -58,7 +58,8 @@ class DraftConfig:
     num_hidden_layers: int = 1  # decoder layers (a kind that is not `deep` has one)
     mask_token_id: int | None = None  # a kind with a `mask_token`: the token whose embedding marks the slots to fill
     # A block kind's layers whose block slots see only the slots up to their own (speculators'
-    # sliding-window DFlash layers); the others see the whole block. eyas trains none; `eyas import` sets them.
+    # sliding-window DFlash layers); the others see the whole block. `eyas train --causal-layers` and `eyas import`
+    # set them.
     causal_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:

@@ -5,10 +5,10 @@ A block sits right after the committed context: slot 0 holds the last committed 
 predicts the token at P+s. The block's queries attend, without a causal mask, to each other
 and to the context: every draft layer projects its own keys and values from the same
 context states `hidden_norm(fc(aux))` (the target's aux states at positions < P), with the
-layer's `k_norm` and rotary position. In the layers of `causal_layers` (drafters imported from
-speculators' sliding-window layers; eyas trains none) slot s sees only slots 0..s of the block.
-Layers are Qwen3-style (per-head `q_norm`/`k_norm`), then `norm` and `lm_head` over the draft
-vocabulary. Weight names are vLLM's (`layers.i.*`, `fc`, `hidden_norm`, `norm`, `lm_head`,
+layer's `k_norm` and rotary position. In the layers of `causal_layers` (speculators'
+sliding-window layers, imported or trained with --causal-layers) slot s sees only slots 0..s of
+the block. Layers are Qwen3-style (per-head `q_norm`/`k_norm`), then `norm` and `lm_head` over
+the draft vocabulary. Weight names are vLLM's (`layers.i.*`, `fc`, `hidden_norm`, `norm`, `lm_head`,
 `d2t`; models/qwen3_dflash.py), and speculators' too; the embeddings are the target's, frozen,
 and never saved.
 

@@ -71,6 +71,12 @@ class Kind:
     check_served: Callable[[Any], None] = _no_check  # refuse a config of it that no engine serves (export)
 
     @property
+    def drafts_blocks(self) -> bool:
+        """Only a block's slots can attend causally within it (DraftConfig `causal_layers`,
+        --causal-layers)."""
+        return self.drafting == BLOCK
+
+    @property
     def drafts_trees(self) -> bool:
         """Only step-by-step drafting can branch into a tree; a block is verified as a chain
         (eval refuses --tree, the recipe plans no tree stage)."""
@@ -99,7 +105,7 @@ class Kind:
         if self.mask_token and (cfg.mask_token_id is None or not 0 <= cfg.mask_token_id < cfg.vocab_size):
             raise EyasError(f"{self.a_title(True)} drafter needs a mask token id in 0..{cfg.vocab_size - 1}, not "
                             f"{cfg.mask_token_id}.")
-        if cfg.causal_layers and self.drafting != BLOCK:
+        if cfg.causal_layers and not self.drafts_blocks:
             raise EyasError(f"causal_layers are a block drafter's; {self.a_title()} drafter has none.")
         if not self.eagle_options and (cfg.fc_norm or cfg.norm_output or cfg.norm_before_residual):
             raise EyasError(f"fc_norm, norm_output and norm_before_residual are EAGLE-3 options; {self.a_title()} "
@@ -149,8 +155,9 @@ def _eagle3_check(cfg) -> None:
 def _dflash_served(cfg) -> None:
     if cfg.causal_layers:  # vLLM's qwen3_dflash.py: a sliding-window layer, or every layer (dflash_config.causal)
         raise EyasError(f"Layers {list(cfg.causal_layers)} of this DFlash drafter attend causally within the block "
-                        "(imported from speculators' sliding-window layers); eyas writes no vLLM config that serves "
-                        "that (vLLM 0.32 reads it from sliding-window layers), so the drafter runs in eyas eval only.")
+                        "(speculators' sliding-window layers, or eyas train --causal-layers); eyas writes no vLLM "
+                        "config that serves that (vLLM 0.32 reads it from sliding-window layers), so the drafter runs "
+                        "in eyas eval only.")
 
 
 def _peagle_served(cfg) -> None:

@@ -26,6 +26,10 @@ The losses (draft/objective.py `LOSSES`), per pair, with p the target's distribu
 q the drafter's, and alpha = sum_v min(p_v, q_v) the chance that speculative sampling accepts
 the drafter's token (1 - alpha is their total variation):
 - soft-ce: -sum_v p_v log q_v (its gradient is KL's);
+- hard-ce: -log q_t, t the target's greedy token (its argmax over its whole vocabulary, which is
+  argmax_v p_v wherever it lies in the draft vocabulary): cross-entropy against the target's
+  greedy token, speculators' DFlash default. Where t lies outside the draft vocabulary the pair
+  adds no loss and counts as a miss, as under every loss (the drafter cannot draft t);
 - lk-hybrid (LK^lambda, arXiv 2602.23881): lambda KL(p || q) + (1 - lambda)(1 - alpha), with
   lambda = exp(-eta alpha) computed without gradient: KL's strong pull while the two barely
   overlap, the acceptance rate itself once they do;
@@ -300,8 +304,8 @@ class _ChunkedLoss(torch.autograd.Function):
         pair_loss = fused_chunk_loss(x.is_cuda)
         for c, (lo, hi), xc, logits in _head_chunks(x, w, bounds):
             p, inside = probs(c)  # [n, Vd] float32, [n], under the caller's autocast as the target head expects
-            value[lo:hi], accept[lo:hi], g = pair_loss(logits, p, row_weight[lo:hi], inside, objective.loss,
-                                                       objective.lk_eta)
+            value[lo:hi], accept[lo:hi], g = pair_loss(logits, p, target[lo:hi], row_weight[lo:hi], inside,
+                                                       objective.loss, objective.lk_eta)
             correct[lo:hi] = logits.argmax(-1) == target[lo:hi]
             if need_grad:
                 g = g.to(w.dtype)  # [n, Vd]: d loss / d logits, in the logits' dtype, as autograd has it
@@ -320,20 +324,25 @@ class _ChunkedLoss(torch.autograd.Function):
                 None, None, None, None, None, None)
 
 
-def chunk_loss(logits: torch.Tensor, probs: torch.Tensor, row_weight: torch.Tensor, inside: torch.Tensor,
-               loss: str = "soft-ce", eta: float = 3.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """logits [n, Vd] (any float dtype), probs [n, Vd] float32, row_weight [n], inside [n] (the
+def chunk_loss(logits: torch.Tensor, probs: torch.Tensor, target: torch.Tensor, row_weight: torch.Tensor,
+               inside: torch.Tensor, loss: str = "soft-ce", eta: float = 3.0
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [n, Vd] (any float dtype), probs [n, Vd] float32, target [n] (the target's greedy
+    token in draft ids, -1 outside the draft vocabulary), row_weight [n], inside [n] (the
     target's mass in the draft vocabulary) -> each pair's `loss` [n] float32 (the module
     docstring defines them), its acceptance at T=1 [n] (sum_v min(inside p_v, q_v)), and the
     loss's gradient in the logits times row_weight [n, Vd] float32, in closed form: with q =
-    softmax(logits), soft CE's (and KL's) is q sum(p) - p, and alpha's is q (1[q < p] - sum_v
-    1[q_v < p_v] q_v) (torch.minimum's subgradient; ties have measure zero)."""
+    softmax(logits), soft CE's (and KL's) is q sum(p) - p, hard CE's q - onehot(target), and
+    alpha's is q (1[q < p] - sum_v 1[q_v < p_v] q_v) (torch.minimum's subgradient; ties have
+    measure zero)."""
     logq = logits.float().log_softmax(-1)
     q = logq.exp()
     accept = torch.minimum(q, probs * inside[:, None]).sum(-1)
     kl_grad = q * probs.sum(-1, keepdim=True) - probs
     if loss == "soft-ce":
         value, grad = -(probs * logq).sum(-1), kl_grad
+    elif loss == "hard-ce":
+        value, grad = hard_cross_entropy(logq, q, target)
     else:
         below = (q < probs).float()
         alpha = torch.minimum(q, probs).sum(-1)  # [n]
@@ -346,6 +355,19 @@ def chunk_loss(logits: torch.Tensor, probs: torch.Tensor, row_weight: torch.Tens
             value = lam * kl + (1 - lam) * (1 - alpha)
             grad = lam[:, None] * kl_grad - (1 - lam)[:, None] * alpha_grad
     return value, accept, grad * row_weight[:, None]
+
+
+def hard_cross_entropy(logq: torch.Tensor, q: torch.Tensor, target: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logq, q [n, Vd] the drafter's log-probabilities and probabilities, target [n] draft ids
+    (-1: outside the draft vocabulary) -> -log q_target [n] and its gradient in the logits, q -
+    onehot(target) [n, Vd]: soft CE's with p one-hot at the target's token, gathered rather than
+    summed over the vocabulary. A pair at -1 gets 0 and no gradient, whatever its weight."""
+    known = target >= 0
+    at = target.clamp_min(0)[:, None]  # [n, 1]
+    value = torch.where(known, -logq.gather(1, at)[:, 0], 0.0)
+    weight = known.to(q.dtype)[:, None]  # [n, 1]
+    return value, (q * weight).scatter_add(1, at, -weight)
 
 
 @functools.cache

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-LOSSES = ("soft-ce", "lk-hybrid", "lk-alpha")  # draft/loss.py's module docstring defines them
+LOSSES = ("soft-ce", "hard-ce", "lk-hybrid", "lk-alpha")  # draft/loss.py's module docstring defines them
 
 
 @dataclass(frozen=True)

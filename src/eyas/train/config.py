@@ -23,12 +23,31 @@ ANCHORS = 512  # SpecForge's and speculators' default: bounds a sample's block t
 # Options added after runs were recorded, with the value such a run had (its drafter, restored
 # from the checkpoint, keeps the attention it was built with).
 ADDED = {"draft_attention": AUTO_ATTENTION, "optimizer": "adamw", "position_weights": "decay", "dpace_alpha": 0.5,
-         "loss": "soft-ce", "lk_eta": 3.0, "init": None, "context_parallel": False}
+         "loss": "soft-ce", "lk_eta": 3.0, "init": None, "context_parallel": False, "causal_layers": None}
 
 
 DATA, DRAFTER, SCHEDULE, RUN = "data", "drafter", "schedule", "run"  # the --help sections
 OPTIMIZERS = ("adamw", "muon")  # train/optim.py
 POSITION_WEIGHTS = ("decay", "dpace", "on-policy")  # draft/loss.py, draft/reach.py
+NO_LAYERS, ALL_LAYERS = "none", "all"  # --causal-layers' words
+
+
+def causal_spec(spec: Any) -> str:
+    """--causal-layers as given (a recipe's number is its text) -> `none`, `all` or its distinct
+    indices ascending ("0,2"), so that a resumed run compares what it means, not how it was typed."""
+    text = str(spec).strip().lower()
+    if text in (NO_LAYERS, ALL_LAYERS):
+        return text
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise EyasError(f"--causal-layers {spec!r}: give {NO_LAYERS}, {ALL_LAYERS} or drafter layer indices such "
+                        f"as 0,2.")
+    return ",".join(map(str, sorted({int(p) for p in parts})))
+
+
+def causal_text(layers: tuple[int, ...], count: int) -> str:
+    """A drafter's `causal_layers` of its `count` layers, as --causal-layers writes them."""
+    return NO_LAYERS if not layers else ALL_LAYERS if layers == tuple(range(count)) else ",".join(map(str, layers))
 
 
 @dataclass(kw_only=True)
@@ -57,6 +76,12 @@ class TrainConfig:
         "one layer does, the others are plain Llama layers after it, as vLLM builds them (default 1); dflash: "
         "default a tenth of the target's, >= 1", None, rule=Number(lo=1, hi=kinds.MAX_LAYERS, integer=True),
         group=DRAFTER)
+    causal_layers: str | None = option(
+        f"dflash: the drafter layers whose block slots attend causally within the block (slot s sees slots 0..s, "
+        f"the others the whole block): {NO_LAYERS}, {ALL_LAYERS} or indices such as 0,2 (default {NO_LAYERS}; "
+        f"with --init, the drafter's own). speculators' DFlash default is {ALL_LAYERS} (its sliding-window "
+        f"layers). vLLM cannot serve such a drafter (eyas export refuses it); eyas eval runs it", None,
+        metavar="SPEC", group=DRAFTER)
     mask_token_id: int | None = option(
         "dflash, peagle: the token whose (frozen) embedding marks the slots to fill (default: the last id)", None,
         group=DRAFTER)
@@ -88,7 +113,8 @@ class TrainConfig:
     loss: str = option(
         "what each scored pair's loss is, with p the target's distribution over the draft vocabulary, q the "
         "drafter's and alpha = sum min(p, q) the chance speculative sampling accepts the drafter's token: soft-ce = "
-        "-sum p log q; lk-hybrid = lambda KL(p||q) + (1 - lambda)(1 - alpha), lambda = exp(-eta alpha) "
+        "-sum p log q; hard-ce = -log q(t), t the target's greedy token (cross-entropy against its argmax, "
+        "speculators' DFlash default; a t outside the draft vocabulary adds no loss, as under every loss); lk-hybrid = lambda KL(p||q) + (1 - lambda)(1 - alpha), lambda = exp(-eta alpha) "
         "(--lk-eta); lk-alpha = -log alpha (the LK losses, arXiv 2602.23881). Metrics' loss is this loss",
         "soft-ce", choices=LOSSES, group=DRAFTER)
     lk_eta: float = option("lk-hybrid: how soon the loss moves from KL to the acceptance rate as the two overlap",
@@ -192,10 +218,15 @@ class TrainConfig:
         kind = kinds.get(self.drafter)
         for flag, value, feature in (("--block-size", self.block_size, "anchored"), ("--anchors", self.anchors,
                                      "anchored"), ("--draft-layers", self.draft_layers, "deep"),
-                                     ("--mask-token-id", self.mask_token_id, "mask_token")):
+                                     ("--mask-token-id", self.mask_token_id, "mask_token"),
+                                     ("--causal-layers", self.causal_layers, "drafts_blocks")):
             if value is not None and not getattr(kind, feature):
                 raise EyasError(f"{flag} is for --drafter {kinds.names(lambda k: getattr(k, feature))}, not "
                                 f"{kind.name}.")
+        if self.causal_layers is not None:
+            self.causal_layers = causal_spec(self.causal_layers)
+            if self.draft_layers is not None:
+                self.causal_layer_ids(self.draft_layers)
         if kind.anchored and self.context_parallel:
             raise EyasError(f"--context-parallel splits the positions of {kinds.names(lambda k: not k.anchored)} "
                             f"drafters' samples; {kind.a_title()} drafter's blocks attend across a split.")
@@ -238,11 +269,26 @@ class TrainConfig:
 
     def check_target(self, num_layers: int) -> None:
         """Once the target is known, before any drafter is built: a deep kind's layers are a few
-        beside its target, never more than it has."""
+        beside its target, never more than it has, and --causal-layers names only layers the new
+        drafter has (its default depth follows the target's)."""
+        kind = kinds.get(self.drafter)
         if self.draft_layers is not None and self.draft_layers > num_layers:
-            kind = kinds.get(self.drafter)
             raise EyasError(f"--draft-layers {self.draft_layers} is more than the target's {num_layers} layers; "
                             f"{kind.a_title()} drafter takes a few (default {kind.default_layers(num_layers)}).")
+        if not self.init:  # a run from --init has the drafter's layers, checked against it then
+            self.causal_layer_ids(self.draft_layers or kind.default_layers(num_layers))
+
+    def causal_layer_ids(self, count: int, whose: str = "the drafter (--draft-layers)") -> tuple[int, ...] | None:
+        """The layers --causal-layers names, of `whose` `count` layers (None: not asked)."""
+        if self.causal_layers is None:
+            return None
+        if self.causal_layers in (NO_LAYERS, ALL_LAYERS):
+            return tuple(range(count)) if self.causal_layers == ALL_LAYERS else ()
+        ids = tuple(int(k) for k in self.causal_layers.split(","))
+        if ids[-1] >= count:
+            raise EyasError(f"--causal-layers {self.causal_layers} names layer {ids[-1]}: {whose} has layers "
+                            f"0..{count - 1}.")
+        return ids
 
     def kind_options(self, identity) -> dict[str, Any]:
         """The DraftConfig fields of the kind, given the target's identity."""
@@ -252,6 +298,8 @@ class TrainConfig:
             options["mask_token_id"] = identity.vocab_size - 1 if self.mask_token_id is None else self.mask_token_id
         if kind.deep:
             options["num_hidden_layers"] = self.draft_layers or kind.default_layers(identity.num_layers)
+        if kind.drafts_blocks:
+            options["causal_layers"] = self.causal_layer_ids(options.get("num_hidden_layers", 1)) or ()
         return options
 
     @property

@@ -44,7 +44,7 @@ from eyas.store.format import first_nonfinite
 from eyas.train import budget
 from eyas.train import checkpoint as ckpt
 from eyas import distributed
-from eyas.train.config import TrainConfig
+from eyas.train.config import TrainConfig, causal_text
 from eyas.train.data import Batch, BatchStream, OnlineSource, SampleSource, StoreSource, split
 from eyas.train.metrics import MetricsLog, format_table, summarize
 from eyas.train.anchors import HELD_OUT, batch_rows, loss_masks
@@ -306,7 +306,8 @@ def _init_drafter(cfg: TrainConfig, source, head: TargetHead, d: distributed.Dis
               "--norm-output": (cfg.norm_output or None, given.norm_output),
               "--draft-attention": (None if cfg.draft_attention == latent.AUTO_ATTENTION else cfg.draft_attention,
                                     given.attention),
-              "--mask-token-id": (cfg.mask_token_id, given.mask_token_id)}
+              "--mask-token-id": (cfg.mask_token_id, given.mask_token_id),
+              "--causal-layers": (_causal_asked(cfg, given), causal_text(given.causal_layers, given.num_hidden_layers))}
     for flag, (asked, has) in shaped.items():
         if asked is not None and asked != has:
             shown, own = (flag, "it off") if asked is True else (f"{flag} {asked}", has)
@@ -318,6 +319,13 @@ def _init_drafter(cfg: TrainConfig, source, head: TargetHead, d: distributed.Dis
     _log(d, f"starting from --init {cfg.init}: {given.kind.a_title()} drafter, {given.num_hidden_layers} layer(s), "
             f"a draft vocabulary of {given.draft_vocab_size}")
     return trained
+
+
+def _causal_asked(cfg: TrainConfig, given: DraftConfig) -> str | None:
+    """--causal-layers as the --init drafter's layers would write it ("0,1" of two is `all`); None
+    if not asked."""
+    layers = cfg.causal_layer_ids(given.num_hidden_layers, f"--init {cfg.init}")
+    return None if layers is None else causal_text(layers, given.num_hidden_layers)
 
 
 def _check_layer_ids(source) -> None:
