@@ -46,6 +46,32 @@ def dump(path: Path, obj) -> None:
 
 # ---------------------------------------------------------------- device helpers
 
+# ---------------------------------------------------------------- an arm's `eyas train` options
+
+
+def train_options(text: str) -> dict:
+    """`OPTION=VALUE` pieces, separated by ':' or ',', as `eyas train` options (TrainConfig
+    fields): a piece without '=' belongs to the value before it, its separator kept
+    (layers=spread:5, causal_layers=0,2); a number, list, mapping, null or boolean is read as JSON,
+    other text (and what JSON does not read, 0,2) stays text."""
+    parts = re.split(r"([:,])", text) if text else []
+    changes: list[str] = []
+    for sep, piece in zip([""] + parts[1::2], parts[0::2]):
+        if "=" in piece or not changes:
+            changes.append(piece)
+        else:
+            changes[-1] += sep + piece
+    return {key: _json_or_text(value) for key, _, value in (c.partition("=") for c in changes)}
+
+
+def _json_or_text(value: str):
+    if value[:1].isdigit() or value[:1] in "-[{" or value in ("null", "true", "false"):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError:
+            pass
+    return value
+
 
 def profile_table(prof, limit: int = 18) -> dict:
     """Top CUDA kernels by device time, and host vs device totals of the profiled region."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import shutil
 import subprocess
 import sys
@@ -30,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from common import device_name, dump  # noqa: E402
+from common import device_name, dump, train_options  # noqa: E402
 from quality_gpu import MIX, RECIPE, train_for  # noqa: E402
 
 CHAIN = 7  # the EAGLE-3 chain's depth and DFlash's block of drafted tokens (block size 8)
@@ -89,9 +88,7 @@ def arms(args) -> dict[str, dict]:
     for arm in args.arms:
         kind, _, changes = arm.partition(":")
         options = dict(every[kind])
-        for change in arm_options(changes):
-            key, _, value = change.partition("=")
-            options[key] = arm_value(value)
+        options.update(train_options(changes))
         out[arm] = options
     return out
 
@@ -107,29 +104,6 @@ def split_arms(text: str) -> list[str]:
         else:
             out[-1] += "," + piece
     return [a for a in out if a]
-
-
-def arm_options(text: str) -> list[str]:
-    """An arm's `OPTION=VALUE` pieces, separated by ':' or ','; a piece without '=' belongs to the
-    value before it, its separator kept (layers=spread:5, causal_layers=0,2)."""
-    parts = re.split(r"([:,])", text) if text else []
-    changes: list[str] = []
-    for sep, piece in zip([""] + parts[1::2], parts[0::2]):
-        if "=" in piece or not changes:
-            changes.append(piece)
-        else:
-            changes[-1] += sep + piece
-    return changes
-
-
-def arm_value(value: str):
-    """A number, list, mapping, null or boolean as JSON; other text, and what JSON does not read (0,2), as text."""
-    if value[:1].isdigit() or value[:1] in "-[{" or value in ("null", "true", "false"):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError:
-            pass
-    return value
 
 
 def arm_kind(arm: str) -> str:

@@ -67,7 +67,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import Peak, free_memory, git, say, sync  # noqa: E402
+from common import Peak, free_memory, git, say, sync, train_options  # noqa: E402
 from random_target import SEED_SHAPES  # noqa: E402
 from speed_gpu import FLOP_FORMULA, PEAK_TFLOPS, InMemorySource, in_memory_run, train_flops  # noqa: E402
 
@@ -569,6 +569,11 @@ def add_quality_args(p) -> None:
     q.add_argument("--also", action="append", default=[], metavar="NAME=FOLDER",
                    help="an eyas drafter of --kind trained elsewhere on this run's store (e.g. bench/parallel_gpu.py "
                         "--store W/store, one setting changed): scored by the heldout stage and decoded beside the arms")
+    q.add_argument("--variant", action="append", default=[], metavar="NAME=OPTION=VALUE,...",
+                   help="eyas's arm with `eyas train` options changed, e.g. peer=batch_tokens=8192,block_size=16,"
+                        "draft_layers=5,causal_layers=all,position_weights=dpace,loss=hard-ce,optimizer=muon,lr=0.01 "
+                        "(options separated by ',' or ':'): the variants stage trains each on the store for "
+                        "--arm-minutes after its own warm-up, and the later stages score and decode it as eyas-NAME")
     q.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
                    help="eyas's (`eyas train --optimizer`); the matched peer uses the same")
     q.add_argument("--heldout-samples", type=int, default=24)
@@ -600,6 +605,7 @@ def part_quality(args, record: Record) -> None:
     record.data["tau_definition"] = "tau = 1 + accepted draft tokens per verification step (mean over all steps)"
     steps = [("data", 60, lambda: q_data(args, ctx)),
              ("eyas", 60 * args.arm_minutes + 60, lambda: q_eyas(args, ctx)),
+             ("variants", 60 * args.arm_minutes + 60, lambda: q_variants(args, ctx)),
              ("convert", 20, lambda: q_convert(args, ctx)),
              # A peer arm also needs its set-up (~90 s on an H200: imports, data, compiling its step) and
              # leaves the scoring stages of this run their time (import and held-out ~30 s, decoding its
@@ -637,19 +643,23 @@ def part_quality(args, record: Record) -> None:
 
 
 def dflash_keys(parts: dict[str, Any]) -> dict[str, Any]:
-    """Issue 41's keys from the parts that ran: eyas's DFlash held-out accuracy over the peer's best
-    at its worst block position, DFlash's tau and MT-bench speed-up over eyas's EAGLE-3 chain on the
-    same store and minutes, and eyas's anchors and peak memory a step."""
+    """Issue 41's keys from the parts that ran: eyas's best DFlash (its arm or a --variant) held-out
+    accuracy over the peer's best at its worst block position, DFlash's tau and MT-bench speed-up over
+    eyas's EAGLE-3 chain on the same store and minutes, and eyas's anchors and peak memory a step."""
     eyas, held, decode = (parts.get(k) or {} for k in ("eyas", "heldout", "decode"))
     return {"dflash_heldout_over_peer_min": held.get("eyas_over_peer_best_min"),
+            "dflash_heldout_eyas_best": held.get("eyas_best"),
             "tau_dflash_over_chain": decode.get("tau_dflash_over_chain"),
             "speedup_dflash_over_chain": decode.get("speedup_dflash_over_chain"),
-            "tau_dflash_eyas": decode.get("tau_dflash_eyas"), "tau_dflash_peer_best": decode.get("tau_dflash_peer_best"),
+            "tau_dflash_eyas": decode.get("tau_dflash_eyas"), "dflash_eyas_best": decode.get("dflash_eyas_best"),
+            "tau_dflash_eyas_best": decode.get("tau_dflash_eyas_best"),
+            "tau_dflash_peer_best": decode.get("tau_dflash_peer_best"),
             "anchors_per_step": eyas.get("anchors_per_step"), "peak_gib_dflash": eyas.get("peak_gib"),
             "identical_to_plain": decode.get("identical_to_plain")}
 
 
-QUALITY_STAGES = ("data", "eyas", "convert", "peer_matched", "peer_defaults", "import", "heldout", "decode")
+QUALITY_STAGES = ("data", "eyas", "variants", "convert", "peer_matched", "peer_defaults", "import", "heldout",
+                  "decode")
 RECORD, CTX = "record.json", "ctx.json"
 
 
@@ -732,38 +742,66 @@ def eyas_options(args) -> dict[str, Any]:
 
 
 def q_eyas(args, ctx) -> dict[str, Any]:
-    """eyas train offline from the store with its recipe, its schedule sized by `--minutes`.
-    A peer's minutes start after its first step, which compiles its step; so eyas's start after
-    a warm-up run of a few steps into a scratch folder, which compiles eyas's step and held-out
-    pass (on one H200, 18 steps fit a cold 1-minute budget and 119 a warm one)."""
+    """eyas train offline from the store with its recipe, its schedule sized by `--minutes`."""
+    out = _train_eyas(args, ctx, "eyas", eyas_options(args))
+    ctx.update(eyas=ctx["work"] / "eyas", steps=out["steps"], draft_to_target=_draft_to_target(ctx["work"] / "eyas"))
+    return out
+
+
+def q_variants(args, ctx) -> dict[str, Any]:
+    """Each --variant: eyas's arm with its options changed, trained the same way into eyas-NAME, while
+    the run's minutes allow one more (the arms after it keep their time: a variant that does not fit is
+    left out, and said so). A variant an earlier call on this --work trained with the same options is
+    kept, so that the variants can span several calls."""
+    runs = ctx.setdefault("variant_runs", {})
+    ctx.setdefault("variants", {})
+    skipped = []
+    for given in args.variant:
+        name, _, text = given.partition("=")
+        folder = ctx["work"] / f"eyas-{name}"
+        if runs.get(name, {}).get("given") == text and (folder / "model.safetensors").is_file():
+            continue
+        if ctx["left"]() < 60 * args.arm_minutes + 60:
+            skipped.append(name)
+            continue
+        runs[name] = {"given": text, **_train_eyas(args, ctx, folder.name, {**eyas_options(args),
+                                                                             **train_options(text)})}
+        ctx["variants"][name] = str(folder)
+        save_ctx(ctx)
+    return {"variants": runs, "skipped_for_time": skipped}
+
+
+def _train_eyas(args, ctx, name: str, options: dict[str, Any]) -> dict[str, Any]:
+    """One eyas arm into WORK/name, offline from the store, its schedule sized by --arm-minutes. A
+    peer's minutes start after its first step, which compiles its step; so eyas's start after a
+    warm-up run of a few steps into a scratch folder, which compiles eyas's step and held-out pass
+    (on one H200, 18 steps fit a cold 1-minute budget and 119 a warm one)."""
     from eyas.train import TrainConfig, train
 
     work = ctx["work"]
-    for old in ("eyas-warmup", "eyas"):  # a rerun in the same --work starts afresh
+    for old in (f"{name}-warmup", name):  # a rerun in the same --work starts afresh
         shutil.rmtree(work / old, ignore_errors=True)
-    options = eyas_options(args)
-    common = dict(store=str(ctx["store"]), batch_tokens=args.batch_tokens, lr=args.lr, max_len=args.max_len,
-                  device=args.device, progress=False, save_every=10**6, eval_fraction=0.05, seed=0,
-                  optimizer=args.optimizer, **options)
+    common = {**dict(store=str(ctx["store"]), batch_tokens=args.batch_tokens, lr=args.lr, max_len=args.max_len,
+                     device=args.device, progress=False, save_every=10**6, eval_fraction=0.05, seed=0,
+                     optimizer=args.optimizer), **options}
     t0 = time.monotonic()
-    train(TrainConfig(out=str(work / "eyas-warmup"), steps=8, eval_every=10**6, log_every=8, **common))
+    train(TrainConfig(out=str(work / f"{name}-warmup"), steps=8, eval_every=10**6, log_every=8, **common))
     warmup_s = time.monotonic() - t0
-    shutil.rmtree(work / "eyas-warmup")
+    shutil.rmtree(work / f"{name}-warmup")
     cuda = args.device.startswith("cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.monotonic()
-    final = train(TrainConfig(out=str(work / "eyas"), minutes=args.arm_minutes, eval_every=10**6,
+    final = train(TrainConfig(out=str(work / name), minutes=args.arm_minutes, eval_every=10**6,
                               log_every=10, **common))
     wall = time.monotonic() - t0
-    steps = final["step"]
-    ckpt = work / "eyas"
-    ctx.update(eyas=ckpt, steps=steps, draft_to_target=_draft_to_target(ckpt))
-    return {"steps": steps, "wall_s": round(wall, 1), "warmup_s": round(warmup_s, 1),
+    dflash = common.get("drafter") == "dflash"
+    return {"steps": final["step"], "wall_s": round(wall, 1), "warmup_s": round(warmup_s, 1),
             "schedule": "eyas train --minutes (steady-state rate), after an 8-step warm-up run",
-            "tokens_per_step": args.batch_tokens, "recipe": {**options, "optimizer": args.optimizer}, "lr": args.lr,
+            "tokens_per_step": common["batch_tokens"],
+            "recipe": {k: v for k, v in common.items() if k not in ("store", "device", "progress", "save_every")},
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-            **({"anchors_per_step": anchors_per_step(ctx, args.anchors, args.batch_tokens)} if args.kind == "dflash"
+            **({"anchors_per_step": anchors_per_step(ctx, common["anchors"], common["batch_tokens"])} if dflash
                else {}), "final": final}
 
 
@@ -1050,8 +1088,11 @@ def q_heldout(args, ctx) -> dict[str, Any]:
                     **{k: m[k] for k in ("tau_walk", "accept_walk_per_step", "chains", "greedy_path") if k in m}}
         del drafter
     source.close()
-    return {"samples": len(held), "drafters": out, "eyas_at_least_peer_best_every_step": _ge_every_step(out),
-            "eyas_over_peer_best_min": _over_peer_best_min(out)}
+    ratios = {arm: _over_peer_best_min(out, arm) for arm in out if arm == "eyas" or arm.startswith("eyas-")}
+    best = max((a for a in ratios if ratios[a] is not None), key=lambda a: ratios[a], default=None)
+    return {"samples": len(held), "drafters": out, "eyas_at_least_peer_best_every_step": _ge_every_step(out, best),
+            "eyas_over_peer_best_min_by_drafter": ratios, "eyas_best": best,
+            "eyas_over_peer_best_min": ratios.get(best) if best else None}
 
 
 def _peer_best(out: dict) -> list[float]:
@@ -1060,24 +1101,26 @@ def _peer_best(out: dict) -> list[float]:
     return [max(p[k] for p in peers) for k in range(min(map(len, peers)))] if peers else []
 
 
-def _ge_every_step(out: dict) -> bool | None:
+def _ge_every_step(out: dict, arm: str | None = "eyas") -> bool | None:
     best = _peer_best(out)
-    if "eyas" not in out or not best:
+    if arm not in out or not best:
         return None
-    return all(e >= b for e, b in zip(out["eyas"]["acc_per_step"], best))
+    return all(e >= b for e, b in zip(out[arm]["acc_per_step"], best))
 
 
-def _over_peer_best_min(out: dict) -> float | None:
-    """eyas's accuracy over the peer's best at its worst step (or block position), over the steps both reach."""
+def _over_peer_best_min(out: dict, arm: str = "eyas") -> float | None:
+    """An eyas drafter's accuracy over the peer's best at its worst step (or block position), over the
+    steps both reach."""
     best = _peer_best(out)
-    if "eyas" not in out or not best:
+    if arm not in out or not best:
         return None
-    return round(min(e / max(b, 1e-9) for e, b in zip(out["eyas"]["acc_per_step"], best)), 4)
+    return round(min(e / max(b, 1e-9) for e, b in zip(out[arm]["acc_per_step"], best)), 4)
 
 
 def _drafters(ctx) -> dict[str, Path]:
-    """eyas's arm, the peer's imported ones, then --also's."""
-    return {"eyas": ctx["eyas"], **{a: ctx[f"{a}-eyas"] for a in ARMS[1:] if f"{a}-eyas" in ctx},
+    """eyas's arm and its --variants (eyas-NAME), the peer's imported ones, then --also's."""
+    return {"eyas": ctx["eyas"], **{f"eyas-{name}": Path(f) for name, f in ctx.get("variants", {}).items()},
+            **{a: ctx[f"{a}-eyas"] for a in ARMS[1:] if f"{a}-eyas" in ctx},
             **{name: Path(folder) for name, folder in ctx.get("also", {}).items()}}
 
 
@@ -1174,15 +1217,25 @@ def q_decode_parallel(args, ctx) -> dict[str, Any]:
     summary = report["mt_bench"]["summary"]
     peers = [f"dflash[{a.replace('_', '-')}]" for a in ARMS[1:] if f"dflash[{a.replace('_', '-')}]" in decoded]
     chain_tau = decoded.get("eagle3-chain", {}).get("tau_both")
+    # eyas's best DFlash decoded: its arm or a --variant (method dflash[eyas-NAME])
+    best = max((m for m in decoded if m == "dflash" or m.startswith("dflash[eyas-")),
+               key=lambda m: decoded[m]["tau_both"])
     return {"command": " ".join(cmd[1:]), "tau": {m: v["tau_both"] for m, v in decoded.items()},
             "tau_by_set": decoded, "speedup_mt_bench": {m: v.get("speedup") for m, v in summary.items()},
-            "tau_dflash_eyas": decoded["dflash"]["tau_both"],
+            "tau_dflash_eyas": decoded["dflash"]["tau_both"], "dflash_eyas_best": best,
+            "tau_dflash_eyas_best": decoded[best]["tau_both"],
             "tau_dflash_peer_best": max((decoded[m]["tau_both"] for m in peers), default=None),
-            "tau_dflash_over_chain": round(decoded["dflash"]["tau_both"] / chain_tau, 4) if chain_tau else None,
-            "speedup_dflash_over_chain": (report["parallel_over_chain"].get("dflash") or {}).get("speedup_over_chain"),
+            "tau_dflash_over_chain": round(decoded[best]["tau_both"] / chain_tau, 4) if chain_tau else None,
+            "speedup_dflash_over_chain": _speedup_ratio(summary, best, "eagle3-chain"),
             "identical_to_plain": report["identical_to_plain"], "kept_out_of_training": report["kept_out_of_training"],
             "eagle3_chain_arm": report["train"].get("eagle3"), "mt_bench": report["mt_bench"],
             "second_set": report["second_set"]}
+
+
+def _speedup_ratio(summary: dict[str, Any], method: str, over: str) -> float | None:
+    """`method`'s MT-bench wall-clock speed-up over `over`'s, from parallel_gpu.py's summary."""
+    a, b = ((summary.get(m) or {}).get("speedup") for m in (method, over))
+    return round(a / b, 4) if a and b else None
 
 
 def _store_index(ctx) -> list[int]:

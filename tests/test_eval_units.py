@@ -373,6 +373,9 @@ def test_parallel_bench_arms_pass_their_train_options_through(monkeypatch):
     assert (first["batch_tokens"], first["loss"], first["causal_layers"], first["layers"]) == \
         (8192, "hard-ce", "0,2", "spread:5")
     assert last["causal_layers"] == "all"
+    assert options["eagle3"]["ttt_steps"] == 7  # an EAGLE-3 arm gives its depth, unless it leaves it to the rule:
+    assert parallel.arms(SimpleNamespace(arms=["eagle3:ttt_steps=null"], dflash_anchors=8,
+                                         dflash_layers=3))["eagle3:ttt_steps=null"]["ttt_steps"] is None
     target = SimpleNamespace(vocab_size=100, num_layers=30)
     for arm, causal, loss in ((first, (0, 2), "hard-ce"), (last, (0, 1, 2), "soft-ce")):
         cfg = TrainConfig(out="unused", online=True, model="m", data="d", **arm)
