@@ -282,6 +282,20 @@ def test_a_dflash_config_refuses_what_it_cannot_hold():
         tiny_config(causal_layers=(0,))
 
 
+def test_a_drafter_with_causal_layers_is_written_at_the_version_that_holds_them():
+    """causal_layers came with `eyas` block version 2: such a drafter is written at 2, which an eyas
+    reading only version 1 refuses (instead of running its layers bidirectionally); one without
+    them stays at 1, which every eyas reads; both read back equal."""
+    from eyas.draft.config import CONFIG_VERSION, DraftConfig
+
+    causal = tiny_config(drafter="dflash", mask_token_id=3, num_hidden_layers=2, causal_layers=(1,))
+    plain = dataclasses.replace(causal, causal_layers=())
+    assert (causal.to_hf_dict()["eyas"]["config_version"], plain.to_hf_dict()["eyas"]["config_version"]) == (2, 1)
+    assert CONFIG_VERSION == 2
+    for config in (causal, plain):
+        assert DraftConfig.from_hf_dict(config.to_hf_dict(), "x") == config
+
+
 def toy_dflash(draft_std: float):
     """The sampling test's toy target with a random DFlash drafter that disagrees with it."""
     from eyas.draft import DraftConfig

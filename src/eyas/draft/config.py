@@ -16,7 +16,10 @@ from eyas.models.identity import ModelIdentity, text_config
 from eyas.validate import COUNT, Number
 from eyas.versions import check_version
 
-CONFIG_VERSION = 1  # the `eyas` block and weight names this eyas writes and reads (and every earlier one)
+CONFIG_VERSION = 2  # the newest `eyas` block (and weight names) this eyas writes and reads, with every earlier one
+# A drafter is written at the oldest version that holds it, so that an eyas reading only older ones refuses it
+# in one line instead of dropping a field it does not know and drafting differently:
+#   2: causal_layers (a block drafter's layers that attend causally within the block)
 
 
 
@@ -147,7 +150,12 @@ class DraftConfig:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """config.json: the fields vLLM reads for the kind at top level, eyas's own under `eyas`."""
-        return {**self.kind.vllm_config(self), "eyas": {"config_version": CONFIG_VERSION, **asdict(self)}}
+        return {**self.kind.vllm_config(self), "eyas": {"config_version": self.version, **asdict(self)}}
+
+    @property
+    def version(self) -> int:
+        """The oldest `eyas` block version that holds this config (see CONFIG_VERSION)."""
+        return 2 if self.causal_layers else 1
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any], where: str) -> "DraftConfig":
