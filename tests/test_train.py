@@ -368,6 +368,8 @@ def test_budget_rule_lowers_a_short_runs_depth_once_the_rate_shows_and_resume_ke
     assert "budget rule:" not in capsys.readouterr().out
     assert {len(r["acc_per_step"]) for r in log if r["step"] > 8} == {3} and resumed["step"] > 8
     assert load_config(tmp_path / "cut").ttt_steps == 3
+    with pytest.raises(EyasError, match=r"ttt-steps 7 \(the run left it unset\)"):  # the rule's run, resumed at 7
+        _budgeted_run(tiny_llama_data[1], tmp_path / "cut", monkeypatch, lambda step: 1.0, ttt_steps=7, resume=True)
 
 
 def test_budget_rule_keeps_the_depth_of_a_long_enough_run_and_never_overrides_ttt_steps(

@@ -330,9 +330,11 @@ class TrainConfig:
         if self.ttt_steps is None:  # left to the budget rule: the run's depth stands (its checkpoint's drafter)
             unused += ("ttt_steps",)
         names = {f.name for f in fields(self)} - set(self.MAY_CHANGE) - set(also) - set(unused)
+        had = {k: recorded.get(k, ADDED.get(k)) for k in names}
         differ = [
-            f"{k.replace('_', '-')} {getattr(self, k)!r} (the run has {recorded.get(k)!r})"
-            for k in sorted(names) if recorded.get(k, ADDED.get(k)) != getattr(self, k)
+            f"{k.replace('_', '-')} {getattr(self, k)!r} "
+            + ("(the run left it unset)" if had[k] is None else f"(the run has {had[k]!r})")
+            for k in sorted(names) if had[k] != getattr(self, k)
         ]
         if differ:
             raise EyasError(
