@@ -338,9 +338,8 @@ def chunk_loss(logits: torch.Tensor, probs: torch.Tensor, target: torch.Tensor, 
     logq = logits.float().log_softmax(-1)
     q = logq.exp()
     accept = torch.minimum(q, probs * inside[:, None]).sum(-1)
-    kl_grad = q * probs.sum(-1, keepdim=True) - probs
     if loss == "soft-ce":
-        value, grad = -(probs * logq).sum(-1), kl_grad
+        value, grad = -(probs * logq).sum(-1), _kl_grad(q, probs)
     elif loss == "hard-ce":
         value, grad = hard_cross_entropy(logq, q, target)
     else:
@@ -353,8 +352,14 @@ def chunk_loss(logits: torch.Tensor, probs: torch.Tensor, target: torch.Tensor, 
             lam = torch.exp(-eta * alpha)  # [n], held constant
             kl = (torch.xlogy(probs, probs) - probs * logq).sum(-1)
             value = lam * kl + (1 - lam) * (1 - alpha)
-            grad = lam[:, None] * kl_grad - (1 - lam)[:, None] * alpha_grad
+            grad = lam[:, None] * _kl_grad(q, probs) - (1 - lam)[:, None] * alpha_grad
     return value, accept, grad * row_weight[:, None]
+
+
+def _kl_grad(q: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Soft CE's (and KL's) gradient in the logits [n, Vd]: q sum(p) - p. Only the losses that use it
+    make this pass over the chunk (eager, on the CPU, nothing removes an unused one)."""
+    return q * p.sum(-1, keepdim=True) - p
 
 
 def hard_cross_entropy(logq: torch.Tensor, q: torch.Tensor, target: torch.Tensor

@@ -114,7 +114,8 @@ class TrainConfig:
         "what each scored pair's loss is, with p the target's distribution over the draft vocabulary, q the "
         "drafter's and alpha = sum min(p, q) the chance speculative sampling accepts the drafter's token: soft-ce = "
         "-sum p log q; hard-ce = -log q(t), t the target's greedy token (cross-entropy against its argmax, "
-        "speculators' DFlash default; a t outside the draft vocabulary adds no loss, as under every loss); lk-hybrid = lambda KL(p||q) + (1 - lambda)(1 - alpha), lambda = exp(-eta alpha) "
+        "speculators' DFlash default; a t outside the draft vocabulary adds no loss, as under every loss); "
+        "lk-hybrid = lambda KL(p||q) + (1 - lambda)(1 - alpha), lambda = exp(-eta alpha) "
         "(--lk-eta); lk-alpha = -log alpha (the LK losses, arXiv 2602.23881). Metrics' loss is this loss",
         "soft-ce", choices=LOSSES, group=DRAFTER)
     lk_eta: float = option("lk-hybrid: how soon the loss moves from KL to the acceptance rate as the two overlap",
@@ -243,17 +244,16 @@ class TrainConfig:
             raise EyasError(f"--draft-attention {self.draft_attention} is for --drafter "
                             f"{kinds.names(lambda k: self.draft_attention in k.attentions)}; {kind.a_title()} "
                             f"drafter's layer has {' or '.join(kind.attentions)} attention.")
-        if not kind.anchored:
-            if kind.drafting != kinds.STEPS:  # a parallel drafter's depth is its one pass's slots: no budget rule
-                self.ttt_steps = self.ttt_steps or DraftConfig.ttt_steps
-            return
-        if self.block_size is not None:
+        if self.block_size is not None:  # an anchored kind's (refused above for the others)
             if self.ttt_steps not in (None, self.block_size - 1):
                 raise EyasError(f"--ttt-steps {self.ttt_steps} and --block-size {self.block_size} disagree: a block "
                                 f"drafts --block-size - 1 tokens. Give one of them (--ttt-steps "
                                 f"{self.block_size - 1} with --block-size {self.block_size}).")
             self.ttt_steps = self.block_size - 1
-        self.ttt_steps = self.ttt_steps or DraftConfig.ttt_steps
+        if kind.drafting != kinds.STEPS:  # a block's or one pass's slots: its depth is its shape, no budget rule
+            self.ttt_steps = self.start_depth
+        if not kind.anchored:
+            return
         # A sample holds at most `crop` tokens: a block's slot s predicts s tokens past its anchor
         # row, and the anchors are rows of one sample, so neither can be longer and still train.
         if self.ttt_steps + 1 > self.crop:
