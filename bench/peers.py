@@ -96,9 +96,11 @@ class Record:
         self.data.update(meta, parts={})
 
     def resume(self, path: Path) -> None:
-        """The parts an earlier call on the same work folder recorded (--stages)."""
-        if path.exists():
-            self.data["parts"] = {**json.loads(path.read_text()).get("parts", {}), **self.data["parts"]}
+        """The parts an earlier call on the same work folder recorded (--stages), and every call's
+        commit, command and device in order: `commit` and `command` are this call's alone."""
+        earlier = json.loads(path.read_text()) if path.exists() else {}
+        self.data["parts"] = {**earlier.get("parts", {}), **self.data["parts"]}
+        self.data["calls"] = [*earlier.get("calls", []), {k: self.data[k] for k in ("commit", "command", "device")}]
 
     def left(self) -> float:
         return self.budget - (time.monotonic() - STARTED)
