@@ -22,8 +22,9 @@
                   teacher-forced check and the same decoding (MT-bench both turns + a second
                   prompt set, chain 7 and tree, every answer compared with plain decoding).
   --part quality --kind dflash
-                  the same for DFlash (issue 41): eyas's DFlash (--block-size, --anchors,
-                  --position-weights) against the peer's dflash trainer matched to it (block,
+                  the same for DFlash (issue 41): eyas's DFlash at eyas train's defaults
+                  (8,192-token steps, one anchor per 16 tokens; --block-size, --anchors,
+                  --position-weights change them) against the peer's dflash trainer matched to it (block,
                   layers, mask token, decay as gamma, KL loss, AdamW, schedule, tokens per step,
                   anchors per token, full attention) and at its own defaults (block 16, 5 layers,
                   D-PACE, hard cross-entropy, Muon, 512 anchors a row of 8,192 tokens); held-out
@@ -501,6 +502,7 @@ def main() -> None:
     if not args.smoke and not args.part:
         p.error("give --part speed, --part quality, or --smoke")
     args.toy = args.smoke
+    args.batch_tokens = args.batch_tokens or (STEP_TOKENS if args.kind == "dflash" else 65536)
     args.step_tokens = 512 if args.smoke else STEP_TOKENS
     if args.smoke:
         args.warm_steps, args.train_seconds, args.longest_seconds = 1, 2.0, 20.0
@@ -548,7 +550,9 @@ def add_quality_args(p) -> None:
                    help="conversations regenerated together (at eyas's default of 64, 1.5 minutes on an H200 "
                         "regenerated 320 conversations of SmolLM2)")
     q.add_argument("--arm-minutes", type=float, default=0.5, help="wall-clock minutes of each training run")
-    q.add_argument("--batch-tokens", type=int, default=65536, help="eyas's recipe; the matched peer packs as many")
+    q.add_argument("--batch-tokens", type=int, default=None,
+                   help="eyas's tokens a step (default: its EAGLE-3 recipe's 65,536; with --kind dflash, eyas train's "
+                        f"default, {STEP_TOKENS:,}); the matched peer packs as many")
     q.add_argument("--max-len", type=int, default=1024)
     q.add_argument("--lr", type=float, default=1e-3)
     q.add_argument("--ttt-steps", type=int, default=7, help="eyas's recipe; the matched peer unrolls as many")
@@ -557,12 +561,13 @@ def add_quality_args(p) -> None:
                         "eyas's DFlash against the peer's dflash trainer (then the decode stage also trains eyas's "
                         "EAGLE-3 chain on the same store for the same minutes, and decodes all of them in one process "
                         "with bench/parallel_gpu.py)")
-    q.add_argument("--block-size", type=int, default=8, help="dflash: eyas's block, and the matched peer's")
+    q.add_argument("--block-size", type=int, default=None,
+                   help="dflash: eyas's block (default eyas train's), and the matched peer's")
     q.add_argument("--draft-layers", type=int, default=None,
                    help="dflash: decoder layers, eyas's and the matched peer's (default: eyas's, a tenth of the target's)")
-    q.add_argument("--anchors", type=int, default=128,
-                   help="dflash: eyas's anchors per sample and step (128 trained better than 512 at equal minutes, "
-                        "bench/results/parallel_dflash_anchors_h200.json); the matched peer gets as many per token")
+    q.add_argument("--anchors", default=None,
+                   help="dflash: eyas's --anchors, N a sample or 1/S (default eyas train's, one per 16 tokens of a "
+                        "sample); the matched peer gets as many per token")
     q.add_argument("--position-weights", choices=["decay", "dpace"], default="decay",
                    help="dflash: eyas's --position-weights, and the matched peer's (fixed-exp-decay or dpace)")
     q.add_argument("--chain-minutes", type=float, default=None,
@@ -734,12 +739,12 @@ def q_data(args, ctx) -> dict[str, Any]:
 
 
 def eyas_options(args) -> dict[str, Any]:
-    """eyas's arm: its EAGLE-3 recipe (+ --ttt-steps), or DFlash at --block-size, --anchors,
-    --position-weights (and --draft-layers)."""
+    """eyas's arm: its EAGLE-3 recipe (+ --ttt-steps), or DFlash at eyas train's defaults but for
+    --position-weights and what --block-size, --anchors and --draft-layers give."""
     if args.kind == "dflash":
-        options = {"drafter": "dflash", "block_size": args.block_size, "anchors": args.anchors,
-                   "position_weights": args.position_weights}
-        return {**options, **({"draft_layers": args.draft_layers} if args.draft_layers else {})}
+        given = {"block_size": args.block_size, "anchors": args.anchors, "draft_layers": args.draft_layers}
+        return {"drafter": "dflash", "position_weights": args.position_weights,
+                **{k: v for k, v in given.items() if v is not None}}
     return {**EYAS_RECIPE, "ttt_steps": args.ttt_steps}
 
 
@@ -803,15 +808,20 @@ def _train_eyas(args, ctx, name: str, options: dict[str, Any]) -> dict[str, Any]
             "tokens_per_step": common["batch_tokens"],
             "recipe": {k: v for k, v in common.items() if k not in ("store", "device", "progress", "save_every")},
             "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-            **({"anchors_per_step": anchors_per_step(ctx, common["anchors"], common["batch_tokens"])} if dflash
+            **({"anchors_per_step": anchors_per_step(ctx, common.get("anchors"), common["batch_tokens"])} if dflash
                else {}), "final": final}
 
 
-def anchors_per_step(ctx, anchors: int, step_tokens: int) -> int:
-    """The rows eyas anchors blocks at in a step of `step_tokens`, on average: --anchors a sample,
-    or each of its trained rows where it has fewer (train/anchors.py), over its tokens."""
+def anchors_per_step(ctx, anchors: int | str | None, step_tokens: int) -> int:
+    """The rows eyas anchors blocks at in a step of `step_tokens`, on average: what --anchors
+    (None: eyas train's default) gives each sample, or each of its trained rows where it has
+    fewer (train/anchors.py), over its tokens."""
+    from eyas.train.config import ANCHORS, anchors_per_sample, anchors_spec
+
+    spec = anchors_spec(ANCHORS if anchors is None else anchors)
     rows = _sample_rows(ctx, ctx["train_pos"])
-    return max(1, round(sum(min(anchors, masked) for _, masked in rows) / max(sum(n for n, _ in rows), 1) * step_tokens))
+    anchored = sum(min(anchors_per_sample(spec, n), masked) for n, masked in rows)
+    return max(1, round(anchored / max(sum(n for n, _ in rows), 1) * step_tokens))
 
 
 def _draft_to_target(ckpt: Path) -> torch.Tensor:

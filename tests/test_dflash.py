@@ -25,6 +25,7 @@ from eyas.evaluate.dflash import DFlash, DFlashSession
 from eyas.evaluate.generate import generate
 from eyas.evaluate.target import TargetSession
 from eyas.models.target_head import TargetHead
+from eyas.train import TrainConfig
 from eyas.train.anchors import anchor_rows
 from eyas.draft.loss import step_counts
 from eyas.train.labels import make_labels
@@ -164,6 +165,42 @@ def test_anchor_draws_are_keyed_bounded_and_cover_the_eligible_rows():
     assert torch.equal(a, b) and not torch.equal(a, c) and a.sum(1).tolist() == [16, 16]
     assert (a & ~eligible_rows_of(mask)).sum() == 0
     assert torch.equal(anchor_rows(mask, K, 1000, (0, 1, 7)), eligible_rows_of(mask))
+
+
+def test_anchors_one_per_s_tokens_draw_by_each_samples_length():
+    """--anchors 1/S anchors ceil(length / S) rows of each sample (at least 1, at most its
+    eligible rows), each sample its own count in one keyed draw; a count N draws N of each, as
+    the draw of one count always did. A resumed run compares what the spec means."""
+    from types import SimpleNamespace
+
+    from eyas.train.anchors import batch_rows
+    from eyas.train.config import anchors_per_sample, anchors_spec
+
+    masks = [torch.ones(n, dtype=torch.bool) for n in (200, 33, 5)]
+    source = SimpleNamespace(tokens=lambda p: (None, masks[p]), sample_index=[10, 11, 12])
+    rows = batch_rows(source, [0, 1, 2], K, "1/16", seed=0, step=3)  # [3, 200]
+    eligible = [int(eligible_rows_of(m[None]).sum()) for m in masks]
+    assert rows.sum(1).tolist() == [min(math.ceil(n / 16), e) for n, e in zip((200, 33, 5), eligible)] == [13, 3, 1]
+    assert (rows & ~eligible_rows_of(_padded_masks(masks))).sum() == 0
+    assert torch.equal(rows, batch_rows(source, [0, 1, 2], K, "1/16", seed=0, step=3))
+    assert not torch.equal(rows, batch_rows(source, [0, 1, 2], K, "1/16", seed=0, step=4))
+    same = anchor_rows(_padded_masks(masks), K, 4, (0, 3, 10, 11, 12))
+    assert torch.equal(batch_rows(source, [0, 1, 2], K, 4, seed=0, step=3), same)
+    assert same.sum(1).tolist() == [4, 4, min(4, eligible[2])]
+    assert [anchors_per_sample("1/16", n) for n in (1, 16, 17)] == [1, 1, 2] and anchors_per_sample(9, 4) == 4
+    assert anchors_spec("45") == anchors_spec(45) == 45 and anchors_spec(" 1/8") == "1/8"
+    assert TrainConfig(out="x", store="s", drafter="dflash").anchors == "1/16"  # the default
+    assert TrainConfig(out="x", store="s", drafter="dflash", anchors="45").anchors == 45  # as a resume compares it
+    for bad in ("0", "2/16", "1/0", "x", True, -1):
+        with pytest.raises(EyasError, match=r"^--anchors .*: give rows a sample \(e\.g\. 45\) or one row per S tokens"):
+            anchors_spec(bad)
+
+
+def _padded_masks(masks: list[torch.Tensor]) -> torch.Tensor:
+    out = torch.zeros(len(masks), max(len(m) for m in masks), dtype=torch.bool)
+    for b, m in enumerate(masks):
+        out[b, : len(m)] = m
+    return out
 
 
 def test_block_attention_sees_each_anchors_context_and_its_own_block():

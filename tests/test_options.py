@@ -55,7 +55,9 @@ def _sample(f, meta, tp: str) -> object:
     """A value the option accepts, of the kind a recipe's YAML gives."""
     default = default_of(f)
     if meta.parse is not None:  # read from text, as on the command line
-        return "max_model_len=512" if isinstance(default, dict) else ",".join(default)
+        if isinstance(default, dict):
+            return "max_model_len=512"
+        return ",".join(default) if default else "2"  # a list's items, else a count (--anchors)
     if meta.choices:
         return list(meta.choices)[-1]
     if default is not None and default != ():

@@ -83,15 +83,16 @@ def test_a_block_longer_than_a_sample_is_refused(tiny_llama_dir, prepared, tmp_p
 
 def test_a_dflash_step_larger_than_the_memory_free_is_refused(tiny_llama_dir, prepared, tmp_path, capsys,
                                                              monkeypatch):
-    """Samples of <= 64 tokens, 8 to a 4096-token batch: blocks of 1000 at each of their rows are
-    8 x 64 x 1000 block tokens, whose dense CPU mask alone is ~150 GiB."""
+    """Samples of <= 64 tokens, 8 to a 4096-token batch: blocks of 1000 at each of their rows
+    (--anchors 512: all of them) are 8 x 64 x 1000 block tokens, whose dense CPU mask alone is
+    ~150 GiB."""
     from eyas.device import GIB
     from eyas.train import loop
 
     monkeypatch.setattr(loop, "free_bytes", lambda device: 16 * GIB)
     line = _refused(capsys, tiny_llama_dir, prepared, tmp_path / "out", "--drafter", "dflash", "--block-size", 1000,
-                    "--batch-tokens", 4096)
-    assert line.startswith("A DFlash step of --block-size 1000 at up to --anchors 512 rows a sample needs about ")
+                    "--batch-tokens", 4096, "--anchors", 512)
+    assert line.startswith("A DFlash step of --block-size 1000 at --anchors 512 needs about ")
     assert line.endswith(" GiB, more than the 16.0 GiB free on cpu; lower --anchors, --block-size or --batch-tokens "
                          "(or --draft-layers).")
     need = float(line.split("needs about ")[1].split(" GiB")[0].replace(",", ""))

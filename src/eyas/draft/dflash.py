@@ -151,7 +151,7 @@ class DFlashDrafter(Drafter):
     def step_bytes(cls, cfg: DraftConfig, rows: int, length: int, anchors: int | None, device: torch.device) -> int:
         """The bytes the largest tensors of a forward and backward take at once, on a micro-batch
         of `rows` samples of up to `length` tokens, each anchoring N = min(anchors, length)
-        blocks of S slots, counting only these: every layer keeps, for the backward, about 6
+        blocks of S slots (`anchors`: the rows --anchors gives such a sample), counting only these: every layer keeps, for the backward, about 6
         hidden-wide and 4 MLP-wide values per block token (rows x S x N; bf16 on CUDA, else
         float32); the slots' states scattered to [rows, length, K, H] and their gathered copy
         and gradient; one loss chunk's draft-vocab logits and float32 temporaries (draft/loss.py

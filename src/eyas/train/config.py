@@ -4,6 +4,8 @@ checks that the run it continues was started with the same settings."""
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -18,7 +20,7 @@ from eyas.options import (AUTO_LAYERS, batch_tokens_option, check_rules, crop_le
 from eyas.train import budget
 from eyas.validate import COUNT, POSITIVE, SHARE, Number
 
-ANCHORS = 512  # SpecForge's and speculators' default: bounds a sample's block tokens at 512 x block size
+ANCHORS = "1/16"  # one anchor row per 16 tokens of a sample: speculators' density (512 a packed row of 8,192)
 
 # Options added after runs were recorded, with the value such a run had (its drafter, restored
 # from the checkpoint, keeps the attention it was built with).
@@ -43,6 +45,24 @@ def causal_spec(spec: Any) -> str:
         raise EyasError(f"--causal-layers {spec!r}: give {NO_LAYERS}, {ALL_LAYERS} or drafter layer indices such "
                         f"as 0,2.")
     return ",".join(map(str, sorted({int(p) for p in parts})))
+
+
+def anchors_spec(spec: Any) -> int | str:
+    """--anchors as given (a recipe's number is its count) -> a count of rows a sample (int) or
+    one row per S tokens of it ("1/S"), so that a resumed run compares what it means."""
+    text = str(spec).strip().replace(" ", "")
+    count, per = re.fullmatch(r"[1-9][0-9]*", text), re.fullmatch(r"1/([1-9][0-9]*)", text)
+    if isinstance(spec, bool) or not (count or per):
+        raise EyasError(f"--anchors {spec!r}: give rows a sample (e.g. 45) or one row per S tokens of it as 1/S "
+                        f"(e.g. {ANCHORS}).")
+    return int(text) if count else text
+
+
+def anchors_per_sample(spec: int | str, length: int) -> int:
+    """The rows of a `length`-token sample that anchor a block under --anchors `spec`: its count,
+    or one per S tokens (at least one); never more than the sample has."""
+    n = spec if isinstance(spec, int) else math.ceil(length / int(spec.split("/")[1]))
+    return max(1, min(n, length))
 
 
 def causal_text(layers: tuple[int, ...], count: int) -> str:
@@ -85,11 +105,11 @@ class TrainConfig:
     mask_token_id: int | None = option(
         "dflash, peagle: the token whose (frozen) embedding marks the slots to fill (default: the last id)", None,
         group=DRAFTER)
-    anchors: int | None = option(
-        "dflash: rows per sample and step that anchor a block, drawn afresh each step among those with a trained "
-        f"label (default {ANCHORS}); bounds the block tokens at anchors x block size a sample; at most a "
-        "sample's length (--max-len)", None,
-        rule=COUNT, group=DRAFTER)
+    anchors: int | str | None = option(
+        "dflash: the rows of each sample that anchor a block, drawn afresh each step among those with a trained "
+        f"label: N a sample, or 1/S for one per S tokens of it (default {ANCHORS}, speculators' density); bounds the "
+        "block tokens at anchors x block size a sample. At equal minutes sparser anchors and more steps trained "
+        "better (docs/train.md)", None, parse=anchors_spec, metavar="N|1/S", group=DRAFTER)
     draft_vocab: int | None = option("draft vocabulary size (default min(32000, target vocab))", None, rule=COUNT,
                                      group=DRAFTER)
     ttt_steps: int | None = option(
@@ -261,11 +281,10 @@ class TrainConfig:
                 f"--ttt-steps {self.ttt_steps} (a block of {self.ttt_steps + 1})"
             raise EyasError(f"{given} is longer than any sample: samples are cropped to {self.crop} tokens "
                             f"(--max-len, --batch-tokens); use a block of at most {self.crop}.")
-        if self.anchors is not None and self.anchors > self.crop:
+        self.anchors = ANCHORS if self.anchors is None else anchors_spec(self.anchors)
+        if isinstance(self.anchors, int) and self.anchors > self.crop:
             raise EyasError(f"--anchors {self.anchors} is more than a sample's rows: samples are cropped to "
                             f"{self.crop} tokens (--max-len, --batch-tokens); use at most {self.crop}.")
-        if self.anchors is None:
-            self.anchors = ANCHORS
 
     def check_target(self, num_layers: int) -> None:
         """Once the target is known, before any drafter is built: a deep kind's layers are a few

@@ -44,7 +44,7 @@ from eyas.store.format import first_nonfinite
 from eyas.train import budget
 from eyas.train import checkpoint as ckpt
 from eyas import distributed
-from eyas.train.config import TrainConfig, causal_text
+from eyas.train.config import TrainConfig, anchors_per_sample, causal_text
 from eyas.train.data import Batch, BatchStream, OnlineSource, SampleSource, StoreSource, split
 from eyas.train.metrics import MetricsLog, format_table, summarize
 from eyas.train.anchors import HELD_OUT, batch_rows, loss_masks
@@ -413,12 +413,13 @@ def _check_step(cfg: TrainConfig, draft: DraftConfig, batches: list[tuple[int, i
     on the largest of the `batches` (rows, longest sample) exceed the memory `device` has free,
     before allocating any."""
     estimate = drafter_class(draft).step_bytes
-    needs = [estimate(draft, rows, length, cfg.anchors, device) for rows, length in batches]
+    needs = [estimate(draft, rows, length, cfg.anchors and anchors_per_sample(cfg.anchors, length), device)
+             for rows, length in batches]
     if not needs or None in needs:
         return
     need, have = max(needs), free_bytes(device)
     if distributed.max_over_processes(float(need > have), d, device):
-        block = f" of --block-size {draft.ttt_steps + 1} at up to --anchors {cfg.anchors} rows a sample" \
+        block = f" of --block-size {draft.ttt_steps + 1} at --anchors {cfg.anchors}" \
             if cfg.anchors else ""
         raise EyasError(f"A {draft.kind.title} step{block} needs about {need / GIB:,.1f} GiB, more than the "
                         f"{have / GIB:,.1f} GiB free on {device}; lower "
@@ -519,7 +520,7 @@ def _batch_shard(run: Run, positions: list[int]) -> Shard | None:
     return _shard(run.d, run.device, max(run.source.lengths[p] for p in positions))
 
 
-def _anchor_rows(source, positions: list[int], steps: int, anchors: int | None, seed: int, step: int,
+def _anchor_rows(source, positions: list[int], steps: int, anchors: int | str | None, seed: int, step: int,
                  device: torch.device) -> torch.Tensor | None:
     """The batch's anchor rows [B, T] on `device`, for a kind trained on anchored blocks (None
     for the others: every row is scored)."""
@@ -667,13 +668,13 @@ def evaluate(run: Run, positions: list[int]) -> dict[str, Any] | None:
 @torch.no_grad()
 def score(source, head: TargetHead, model: torch.nn.Module, draft_ids: torch.Tensor, K: int, positions: list[int],
           batch_tokens: int, seed: int, device: torch.device, d: distributed.Dist,
-          anchors: int | None = None, context_parallel: bool = False, objective: Objective = Objective()
+          anchors: int | str | None = None, context_parallel: bool = False, objective: Objective = Objective()
           ) -> dict[str, Any] | None:
     """Teacher-forced metrics per TTT step over `positions` of `source`: the trainer's held-out
     pass, and `eyas eval --teacher-forced` (one scorer, so the two agree by construction).
     `model` is the drafter (or its FSDP wrapper, which gathers weights in every forward, so
-    each process runs the same number of them). A drafter trained on `anchors` rows per
-    sample is scored on as many, drawn the same way at every evaluation. With
+    each process runs the same number of them). A drafter trained on --anchors `anchors` is
+    scored on as many rows a sample, drawn the same way at every evaluation. With
     `context_parallel`, every process scores every batch, its own shard of each (as training
     splits them), and the statistics add up to the whole batch's. The loss is `objective`'s per-pair
     loss (the trainer's --loss; its pair weighting is not the metric's), so train and held-out
