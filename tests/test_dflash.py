@@ -191,6 +191,10 @@ def test_anchors_one_per_s_tokens_draw_by_each_samples_length():
     assert anchors_spec("45") == anchors_spec(45) == 45 and anchors_spec(" 1/8") == "1/8"
     assert TrainConfig(out="x", store="s", drafter="dflash").anchors == "1/16"  # the default
     assert TrainConfig(out="x", store="s", drafter="dflash", anchors="45").anchors == 45  # as a resume compares it
+    old_run = {**dataclasses.asdict(TrainConfig(out="x", store="s", drafter="dflash")), "anchors": 512}
+    with pytest.raises(EyasError, match=r"this command changes: anchors '1/16' \(the run has 512\)\. Repeat"):
+        TrainConfig(out="x", store="s", drafter="dflash").check_resumable(old_run)  # a run from before 1/16
+    TrainConfig(out="x", store="s", drafter="dflash", anchors="512").check_resumable(old_run)
     for bad in ("0", "2/16", "1/0", "x", True, -1):
         with pytest.raises(EyasError, match=r"^--anchors .*: give rows a sample \(e\.g\. 45\) or one row per S tokens"):
             anchors_spec(bad)
