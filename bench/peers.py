@@ -1197,10 +1197,12 @@ def second_set(args, ctx) -> list[dict[str, str]]:
 
 
 def q_decode_parallel(args, ctx) -> dict[str, Any]:
-    """DFlash: bench/parallel_gpu.py trains eyas's EAGLE-3 chain (its recipe) on the same store for
-    the same minutes, then decodes it, prompt lookup and every DFlash drafter in one process on
-    eval's static path (MT-bench both turns, interleaved with the second set), each answer
-    compared with plain decoding; wall-clock speed-ups are the MT-bench ones."""
+    """DFlash: bench/parallel_gpu.py trains eyas's EAGLE-3 chain on the same store for the same
+    minutes, at the DFlash arm's tokens a step and the depth eyas train's budget rule picks for
+    them (as a user's run without --ttt-steps gets), then decodes it, prompt lookup and every
+    DFlash drafter in one process on eval's static path (MT-bench both turns, interleaved with
+    the second set), each answer compared with plain decoding; wall-clock speed-ups are the
+    MT-bench ones."""
     import subprocess
 
     work = ctx["work"] / "parallel"
@@ -1214,7 +1216,7 @@ def q_decode_parallel(args, ctx) -> dict[str, Any]:
     chain = args.arm_minutes if args.chain_minutes is None else args.chain_minutes
     cmd = [sys.executable, str(Path(__file__).with_name("parallel_gpu.py")), "--model", args.model,
            "--store", str(ctx["store"]), "--work", str(work), "--out", str(work), "--device", args.device,
-           "--arms", "eagle3" if chain else "", "--arm-minutes", str(chain), "--batch-tokens", str(args.batch_tokens),
+           "--arms", "eagle3:ttt_steps=null" if chain else "", "--arm-minutes", str(chain), "--batch-tokens", str(args.batch_tokens),
            "--max-len", str(args.max_len), "--lr", str(args.lr), "--mt-bench", args.mt_bench or "mt-bench",
            "--second-prompts", str(prompts), "--questions", str(args.questions),
            "--second-questions", str(args.second_set), "--max-new-tokens", str(args.max_new_tokens),
@@ -1240,7 +1242,8 @@ def q_decode_parallel(args, ctx) -> dict[str, Any]:
             "tau_dflash_over_chain": round(decoded[best]["tau_both"] / chain_tau, 4) if chain_tau else None,
             "speedup_dflash_over_chain": _speedup_ratio(summary, best, "eagle3-chain"),
             "identical_to_plain": report["identical_to_plain"], "kept_out_of_training": report["kept_out_of_training"],
-            "eagle3_chain_arm": report["train"].get("eagle3"), "mt_bench": report["mt_bench"],
+            "eagle3_chain_arm": next((v for arm, v in report["train"].items() if arm.startswith("eagle3")), None),
+            "mt_bench": report["mt_bench"],
             "second_set": report["second_set"]}
 
 
