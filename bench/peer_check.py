@@ -11,6 +11,21 @@ p - 1; the peer's slot k (1..block_size - 1) is eyas's step k - 1. The peer draw
 at random among the loss-masked positions short of the last block; marking exactly the chosen
 ones with no more anchors than marked makes it take all of them, in order.
 
+`dflash_loss_agreement(peer_dir, eyas_dir, samples, device, weighting=...)` compares the
+training objective at speculators' DFlash defaults: the peer's own `forward` with loss "ce" and
+per-position weight "dpace" (alpha 0.5) or "fixed-exp-decay" (gamma 4) against eyas's drafter
+forward with Objective("hard-ce"), D-PACE or --ttt-decay exp(-1/gamma), and the per-step weights
+of `train/loop.py` `_weights`, at the same forced anchors; it compares the loss and every shared
+parameter's gradient. Measured (2026-12-06, float32, CPU): with the full vocabulary D-PACE agrees
+(loss 1e-7, gradients 8e-7 relative); two differences remain. (1) The hard label: the peer takes
+the argmax of the verifier's logits over the draft vocabulary (its `verifier_lm_head` holds only
+those rows), eyas over the whole vocabulary, a pair whose argmax lies outside getting no loss and
+q = 0 under D-PACE; with the peer's rule eyas's loss matches again. (2) The decay normaliser: the
+peer divides sum_k exp(-(k-1)/gamma) CE by every trained slot of every step, eyas each step by its
+own trained pairs, so with every block whole eyas's loss and gradients are block_size - 1 times
+the peer's. The exponents agree (slot k of the peer is eyas's step k - 1). The peer also never
+trains `lm_head` (frozen to the verifier's rows); eyas does.
+
 Run as a script, it is the local proof of the import (speculators on the path):
   PYTHONPATH=src:PEER python3 bench/peer_check.py --target packaged:smollm2-135m \
       --out bench/results/peer_check_dflash_cpu.json
@@ -19,8 +34,9 @@ builds a tiny random Llama target (tests/tiny.py), then for each variant (VARIAN
 `from_training_args` (the decoder config from its `create_transformer_layer_config`, as
 `speculators.train` builds it), its weights drawn at random (norm weights around 1) so that
 every term matters, saved by the peer's `SingleGPUCheckpointer` (bf16, `save_pretrained`);
-imports it and compares on random samples with the target's own states: ~25 s on 2 CPU cores,
-`dflash_agreement` itself 0.1-2 s a tiny variant and ~10 s on SmolLM2 (2 x 384 tokens).
+imports it and compares on random samples with the target's own states, the logits and the
+objective under both weightings ("loss_vs_peer"): ~25 s on 2 CPU cores, `dflash_agreement`
+itself 0.1-2 s a tiny variant and ~10 s on SmolLM2 (2 x 384 tokens).
 """
 
 from __future__ import annotations
@@ -30,6 +46,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -73,6 +90,95 @@ def dflash_agreement(peer_dir: str | Path, eyas_dir: str | Path, samples: Iterab
             "seconds": round(time.monotonic() - t0, 1)}
 
 
+def dflash_loss_agreement(peer_dir: str | Path, eyas_dir: str | Path, samples: Iterable[Sample], device: str,
+                          anchors: int = 64, weighting: str = "dpace", gamma: float = 4.0,
+                          dpace_alpha: float = 0.5) -> dict[str, Any]:
+    """The training objective on both sides at the same anchors (as `dflash_agreement` spreads
+    them): the peer's own `forward` (uncompiled) with loss "ce" (eager) and per-position weight
+    "dpace" (alpha `dpace_alpha`) or "fixed-exp-decay" (gamma `gamma`), its random
+    `select_anchors` replaced by those anchors, against eyas's drafter forward with
+    Objective("hard-ce", dpace_alpha) and `_weights`'s per-step weights for one process
+    (--ttt-decay exp(-1/gamma)). Every position is trained (loss_mask all ones), so forcing the
+    anchors changes nothing that is trained. Each sample is its own batch on both sides; the
+    losses are averaged over samples and their gradients summed. Returns both losses, their
+    |difference| over the peer's and ratio, the worst shared parameter's max |gradient
+    difference| over its max |peer gradient|, the trainable parameters only one side has, the
+    trained pairs whose target argmax over the whole vocabulary lies outside the draft
+    vocabulary (eyas gives them no loss and q = 0 under D-PACE; the peer's argmax is over the
+    draft vocabulary alone), and eyas's loss with the peer's label rule (`loss_eyas_draft_argmax`),
+    which separates that difference from the weighting's."""
+    import speculators.models.dflash.core as core
+    from speculators.losses import resolve_loss_config
+
+    from eyas.draft.loss import COUNT, IN_VOCAB, step_counts
+    from eyas.draft.objective import Objective
+    from eyas.train.labels import make_labels
+
+    if weighting not in ("dpace", "decay"):
+        raise ValueError(f"weighting is dpace or decay, not {weighting!r}")
+    t0 = time.monotonic()
+    peer, ours = load_peer(peer_dir, device), load_eyas(eyas_dir, device)
+    head = eyas_head(eyas_dir, device)
+    S, K = peer.block_size, ours.block_size - 1
+    if K != S - 1:
+        raise ValueError(f"the peer's block is {S} slots, the import's {ours.block_size}")
+    peer_forward = getattr(type(peer).forward, "_torchdynamo_orig_callable", type(peer).forward)  # never compiled
+    peer_kwargs = dict(loss_config=resolve_loss_config("ce", "eager"), gamma=gamma, dpace_alpha=dpace_alpha,
+                       per_position_loss_weight="dpace" if weighting == "dpace" else "fixed-exp-decay")
+    objective = Objective("hard-ce", dpace_alpha=dpace_alpha if weighting == "dpace" else None)
+    draft_ids = torch.arange(len(ours.d2t), device=device) + ours.d2t  # [Vd] target ids
+    theirs_params = {n: p for n, p in peer.named_parameters() if p.requires_grad}
+    mine_params = {n: p for n, p in ours.named_parameters() if p.requires_grad}
+    samples = list(samples)
+    loss_peer = loss_eyas = loss_draft = 0.0
+    blocks = pairs = outside = 0
+    select = core.select_anchors
+    try:
+        for input_ids, aux, last in samples:
+            ids, aux, last = input_ids.to(device).long(), aux.to(device).float(), last.to(device).float()
+            T = len(ids)
+            p = anchor_positions(T, S, anchors).to(device)  # [N]
+            core.select_anchors = lambda mask, n, size, p=p: (p, torch.ones(len(p), dtype=torch.bool, device=device))
+            ones = torch.ones(1, T, dtype=torch.long, device=device)
+            _, theirs, _ = peer_forward(peer, aux.flatten(-2)[None], ids[None], ones, last[None], 0 * ones,
+                                        max_anchors=len(p), **peer_kwargs)
+            (theirs / len(samples)).backward()
+            rows = torch.zeros(1, T, dtype=torch.bool, device=device)
+            rows[0, p - 1] = True
+            labels = make_labels(head, last[None], ones.bool(), draft_ids)
+            counts = step_counts(ones.bool(), K, rows).to(device)  # [K] trained pairs a step
+            weights = (torch.full((K,), 1 / counts.sum().item(), device=device) if weighting == "dpace"
+                       else torch.exp(-torch.arange(K, device=device) / gamma) / counts)  # _weights, world 1
+            mine, stats, _ = ours(ids[None], aux[None], labels, weights, rows, objective)
+            (mine / len(samples)).backward()
+            with torch.no_grad():  # the peer's hard label: the argmax over the draft vocabulary alone
+                drafted = replace(labels, target_draft=labels.teacher(labels.hidden).argmax(-1))  # [1, T]
+                loss_draft += ours(ids[None], aux[None], drafted, weights, rows, objective)[0].item() / len(samples)
+            loss_peer += theirs.item() / len(samples)
+            loss_eyas += mine.item() / len(samples)
+            blocks, pairs = blocks + len(p), pairs + int(counts.sum())
+            outside += int((stats[:, COUNT] - stats[:, IN_VOCAB]).sum())  # target argmax outside the draft vocab
+    finally:
+        core.select_anchors = select
+    worst, worst_name = 0.0, None
+    for name in sorted(theirs_params.keys() & mine_params.keys()):
+        g, h = theirs_params[name].grad, mine_params[name].grad
+        diff = ((g - h).abs().max() / g.abs().max().clamp_min(1e-30)).item()
+        if diff >= worst:
+            worst, worst_name = diff, name
+    return {"weighting": weighting, "gamma": gamma if weighting == "decay" else None,
+            "dpace_alpha": dpace_alpha if weighting == "dpace" else None, "loss_peer": loss_peer,
+            "loss_eyas": loss_eyas, "rel_loss_diff": float(f"{abs(loss_peer - loss_eyas) / abs(loss_peer):.3g}"),
+            "loss_eyas_over_peer": float(f"{loss_eyas / loss_peer:.7g}"), "loss_eyas_draft_argmax": loss_draft,
+            "draft_argmax_over_peer": float(f"{loss_draft / loss_peer:.7g}"),
+            "max_rel_grad_diff": float(f"{worst:.3g}"), "worst_param": worst_name,
+            "params_compared": len(theirs_params.keys() & mine_params.keys()),
+            "params_peer_only": sorted(theirs_params.keys() - mine_params.keys()),
+            "params_eyas_only": sorted(mine_params.keys() - theirs_params.keys()),
+            "anchors": blocks, "pairs": pairs, "pairs_target_outside_draft_vocab": outside,
+            "seconds": round(time.monotonic() - t0, 1)}
+
+
 def anchor_positions(T: int, S: int, anchors: int) -> torch.Tensor:
     """Up to `anchors` anchors spread evenly over 1..T-S-1 (none where T < S + 2): anchor 0 has no
     context row in eyas, and the peer never anchors in the last S positions."""
@@ -97,6 +203,15 @@ def load_eyas(folder: str | Path, device: str):
 
     embed = load_target_head(resolve_model(load_config(folder).identity.model)).embed_weight
     return load_drafter(folder, embed).float().eval().to(device)
+
+
+def eyas_head(folder: str | Path, device: str):
+    """The import's target head (norm and lm_head, float32): eyas's labels."""
+    from eyas.draft import load_config
+    from eyas.models import resolve_model
+    from eyas.models.target_head import load_target_head
+
+    return load_target_head(resolve_model(load_config(folder).identity.model)).to(device)
 
 
 def peer_blocks(peer, ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -184,11 +299,12 @@ def check(target: str, label: str, work: Path, name: str, flags: dict[str, Any],
 
     peer = peer_drafter(Path(resolve_model(target)), work / name, **flags)
     summary = import_drafter(peer, work / f"{name}-eyas", target=target)
-    agreement = dflash_agreement(peer, work / f"{name}-eyas", random_samples(target, summary["aux_layer_ids"],
-                                                                             samples, length), "cpu")
+    data = random_samples(target, summary["aux_layer_ids"], samples, length)
+    agreement = dflash_agreement(peer, work / f"{name}-eyas", data, "cpu")
+    loss = {w: dflash_loss_agreement(peer, work / f"{name}-eyas", data, "cpu", weighting=w) for w in ("dpace", "decay")}
     keep = ("layout", "depth", "num_hidden_layers", "causal_layers", "draft_vocab_size", "sliding_window")
     return {"target": label, "flags": flags, "import": {k: summary[k] for k in keep if k in summary},
-            "agreement": agreement}
+            "agreement": agreement, "loss_vs_peer": loss}
 
 
 def main() -> None:
@@ -212,6 +328,7 @@ def main() -> None:
         for target, label, name, flags, length in runs:
             results[name] = check(target, label, Path(tmp), name, flags, args.samples, length)
             print(name, json.dumps(results[name]["agreement"]), flush=True)
+            print(name, "loss", json.dumps(results[name]["loss_vs_peer"]), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
 
