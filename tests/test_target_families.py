@@ -246,6 +246,11 @@ def test_labels_are_the_targets_own_logits(built, family):
     if family in TRANSFORMS_LOGITS:  # the test can fail: the plain head, labels before this fix, is far off
         plain = head.norm(hidden) @ head.lm_head_weight.T
         assert (plain - want).abs().max() > 100 * LABEL_ATOL
+    # --lm-head target/frozen copies lm_head into the drafter's plain head only where that is all there is:
+    # where the family's own logits are the plain product of its normed state and lm_head
+    product = head.lm_head_bias is None and torch.allclose(head.norm(hidden) @ head.lm_head_weight.T, want,
+                                                           atol=LABEL_ATOL, rtol=0)
+    assert head.logits_are_the_product() == product, family
 
 
 def test_the_required_families_have_their_output_knobs():

@@ -100,6 +100,17 @@ class TargetHead:
         return TargetHead(self.embed_weight, copy.deepcopy(self.norm).to(device),
                           self.lm_head_weight.to(device, dtype), bias, self.output)
 
+    def logits_are_the_product(self) -> bool:
+        """Whether the family's logits are `normed @ lm_head.T` alone (no bias, no scaling or
+        soft-cap), probed on random states: only then can a plain head hold its rows."""
+        if self.lm_head_bias is not None:
+            return False
+        if self.output is None:
+            return True
+        weight = self.lm_head_weight[:8].float()  # [8, H]
+        probe = torch.randn(4, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.device)
+        return torch.allclose(self.output(probe, weight, None).float(), probe @ weight.T, rtol=1e-4, atol=1e-5)
+
     def logits(self, last_hidden: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
         """last_hidden [..., H] (layer id N, pre-norm) -> the target's logits [..., V], exactly
         as its own forward computes them; with `rows` (target ids [Vd]) only those columns

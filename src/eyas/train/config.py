@@ -25,11 +25,13 @@ ANCHORS = "1/16"  # one anchor row per 16 tokens of a sample: speculators' densi
 # Options added after runs were recorded, with the value such a run had (its drafter, restored
 # from the checkpoint, keeps the attention it was built with).
 ADDED = {"draft_attention": AUTO_ATTENTION, "optimizer": "adamw", "position_weights": "decay", "dpace_alpha": 0.5,
-         "loss": "soft-ce", "lk_eta": 3.0, "init": None, "context_parallel": False, "causal_layers": None}
+         "loss": "soft-ce", "lk_eta": 3.0, "init": None, "context_parallel": False, "causal_layers": None,
+         "lm_head": "own"}
 
 
 DATA, DRAFTER, SCHEDULE, RUN = "data", "drafter", "schedule", "run"  # the --help sections
 OPTIMIZERS = ("adamw", "muon")  # train/optim.py
+LM_HEADS = ("own", "target", "frozen")  # the drafter's output head: train/loop.py `_target_head_rows`
 POSITION_WEIGHTS = ("decay", "dpace", "on-policy")  # draft/loss.py, draft/reach.py
 NO_LAYERS, ALL_LAYERS = "none", "all"  # --causal-layers' words
 
@@ -112,6 +114,11 @@ class TrainConfig:
         "better (docs/train.md)", None, parse=anchors_spec, metavar="N|1/S", group=DRAFTER)
     draft_vocab: int | None = option("draft vocabulary size (default min(32000, target vocab))", None, rule=COUNT,
                                      group=DRAFTER)
+    lm_head: str = option(
+        "the drafter's output head over the draft vocabulary: own = a new one, trained; target = the target's "
+        "lm_head rows as its start, trained; frozen = the target's rows, never trained (speculators' EAGLE-3 and "
+        "DFlash, SpecForge's DFlash). A drafter from --init or --resume keeps its head; frozen still freezes it",
+        "own", choices=LM_HEADS, group=DRAFTER)
     ttt_steps: int | None = option(
         f"unrolled training-time-test steps (default {DraftConfig.ttt_steps}; an eagle3 run on a short --minutes "
         f"budget: {budget.SHORT_RUN_DEPTH}, see --minutes)", None, rule=COUNT, group=DRAFTER)
@@ -227,6 +234,9 @@ class TrainConfig:
                             f"--position-weights decay.")
         if self.fsdp and self.context_parallel:
             raise EyasError("--context-parallel replicates the drafter on every process; drop --fsdp.")
+        if self.fsdp and self.lm_head == "frozen":
+            raise EyasError("--lm-head frozen keeps the target's head whole on every process, and --fsdp shards the "
+                            "drafter for a head too big for one GPU: drop one of them.")
         if self.fsdp and self.optimizer == "muon":
             # Muon's bf16 Newton-Schulz on sharded matrices: a step's update then differs from one
             # process's by up to ~20% (measured on 4 gloo processes); under DDP by ~0.5%, as between any two runs.

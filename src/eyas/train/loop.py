@@ -178,6 +178,9 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device, memory: I
         torch.manual_seed(cfg.seed)
         drafter = new_drafter(draft, head.embed_weight)
         drafter.set_vocab(draft_ids)
+        if cfg.lm_head != "own":
+            drafter.lm_head.weight.data.copy_(_target_head_rows(cfg, head, draft_ids))
+    drafter.lm_head.weight.requires_grad_(cfg.lm_head != "frozen")
     drafter.checkpoint_steps = cfg.checkpoint_steps
     model = distributed.wrap(drafter.to(device), d, device)
     optimizers = build_optimizers(model, cfg.optimizer, cfg.lr, cfg.weight_decay)
@@ -285,6 +288,18 @@ def _check_same_group(trainer: dict[str, Any], cfg: TrainConfig, d: distributed.
                     f"--grad-accum {recorded // processes}), this command's {dp * cfg.grad_accum} ({dp} process(es) "
                     f"x --grad-accum {cfg.grad_accum}), so its steps would skip or repeat batches. Resume {keep}on "
                     f"{processes} process(es) with --grad-accum {recorded // processes}.")
+
+
+def _target_head_rows(cfg: TrainConfig, head: TargetHead, draft_ids: torch.Tensor) -> torch.Tensor:
+    """The target's lm_head rows of the draft vocabulary [Vd, H] (draft_ids [Vd] target ids), the
+    start of a drafter's head under --lm-head target or frozen: the drafter's head is a plain
+    linear map after its own norm, as the target's is after its own, so the rows carry over
+    only where the target does nothing else to its logits."""
+    if not head.logits_are_the_product():
+        raise EyasError(f"--lm-head {cfg.lm_head} starts the drafter's head from the target's, but the target adds "
+                        f"a bias to its logits or transforms them (scales or caps them), which the drafter's plain "
+                        f"lm_head cannot hold: use --lm-head own.")
+    return head.lm_head_weight[draft_ids.to(head.lm_head_weight.device)].float()
 
 
 def _init_drafter(cfg: TrainConfig, source, head: TargetHead, d: distributed.Dist) -> Drafter:
