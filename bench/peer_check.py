@@ -117,8 +117,8 @@ def dflash_loss_agreement(peer_dir: str | Path, eyas_dir: str | Path, samples: I
     if weighting not in ("dpace", "decay"):
         raise ValueError(f"weighting is dpace or decay, not {weighting!r}")
     t0 = time.monotonic()
-    peer, ours = load_peer(peer_dir, device), load_eyas(eyas_dir, device)
-    head = eyas_head(eyas_dir, device)
+    head = target_head(eyas_dir)
+    peer, ours, head = load_peer(peer_dir, device), load_eyas(eyas_dir, device, head), head.to(device)
     S, K = peer.block_size, ours.block_size - 1
     if K != S - 1:
         raise ValueError(f"the peer's block is {S} slots, the import's {ours.block_size}")
@@ -195,23 +195,21 @@ def load_peer(folder: str | Path, device: str):
     return model.float().eval().to(device)
 
 
-def load_eyas(folder: str | Path, device: str):
-    """The imported drafter with its target's input embeddings, in float32."""
-    from eyas.draft import load_config, load_drafter
-    from eyas.models import resolve_model
-    from eyas.models.target_head import load_target_head
+def load_eyas(folder: str | Path, device: str, head=None):
+    """The imported drafter with its target's input embeddings (from `head`, else read), in float32."""
+    from eyas.draft import load_drafter
 
-    embed = load_target_head(resolve_model(load_config(folder).identity.model)).embed_weight
-    return load_drafter(folder, embed).float().eval().to(device)
+    head = target_head(folder) if head is None else head
+    return load_drafter(folder, head.embed_weight).float().eval().to(device)
 
 
-def eyas_head(folder: str | Path, device: str):
-    """The import's target head (norm and lm_head, float32): eyas's labels."""
+def target_head(folder: str | Path):
+    """The import's target head as eyas reads it: the embeddings, and the norm and lm_head of its labels."""
     from eyas.draft import load_config
     from eyas.models import resolve_model
     from eyas.models.target_head import load_target_head
 
-    return load_target_head(resolve_model(load_config(folder).identity.model)).to(device)
+    return load_target_head(resolve_model(load_config(folder).identity.model))
 
 
 def peer_blocks(peer, ids: torch.Tensor, aux: torch.Tensor, last: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

@@ -289,19 +289,19 @@ def chunked_loss(x: torch.Tensor, weight: torch.Tensor, row_weight: torch.Tensor
     argmax == target) and accept [N] float32 (acceptance at T=1), holding one chunk's logits at
     a time."""
     need_grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-    return _ChunkedLoss.apply(x, weight, row_weight, target, probs, bounds, objective, need_grad,
-                              need_grad and weight.requires_grad)
+    return _ChunkedLoss.apply(x, weight, row_weight, target, probs, bounds, objective, need_grad)
 
 
 class _ChunkedLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, row_weight, target, probs, bounds, objective, need_grad, need_grad_weight):
+    def forward(ctx, x, weight, row_weight, target, probs, bounds, objective, need_grad):
         w = _head_weight(weight)  # [Vd, H]
         value = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
         accept = torch.zeros(x.shape[0], dtype=torch.float32, device=x.device)
         correct = torch.zeros(x.shape[0], dtype=torch.bool, device=x.device)
         grad_x = torch.zeros_like(x) if need_grad else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_grad_weight else None  # not for a frozen head
+        frozen = not ctx.needs_input_grad[1]  # --lm-head frozen: no head gradient to make
+        grad_w = None if not need_grad or frozen else torch.zeros_like(weight, dtype=torch.float32)
         pair_loss = fused_chunk_loss(x.is_cuda)
         for c, (lo, hi), xc, logits in _head_chunks(x, w, bounds):
             p, inside = probs(c)  # [n, Vd] float32, [n], under the caller's autocast as the target head expects
@@ -324,7 +324,7 @@ class _ChunkedLoss(torch.autograd.Function):
         grad_x, grad_w = ctx.saved_tensors
         return (grad_x * grad_loss.to(grad_x.dtype),
                 None if grad_w is None else (grad_w * grad_loss).to(ctx.weight_dtype),
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
 def chunk_loss(logits: torch.Tensor, probs: torch.Tensor, target: torch.Tensor, row_weight: torch.Tensor,
