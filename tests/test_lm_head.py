@@ -11,13 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from eyas import distributed
 from eyas.draft import load_config, load_drafter
 from eyas.draft.loss import chunked_loss, chunk_bounds
 from eyas.draft.objective import Objective
 from eyas.errors import EyasError
 from eyas.models import resolve_model
 from eyas.models.target_head import load_target_head
-from eyas.train import TrainConfig
+from eyas.train import TrainConfig, train
+from eyas.train.loop import _default_lm_head
 from test_adversarial import cli, train_args
 from test_store_damage import tiny_prepared, tiny_store  # noqa: F401
 
@@ -48,8 +50,10 @@ def test_frozen_head_is_the_targets_rows_and_the_rest_trains(capsys, tmp_path, t
     assert torch.equal(rows, rows_again)
     step = (moved - rows).abs().max().item()
     assert 0 < step <= 3 * 2 * LR, step
-    own, _, _ = _train(capsys, tiny_store, tmp_path / "own", *extra)
+    own, _, _ = _train(capsys, tiny_store, tmp_path / "own", *extra, "--lm-head", "own")
     assert (own - rows).abs().max().item() > 100 * step
+    default, _, _ = _train(capsys, tiny_store, tmp_path / "default", *extra)  # DFlash's: frozen; EAGLE-3's: own
+    assert torch.equal(default, rows) if drafter == "dflash" else (default - rows).abs().max().item() > 100 * step
     _, _, still = _train(capsys, tiny_store, tmp_path / "still", *extra, "--lm-head", "frozen", "--lr", "1e-9")
     layers = [n for n in frozen_all if n.startswith(("layers.", "midlayer.", "fc")) and n.endswith("weight")]
     assert layers and max((frozen_all[n] - still[n]).abs().max().item() for n in layers) > LR / 10
@@ -64,6 +68,26 @@ def test_a_resume_keeps_the_head_setting_and_fsdp_refuses_frozen(capsys, tmp_pat
     assert code == 2 and "lm-head 'own' (the run has 'frozen')" in err.splitlines()[-1], err[-2000:]
     with pytest.raises(EyasError, match=r"^--lm-head frozen keeps the target's head whole on every process"):
         TrainConfig(out="x", store="s", lm_head="frozen", fsdp=True)
+
+
+def test_dflash_defaults_to_the_frozen_head_but_not_under_fsdp_and_an_old_run_resumes_with_own(
+        capsys, tmp_path, tiny_store, tiny_llama_dir):  # noqa: F811
+    """DFlash's default head is the target's rows, frozen, except under --fsdp (a new one, said in
+    one line); a DFlash run recorded before the default changed (own) is refused on --resume in
+    one line naming both, and resumes with --lm-head own."""
+    head = load_target_head(tiny_llama_dir)
+    sharded = TrainConfig(out="x", store="s", drafter="dflash", fsdp=True)
+    assert _default_lm_head(sharded, head, distributed.Dist()) == "own"
+    assert capsys.readouterr().out.strip() == ("eyas train: --lm-head own, not DFlash's default frozen: --fsdp "
+                                               "shards the drafter")
+    assert _default_lm_head(TrainConfig(out="x", store="s"), head, distributed.Dist()) == "own"  # EAGLE-3's
+    out, dflash = tmp_path / "old", ("--drafter", "dflash", "--ttt-steps", "3")
+    train(TrainConfig(store=str(tiny_store), out=str(out), drafter="dflash", ttt_steps=3, steps=2, batch_tokens=64,
+                      draft_vocab=64, eval_fraction=0.0, progress=False, device="cpu", lm_head="own"), stop_at=1)
+    code, err = cli(capsys, *train_args(tiny_store, out, *dflash, "--steps", "2", "--resume"))
+    assert code == 2 and "lm-head 'frozen' (the run has 'own')" in err.splitlines()[-1], err[-2000:]
+    code, err = cli(capsys, *train_args(tiny_store, out, *dflash, "--steps", "2", "--resume", "--lm-head", "own"))
+    assert code == 0, err[-3000:]
 
 
 def test_a_frozen_head_in_the_chunked_loss_gets_no_gradient_and_the_states_the_same():

@@ -33,6 +33,7 @@ from tiny import WRAPPERS, build_model
 from transformers import CONFIG_MAPPING, AutoConfig, AutoTokenizer, Gemma2Config
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from eyas import distributed
 from eyas.capture.hf import HFCapturer
 from eyas.data.prepared import PreparedSample
 from eyas.errors import EyasError
@@ -40,6 +41,8 @@ from eyas.models.layers import decoder_parts
 from eyas.models.load import auto_model_class, exact_attention
 from eyas.models.target_head import load_target_head
 from eyas.regenerate.static import StaticGreedy, supports_static
+from eyas.train import TrainConfig
+from eyas.train.loop import _default_lm_head
 
 VOCAB = 512
 TINY = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -251,6 +254,9 @@ def test_labels_are_the_targets_own_logits(built, family):
     product = head.lm_head_bias is None and torch.allclose(head.norm(hidden) @ head.lm_head_weight.T, want,
                                                            atol=LABEL_ATOL, rtol=0)
     assert head.logits_are_the_product() == product, family
+    # so DFlash's default head is the target's rows, frozen, only there, and a new one elsewhere (said, not refused)
+    dflash = TrainConfig(out="x", store="s", drafter="dflash")
+    assert _default_lm_head(dflash, head, distributed.Dist()) == ("frozen" if product else "own"), family
 
 
 def test_the_required_families_have_their_output_knobs():

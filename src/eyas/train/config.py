@@ -114,11 +114,13 @@ class TrainConfig:
         "better (docs/train.md)", None, parse=anchors_spec, metavar="N|1/S", group=DRAFTER)
     draft_vocab: int | None = option("draft vocabulary size (default min(32000, target vocab))", None, rule=COUNT,
                                      group=DRAFTER)
-    lm_head: str = option(
+    lm_head: str | None = option(
         "the drafter's output head over the draft vocabulary: own = a new one, trained; target = the target's "
         "lm_head rows as its start, trained; frozen = the target's rows, never trained (speculators' EAGLE-3 and "
-        "DFlash, SpecForge's DFlash). A drafter from --init or --resume keeps its head; frozen still freezes it",
-        "own", choices=LM_HEADS, group=DRAFTER)
+        "DFlash, SpecForge's DFlash). Default: frozen for dflash (it trained better, docs/train.md), own for the "
+        "others, and own wherever the target's rows cannot be the drafter's head (--fsdp, a target that scales, "
+        "caps or biases its logits). A drafter from --init or --resume keeps its head; frozen still freezes it",
+        None, choices=LM_HEADS, group=DRAFTER)
     ttt_steps: int | None = option(
         f"unrolled training-time-test steps (default {DraftConfig.ttt_steps}; an eagle3 run on a short --minutes "
         f"budget: {budget.SHORT_RUN_DEPTH}, see --minutes)", None, rule=COUNT, group=DRAFTER)

@@ -158,6 +158,8 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device, memory: I
         raise EyasError("--context-parallel splits each sample over torchrun's processes: run it under torchrun "
                         "with --nproc-per-node 2 or more.")
     head = load_target_head(folder).to(device) if memory is None else memory.head
+    if cfg.lm_head is None:
+        cfg.lm_head = _default_lm_head(cfg, head, d)
     if previous is not None:
         draft, trainer = ckpt.read_checkpoint(previous)
         where = f"The store {cfg.store}" if cfg.store else f"The target {cfg.model}"
@@ -288,6 +290,22 @@ def _check_same_group(trainer: dict[str, Any], cfg: TrainConfig, d: distributed.
                     f"--grad-accum {recorded // processes}), this command's {dp * cfg.grad_accum} ({dp} process(es) "
                     f"x --grad-accum {cfg.grad_accum}), so its steps would skip or repeat batches. Resume {keep}on "
                     f"{processes} process(es) with --grad-accum {recorded // processes}.")
+
+
+def _default_lm_head(cfg: TrainConfig, head: TargetHead, d: distributed.Dist) -> str:
+    """--lm-head when not given: the kind's (DFlash: the target's rows, frozen, which trained
+    better than its own head at equal minutes), but own where those rows cannot serve: --fsdp
+    shards the drafter for a head too big for one GPU, and a target that scales, caps or biases
+    its logits has rows that are not its head. The fallback is said, so the run says what it trains."""
+    kind = kinds.get(cfg.drafter)
+    if kind.lm_head == "own":
+        return "own"
+    why = "--fsdp shards the drafter" if cfg.fsdp else \
+        None if head.logits_are_the_product() else "the target scales, caps or biases its logits"
+    if why is None:
+        return kind.lm_head
+    _log(d, f"--lm-head own, not {kind.title}'s default {kind.lm_head}: {why}")
+    return "own"
 
 
 def _target_head_rows(cfg: TrainConfig, head: TargetHead, draft_ids: torch.Tensor) -> torch.Tensor:
