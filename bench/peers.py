@@ -93,6 +93,7 @@ class Record:
 
     def __init__(self, path: Path, minutes: float, meta: dict[str, Any]):
         self.path, self.budget = path, 60 * minutes
+        self.keep: Path | None = None
         self.data: dict[str, Any] = {k: None for k in self.KEYS}
         self.data.update(meta, parts={})
 
@@ -126,10 +127,13 @@ class Record:
         return out
 
     def save(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str))
-        os.replace(tmp, self.path)
+        """To the results JSON, and to `keep` (the work folder's copy the next call resumes from)
+        at every part, so that a call stopped by its timeout loses only the part it was in."""
+        for path in (self.path, *([self.keep] if self.keep else [])):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(json.dumps(self.data, indent=2, default=str))
+            os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------- shapes and the two drafters
@@ -607,6 +611,7 @@ def part_quality(args, record: Record) -> None:
     ctx: dict[str, Any] = {"work": work, **load_ctx(work, args.stages), "left": record.left,
                            "also": dict(a.split("=", 1) for a in args.also)}
     record.resume(work / RECORD)
+    record.keep = work / RECORD if args.work else None
     scoring = ("import" in args.stages) * 30 + ("decode" in args.stages) * (args.eval_seconds + 20)
     peer_reserve = 90 + scoring
     record.data["tau_definition"] = "tau = 1 + accepted draft tokens per verification step (mean over all steps)"
@@ -645,8 +650,6 @@ def part_quality(args, record: Record) -> None:
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
     record.save()
-    if args.work:
-        shutil.copyfile(record.path, work / RECORD)
 
 
 def dflash_keys(parts: dict[str, Any]) -> dict[str, Any]:
