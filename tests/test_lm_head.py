@@ -80,7 +80,11 @@ def test_dflash_defaults_to_the_frozen_head_but_not_under_fsdp_and_an_old_run_re
     assert _default_lm_head(sharded, head, distributed.Dist()) == "own"
     assert capsys.readouterr().out.strip() == ("eyas train: --lm-head own, not DFlash's default frozen: --fsdp "
                                                "shards the drafter")
+    assert _default_lm_head(TrainConfig(out="x", store="s", drafter="dflash"), head, distributed.Dist()) == "frozen"
+    assert capsys.readouterr().out.strip() == ("eyas train: --lm-head frozen, DFlash's default: the target's lm_head "
+                                               "rows of the draft vocabulary")
     assert _default_lm_head(TrainConfig(out="x", store="s"), head, distributed.Dist()) == "own"  # EAGLE-3's
+    assert capsys.readouterr().out == ""
     out, dflash = tmp_path / "old", ("--drafter", "dflash", "--ttt-steps", "3")
     train(TrainConfig(store=str(tiny_store), out=str(out), drafter="dflash", ttt_steps=3, steps=2, batch_tokens=64,
                       draft_vocab=64, eval_fraction=0.0, progress=False, device="cpu", lm_head="own"), stop_at=1)

@@ -303,6 +303,7 @@ def _default_lm_head(cfg: TrainConfig, head: TargetHead, d: distributed.Dist) ->
     why = "--fsdp shards the drafter" if cfg.fsdp else \
         None if head.logits_are_the_product() else "the target scales, caps or biases its logits"
     if why is None:
+        _log(d, f"--lm-head {kind.lm_head}, {kind.title}'s default: the target's lm_head rows of the draft vocabulary")
         return kind.lm_head
     _log(d, f"--lm-head own, not {kind.title}'s default {kind.lm_head}: {why}")
     return "own"
