@@ -300,9 +300,11 @@ def _default_lm_head(cfg: TrainConfig, head: TargetHead, d: distributed.Dist) ->
     kind = kinds.get(cfg.drafter)
     if kind.lm_head == "own":
         return "own"
-    why = "--fsdp shards the drafter" if cfg.fsdp else \
-        None if head.logits_are_the_product() else "the target scales, caps or biases its logits"
-    if why is None:
+    if cfg.fsdp:
+        why = "--fsdp shards the drafter"
+    elif not head.logits_are_the_product():
+        why = "the target scales, caps or biases its logits"
+    else:
         _log(d, f"--lm-head {kind.lm_head}, {kind.title}'s default: the target's lm_head rows of the draft vocabulary")
         return kind.lm_head
     _log(d, f"--lm-head own, not {kind.title}'s default {kind.lm_head}: {why}")
