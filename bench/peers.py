@@ -702,7 +702,8 @@ def load_ctx(work: Path, stages: list[str]) -> dict[str, Any]:
 
 
 def q_data(args, ctx) -> dict[str, Any]:
-    """Prepare (+ regenerate with the target) and capture one bf16 store: every arm's data."""
+    """Prepare (+ regenerate with the target) and capture one bf16 store: every arm's data, MT-bench
+    kept out (so recorded: the decode stage decodes it and checks that record)."""
     from eyas.capture.config import CaptureConfig
     from eyas.capture.run import capture
     from eyas.data.config import PrepareConfig
@@ -717,7 +718,8 @@ def q_data(args, ctx) -> dict[str, Any]:
         shutil.rmtree(work / old, ignore_errors=True)
     t0 = time.monotonic()
     prepared = prepare(PrepareConfig(model=args.model, data=source, out=str(work / "prepared"),
-                                     max_len=args.max_len, limit=args.limit), progress=False)
+                                     max_len=args.max_len, limit=args.limit,
+                                     exclude_prompts=[args.mt_bench or "mt-bench"]), progress=False)
     data, regen = work / "prepared", None
     if args.regen_minutes > 0:
         from eyas.regenerate.config import RegenerateConfig
@@ -979,12 +981,13 @@ def q_peer(args, ctx, matched: bool) -> dict[str, Any]:
             child.wait(timeout=150)
     wall = time.monotonic() - started
     setup = started - t0
-    tail = log.read_text()[-3000:]
+    text = log.read_text(errors="replace")
+    tail = text[-3000:]
     ckpt = _peer_checkpoint(save)
     if ckpt is None:
         raise RuntimeError(f"the peer saved no checkpoint (exit {child.returncode}); log tail: {tail}")
     ctx[arm] = ckpt
-    steps_done = _peer_steps(save)
+    steps_done = _peer_steps(save, text)
     return {"command": " ".join(cmd), "exit_code": child.returncode, "stopped_at_deadline": stopped,
             "wall_s": round(wall, 1), "setup_s": round(setup, 1), "checkpoint": str(ckpt), "steps_done": steps_done, "log_tail": tail[-1200:]}
 
@@ -1003,9 +1006,19 @@ def _peer_checkpoint(save: Path) -> Path | None:
     return save / str(epochs[0]) if epochs else None
 
 
-def _peer_steps(save: Path) -> int | None:
+def _peer_steps(save: Path, log: str) -> int | None:
+    """Steps the peer trained: its epoch checkpoints' global step, or its progress bar's last
+    count where that is further. Its `interrupted` checkpoint (a stop at the deadline) records no
+    step, so the checkpoints alone gave the last whole epoch's count (352 where its bar showed
+    epoch 1 at 224 of 352 steps, on 2026-12-06)."""
     states = [json.loads(p.read_text()) for p in save.glob("*/training_state.json")]
-    return max((s.get("global_step", 0) for s in states), default=None)
+    counts = [s.get("global_step", 0) for s in states]
+    counts += [int(e) * int(n) + int(k) for e, k, n in PROGRESS.findall(log)]
+    return max(counts, default=None)
+
+
+# Its progress bar: "Epoch E  64% ━━━━╸  224/352 [...]" (rich) or "Epoch E: 64%|███| 224/352" (tqdm).
+PROGRESS = re.compile(r"Epoch (\d+)\b[^\r\n/]*?(\d+)/(\d+)")
 
 
 def q_import(args, ctx) -> dict[str, Any]:
