@@ -12,6 +12,7 @@ speculation (a barely fitted drafter) and a third plain one, as the first one di
 from __future__ import annotations
 
 import gc
+import json
 import os
 import random
 import sys
@@ -62,6 +63,8 @@ def test_in_process_engines_leave_the_process_as_they_found_it(tmp_path, smollm2
 
     if not current_platform.is_cpu():
         pytest.skip("only engines on vLLM's CPU backend run in-process")
+    if "llvmlite.binding.ffi" in sys.modules:  # an earlier test's engine built Kimi-K2.5's media processor here
+        pytest.skip("llvmlite is loaded in this process, so engines keep their processes (vllm_util.in_process)")
     model = str(smollm2_dir)  # the tiny test models' head size (16) is not one vLLM's CPU attention takes
     spec = {"method": "eagle3", "model": drafter(model, tmp_path), "num_speculative_tokens": 3}
     engines = [{}, {"speculative_config": spec, "disable_log_stats": False}, {}]
@@ -99,15 +102,23 @@ def test_in_process_engines_leave_the_process_as_they_found_it(tmp_path, smollm2
     ({"enforce_eager": False}, False),
     ({"kv_transfer_config": {"kv_connector": "EyasHiddenStatesConnector"}}, False),
 ])
-def test_only_one_process_eager_engines_without_capture_run_in_process(engine, inside):
+def test_only_one_process_eager_engines_without_capture_run_in_process(engine, inside, monkeypatch):
     require_vllm()
     from vllm.platforms import current_platform
 
+    monkeypatch.delitem(sys.modules, "llvmlite.binding.ffi", raising=False)  # as an earlier test may leave it
     assert in_process(engine) == (inside and current_platform.is_cpu())
 
 
-def test_no_engine_runs_in_a_process_with_its_own_process_group(monkeypatch):
-    """vLLM would take the group as its own, and destroy it when it stops."""
+def test_engines_keep_their_processes_where_an_in_process_start_would_fail_or_take_over(tmp_path, monkeypatch):
+    """A multimodal wrapper, or a process where llvmlite is loaded: vLLM's worker would fail to
+    start (`in_process` says why); a process with its own process group: vLLM would take it
+    over, and destroy it when it stops."""
     require_vllm()
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "text_config": {}}))
+    assert not in_process({"model": str(tmp_path)})
+    monkeypatch.setitem(sys.modules, "llvmlite.binding.ffi", sys)
+    assert not in_process({})
+    monkeypatch.delitem(sys.modules, "llvmlite.binding.ffi")
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     assert not in_process({})

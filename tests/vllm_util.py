@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import os
 import random
 import sys
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -81,15 +83,28 @@ def in_process(kwargs: dict[str, Any]) -> bool:
     process (tensor, pipeline and data parallel size 1), eager (a compiled engine would leave
     torch.compile's caches and settings here), without a `kv_transfer_config` (hidden-state
     capture: eyas.vllm.engine refuses in-process engines, whose saves do not finish between
-    calls), and while this process has no torch.distributed group (vLLM would take it as its
-    own and destroy it when it stops)."""
+    calls), while this process has no torch.distributed group (vLLM would take it as its own and
+    destroy it when it stops), and neither for a multimodal wrapper nor once llvmlite is loaded
+    here. The worker's start reads vars() of every attribute of every module in its process
+    (vllm/triton_utils/dispatcher.py, _rebind_kernels) and fails on llvmlite's library object
+    ("'_lib_fn_wrapper' object has no attribute 'get'"); numba loads llvmlite, and vLLM imports
+    numba for Kimi-K2.5's media processor, which it builds in the calling process, text-only too."""
     import torch.distributed as dist
     from vllm.platforms import current_platform
 
     kwargs = {**ENGINE_DEFAULTS, **kwargs}
     one = all(kwargs.get(k, 1) == 1 for k in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size"))
     return (current_platform.is_cpu() and one and kwargs["enforce_eager"] is True
-            and kwargs.get("kv_transfer_config") is None and not dist.is_initialized())
+            and kwargs.get("kv_transfer_config") is None and not dist.is_initialized()
+            and "llvmlite.binding.ffi" not in sys.modules and not ("model" in kwargs and multimodal(str(kwargs["model"]))))
+
+
+def multimodal(model: str) -> bool:
+    """Whether `model` is the folder of a multimodal wrapper (its config.json nests a text_config)."""
+    try:
+        return "text_config" in json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):  # not a model folder (a hub id): vLLM judges it
+        return False
 
 
 @contextmanager
