@@ -15,7 +15,9 @@ import gc
 import json
 import os
 import random
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,16 +59,29 @@ def drafter(model: str, out) -> str:
 
 
 def test_in_process_engines_leave_the_process_as_they_found_it(tmp_path, smollm2_dir):
+    """In a fresh process: a pytest worker that ran a Kimi-K2.5 engine first keeps engines out of
+    itself (`in_process`), which would leave this check unrun depending on the test order."""
     require_vllm()
-    from vllm import SamplingParams
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         pytest.skip("only engines on vLLM's CPU backend run in-process")
-    if "llvmlite.binding.ffi" in sys.modules:  # an earlier test's engine built Kimi-K2.5's media processor here
-        pytest.skip("llvmlite is loaded in this process, so engines keep their processes (vllm_util.in_process)")
-    model = str(smollm2_dir)  # the tiny test models' head size (16) is not one vLLM's CPU attention takes
-    spec = {"method": "eagle3", "model": drafter(model, tmp_path), "num_speculative_tokens": 3}
+    script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+              f"from test_vllm_in_process import check_engines_in_process; "
+              f"check_engines_in_process({str(smollm2_dir)!r}, {str(tmp_path)!r})")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-6000:]
+    assert "engines checked: 3" in run.stdout
+
+
+def check_engines_in_process(model: str, tmp: str) -> None:
+    """Three engines in this process (plain, EAGLE-3, plain), each checked to have changed it while
+    it ran and to have left it as it was."""
+    from vllm import SamplingParams
+
+    require_vllm()
+    assert "llvmlite.binding.ffi" not in sys.modules  # a fresh process: nothing loaded it yet
+    spec = {"method": "eagle3", "model": drafter(model, Path(tmp)), "num_speculative_tokens": 3}
     engines = [{}, {"speculative_config": spec, "disable_log_stats": False}, {}]
     before = process_state()
     outputs = []
@@ -86,13 +101,15 @@ def test_in_process_engines_leave_the_process_as_they_found_it(tmp_path, smollm2
         assert during["set_num_threads"] is not before["set_num_threads"] and during["distributed"]
         assert during["environ"].get(IN_PROCESS_ENV) == before["environ"].get(IN_PROCESS_ENV)
         after = process_state()
-        assert [key for key in before if after[key] != before[key]] == [], extra
+        changed = [key for key in before if after[key] != before[key]]
+        assert changed == [], f"{extra}: left changed: {changed}"
     assert all(len(tokens) == 12 for tokens in outputs[0])
     assert outputs[2] == outputs[0]
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)  # torch's own function again, not vLLM's no-op
     assert torch.get_num_threads() == threads + 1
     torch.set_num_threads(threads)
+    print(f"engines checked: {len(engines)}")
 
 
 @pytest.mark.parametrize("engine, inside", [
