@@ -67,18 +67,11 @@ def decode(args, dtype: str, output: Path) -> tuple[dict, list[dict]]:
     results = evaluate(EvalConfig(model=args.model, draft=args.draft, prompts=args.prompts, limit=args.limit,
                                   max_new_tokens=args.max_new_tokens, baselines=(), dtype=dtype,
                                   device=args.device or EvalConfig.device, output=str(output), plot=str(output) + ".png"))
-    by_method: dict[str, list[dict]] = {}
-    for r in results["records"]:
-        by_method.setdefault(r["method"], []).append(r)
-    plain = by_method.pop("plain")
-    (method, drafted), = by_method.items()
-    steps = [a for r in drafted for a in r["accept_counts"]]  # accepted drafts per verification step
-    answer = {(r["prompt_id"], r.get("turn")): r["generated_ids"] for r in plain}
-    same = sum(answer[(r["prompt_id"], r.get("turn"))] == r["generated_ids"] for r in drafted)
-    return ({"method": method, "tau": round(1 + sum(steps) / len(steps), 4), "steps": len(steps),
-             "accept_first": round(sum(a >= 1 for a in steps) / len(steps), 4),
-             "identical": f"{same}/{len(drafted)}"}, plain)
-
+    plain = [r for r in results["records"] if r["method"] == "plain"]
+    (method, summary), = ((m, v) for m, v in results["summary"].items() if m != "plain")
+    return ({"method": method, "tau": round(summary["tau"], 4), "steps": summary["steps"],
+             "accept_first": round(summary["acceptance"][0], 4),
+             "identical": f"{summary['identical']}/{summary['answers']}"}, plain)
 
 def write_answers(model: str, plain: list[dict], out: Path) -> None:
     """Plain decoding's answers as prepared samples, token for token: the prompt untrained, the

@@ -15,6 +15,7 @@ Stop each engine (`vllm_engine` does) before starting the next, or memory runs o
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import json
 import os
@@ -152,6 +153,7 @@ def _rebind(owner: Any, name: str, value: Any) -> None:
 _MAX_NODES = 1024  # bits of the node mask exchanged with get_mempolicy and set_mempolicy
 
 
+@functools.cache
 def _libnuma():
     try:
         return ctypes.CDLL("libnuma.so.1", use_errno=True)
