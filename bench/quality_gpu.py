@@ -148,8 +148,8 @@ def train_for(args, data: Path | None, folder: Path, seconds: float, options: di
     if warm_up:
         scratch = folder.with_name(folder.name + "-warm-up")
         shutil.rmtree(scratch, ignore_errors=True)
-        train(TrainConfig(out=str(scratch), steps=WARM_UP_STEPS, eval_every=WARM_UP_STEPS // 2,
-                          log_every=WARM_UP_STEPS, **common))
+        train(TrainConfig(**{**common, "out": str(scratch), "steps": WARM_UP_STEPS,  # an arm's own steps= too
+                             "eval_every": WARM_UP_STEPS // 2, "log_every": WARM_UP_STEPS}))
         shutil.rmtree(scratch, ignore_errors=True)
     shutil.rmtree(folder, ignore_errors=True)
     t0 = time.monotonic()
@@ -161,8 +161,8 @@ def train_for(args, data: Path | None, folder: Path, seconds: float, options: di
         probe = folder.with_name(folder.name + "-probe")
         shutil.rmtree(probe, ignore_errors=True)
         with _kernel_profile() as kernels:
-            train(TrainConfig(out=str(probe), steps=args.probe_steps, eval_fraction=0,
-                              log_every=args.probe_steps // 2, **common))
+            train(TrainConfig(**{**common, "out": str(probe), "steps": args.probe_steps, "eval_fraction": 0,
+                                 "log_every": args.probe_steps // 2}))
     return {"options": options, "steps": final["step"], "seconds": took, "batch_tokens": args.batch_tokens,
             "lr": args.lr, "final": final, **({"probe_profile": kernels} if kernels else {})}
 
