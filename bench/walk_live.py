@@ -14,12 +14,14 @@ does) and prints both. Equal at a dtype (but for each answer's last step, where 
 --max-new-tokens: on the CPU, 1.725 live against 1.748 walked over the same 218 steps): decoding
 drafts what the walk scores there.
 
-  PYTHONPATH=src python3 bench/walk_live.py --model M --draft D --out OUT.json [--prompts P] [--limit N]
+  PYTHONPATH=src python3 bench/walk_live.py --model M --draft D [--draft D2] --out OUT.json [--prompts P]...
+      [--limit N] [--decodes static,eager] [--held-out DATA]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import time
 from pathlib import Path
@@ -30,11 +32,16 @@ import torch
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True)
-    p.add_argument("--draft", required=True, help="a drafter folder `eyas train` wrote")
-    p.add_argument("--prompts", default="mt-bench", help="as `eyas eval --prompts`")
+    p.add_argument("--draft", required=True, action="append",
+                   help="a drafter folder `eyas train` wrote (repeat for several: each decodes and walks in turn)")
+    p.add_argument("--prompts", action="append", help="as `eyas eval --prompts` (repeatable; default mt-bench)")
     p.add_argument("--limit", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=192)
     p.add_argument("--dtypes", default="float32,bfloat16", help="the target's dtypes to decode in, comma-separated")
+    p.add_argument("--decodes", default="static", help="eval's decoding paths (static, eager), comma-separated")
+    p.add_argument("--held-out", help="also walk each drafter along its training run's held-out samples of this "
+                                      "prepared folder or store (the trainer's tau_walk, beside the live text's)")
+    p.add_argument("--held-out-limit", type=int, default=24, help="held-out samples walked (the first N)")
     p.add_argument("--device", default=None)
     p.add_argument("--work", default="/tmp/walk-live")
     p.add_argument("--out", required=True)
@@ -42,30 +49,37 @@ def main() -> None:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
-    result = {"model": args.model, "draft": args.draft, "prompts": args.prompts, "limit": args.limit,
-              "max_new_tokens": args.max_new_tokens, "device": _device_name(args.device), "by_dtype": {}}
-    for dtype in args.dtypes.split(","):
-        live, plain = decode(args, dtype, work / f"results-{dtype}.json")
-        answers = work / f"answers-{dtype}"
-        write_answers(args.model, plain, answers)
-        walk = walk_along(args, answers)
-        result["by_dtype"][dtype] = {**live, "walk": walk,
-                                     "walk_minus_live": round(walk["tau_walk"] - live["tau"], 4)}
-        print(f"{dtype}: live tau {live['tau']:.3f} (first draft accepted at {live['accept_first']:.3f} of steps), "
-              f"walk along the same answers {walk['tau_walk']:.3f} ({walk['accept_walk_per_step'][0]:.3f}); "
-              f"answers equal to plain {live['identical']}", flush=True)
-    result["seconds"] = round(time.monotonic() - t0, 1)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    result = {"model": args.model, "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+              "device": _device_name(args.device), "runs": [], "held_out": {}}
+    for d, draft in enumerate(args.draft):
+        if args.held_out:
+            result["held_out"][draft] = held_out_walk(args, draft)
+            print(f"{draft}: walk along its held-out samples {result['held_out'][draft].get('tau_walk')}", flush=True)
+        for p_, prompts in enumerate(args.prompts or ["mt-bench"]):
+            for dtype, path in itertools.product(args.dtypes.split(","), args.decodes.split(",")):
+                tag = f"{d}-{p_}-{dtype}-{path}"
+                live, plain = decode(args, draft, prompts, dtype, path, work / f"results-{tag}.json")
+                answers = work / f"answers-{tag}"
+                write_answers(args.model, plain, answers)
+                walk = walk_along(args, draft, answers)
+                result["runs"].append({"draft": draft, "prompts": prompts, "dtype": dtype, "decode": path, **live,
+                                       "walk": walk, "walk_minus_live": round(walk["tau_walk"] - live["tau"], 4)})
+                print(f"{draft} on {prompts}, {dtype} {path}: live tau {live['tau']:.3f} (first draft accepted at "
+                      f"{live['accept_first']:.3f} of steps), walk along the same answers {walk['tau_walk']:.3f} "
+                      f"({walk['accept_walk_per_step'][0]:.3f}); answers equal to plain {live['identical']}",
+                      flush=True)
+                result["seconds"] = round(time.monotonic() - t0, 1)
+                Path(args.out).write_text(json.dumps(result, indent=2) + "\n")  # each run kept as it lands
 
 
-def decode(args, dtype: str, output: Path) -> tuple[dict, list[dict]]:
+def decode(args, draft: str, prompts: str, dtype: str, path: str, output: Path) -> tuple[dict, list[dict]]:
     """`eyas eval` with the drafter at the depth it trained: its tau and first-draft acceptance
     over every verification step, and plain decoding's records (the answers to walk)."""
     from eyas.evaluate.config import EvalConfig
     from eyas.evaluate.run import evaluate
 
-    results = evaluate(EvalConfig(model=args.model, draft=args.draft, prompts=args.prompts, limit=args.limit,
-                                  max_new_tokens=args.max_new_tokens, baselines=(), dtype=dtype,
+    results = evaluate(EvalConfig(model=args.model, draft=draft, prompts=prompts, limit=args.limit,
+                                  max_new_tokens=args.max_new_tokens, baselines=(), dtype=dtype, decode=path,
                                   device=args.device or EvalConfig.device, output=str(output), plot=str(output) + ".png"))
     plain = [r for r in results["records"] if r["method"] == "plain"]
     (method, summary), = ((m, v) for m, v in results["summary"].items() if m != "plain")
@@ -94,13 +108,29 @@ def write_answers(model: str, plain: list[dict], out: Path) -> None:
                    {"kept": len(samples), "tokens": sum(len(s.input_ids) for s in samples)})
 
 
-def walk_along(args, answers: Path) -> dict:
+WALK_KEYS = ("tau_walk", "accept_walk_per_step", "chains", "greedy_path", "tau_sim", "acc_per_step")
+
+
+def walk_along(args, draft: str, answers: Path) -> dict:
     """`eyas eval --teacher-forced` on the answers: the walk at the drafter's depth."""
     from eyas.evaluate.teacher_forced import teacher_forced
 
-    out = teacher_forced(args.model, args.draft, answers, device=args.device)
-    return {k: out.get(k) for k in ("tau_walk", "accept_walk_per_step", "chains", "greedy_path", "tau_sim",
-                                    "acc_per_step")}
+    out = teacher_forced(args.model, draft, answers, device=args.device)
+    return {k: out.get(k) for k in WALK_KEYS}
+
+
+def held_out_walk(args, draft: str) -> dict:
+    """The same walk along the samples the drafter's training run held out of --held-out (its own
+    text: whole windows, every turn), or why it could not run."""
+    from eyas.errors import EyasError
+    from eyas.evaluate.teacher_forced import teacher_forced
+
+    try:
+        out = teacher_forced(args.model, draft, args.held_out, held_out=True, limit=args.held_out_limit,
+                             device=args.device)
+    except EyasError as e:
+        return {"error": str(e)}
+    return {"samples": out["samples"], **{k: out.get(k) for k in WALK_KEYS}}
 
 
 def _device_name(device: str | None) -> str:
