@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask
+from transformers import AutoConfig
 
 from eyas.draft.build import new_drafter
 from eyas.draft.dflash import block_attention, block_mask_dense
@@ -24,7 +25,9 @@ from eyas.errors import EyasError
 from eyas.evaluate.dflash import DFlash, DFlashSession
 from eyas.evaluate.generate import generate
 from eyas.evaluate.target import TargetSession
+from eyas.models.layers import resolve_layer_ids
 from eyas.models.target_head import TargetHead
+from eyas.options import AUTO_LAYERS_DFLASH
 from eyas.train import TrainConfig
 from eyas.train.anchors import anchor_rows
 from eyas.draft.loss import step_counts
@@ -423,8 +426,15 @@ def test_train_dflash_offline_equals_online_and_reloads(tiny_llama_dir, tiny_lla
     online = train(TrainConfig(out=str(tmp_path / "on"), online=True, model=str(tiny_llama_dir), data=str(prep),
                                **common))
     assert len(offline["eval"]["acc_per_step"]) == 3  # one accuracy per drafted block position
+    out = capsys.readouterr().out
     # Its sampled anchors' accuracy is not what decoding accepts: the table says where the walk is.
-    assert f"eyas eval --draft {tmp_path / 'off'} --teacher-forced DATA --held-out" in capsys.readouterr().out
+    assert f"eyas eval --draft {tmp_path / 'off'} --teacher-forced DATA --held-out" in out
+    # The online run names the target layers `auto` read, and why DFlash reads three (offline, the store's).
+    n = AutoConfig.from_pretrained(tiny_llama_dir).num_hidden_layers
+    said = [line for line in out.splitlines() if "--layers auto:" in line]
+    aux = ",".join(map(str, resolve_layer_ids("auto", n)[:-1]))
+    assert len(said) == 1 and f"layer ids {aux} (2, N//2, N-3) and {n}, the label source" in said[0]
+    assert said[0].endswith(AUTO_LAYERS_DFLASH)
     assert online["eval"]["loss_per_step"] == pytest.approx(offline["eval"]["loss_per_step"], rel=1e-5)
     a, b = load_file(tmp_path / "off" / "model.safetensors"), load_file(tmp_path / "on" / "model.safetensors")
     assert {k.split(".")[0] for k in a} == {"fc", "hidden_norm", "layers", "norm", "lm_head", "d2t", "t2d"}

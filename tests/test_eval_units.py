@@ -15,7 +15,7 @@ from eyas.draft import DraftConfig, Eagle3Drafter
 from eyas.evaluate.accept import accept_greedy, accept_sampled
 from eyas.evaluate.drafter import DrafterSession
 from eyas.evaluate.proposers import PromptLookup
-from eyas.evaluate.report import acceptance_rates, differing, format_table, summarize
+from eyas.evaluate.report import acceptance_rates, differing, format_table, low_precision_note, summarize
 from eyas.evaluate.target import TargetSession
 from eyas.evaluate.tree import DraftTree
 from eyas.models import ModelIdentity
@@ -319,6 +319,16 @@ def test_report_counts_answers_identical_to_plain_decoding_turn_by_turn():
     no_ids = [{k: v for k, v in r.items() if k != "prompt_id"} for r in records]
     assert all(x.identical is None for x in summarize(no_ids, {}).values())  # nothing to match turns by
     assert differing(summarize(records, {}, greedy=False)) == []
+
+
+def test_a_difference_below_float32_names_rounding_and_the_float32_check():
+    """In float32 a differing answer is a fault and the warning says nothing else; below it, a
+    verification pass's several rows round otherwise than plain decoding's one, and the warning
+    says so and where to check."""
+    assert low_precision_note("float32") == ""
+    for dtype in ("bfloat16", "float16"):
+        note = low_precision_note(dtype)
+        assert f"in {dtype} a verification pass over several rows" in note and "--dtype float32" in note
 
 
 def test_a_timed_decoding_step_is_the_same_step_with_its_parts_timed(toy):

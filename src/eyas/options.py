@@ -424,9 +424,11 @@ def _check_value(f: dataclasses.Field, meta: Option, value: Any) -> None:
 AUTO_LAYERS = "auto"
 AUTO_LAYERS_MEANS = "(2, N//2, N-3)"  # models/layers.py default_aux_ids, for an N-layer target
 SPREAD_LAYERS = "spread:"  # spread:K, K ids evenly from 2 to N-2 (models/layers.py spread_aux_ids)
-LAYERS_HELP = (f"aux layer ids, e.g. 2,15,27; {AUTO_LAYERS} = {AUTO_LAYERS_MEANS}; {SPREAD_LAYERS}K = K ids spread "
-               "evenly from 2 to N-2 (SpecForge's DFlash reads 5 of Qwen3-8B's 36 layers so: spread:5). Id N is "
-               "always added")
+# Why `auto` is also DFlash's: at equal steps on SmolLM2, spread:5 drafted no better (docs/train.md).
+AUTO_LAYERS_DFLASH = "for DFlash too: the peers' spread:5 trained no better at equal steps (docs/train.md)"
+LAYERS_HELP = (f"aux layer ids, e.g. 2,15,27; {AUTO_LAYERS} = {AUTO_LAYERS_MEANS}, {AUTO_LAYERS_DFLASH}; "
+               f"{SPREAD_LAYERS}K = K ids spread evenly from 2 to N-2 (SpecForge's DFlash reads 5 of Qwen3-8B's 36 "
+               "layers so: spread:5). Id N is always added")
 
 
 def aux_layer_count(spec: str) -> int | None:

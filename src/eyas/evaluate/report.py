@@ -74,6 +74,17 @@ def differing(summaries: dict[str, Summary]) -> list[str]:
             for s in summaries.values() if s.identical is not None and s.identical < s.answers]
 
 
+def low_precision_note(dtype: str) -> str:
+    """Why answers can differ below float32: a verification pass scores several rows at once, and
+    its matrix products round otherwise than plain decoding's one-row pass, so a near-tie between
+    two tokens can go the other way (on one H100, DFlash's 8-row passes in bfloat16 changed 4 of 10
+    MT-bench answers with each of two drafters, 1,610 tokens both times; in float32 none)."""
+    if dtype == "float32":
+        return ""
+    return (f"; in {dtype} a verification pass over several rows can round the target's logits otherwise than "
+            f"plain decoding's one-row pass and turn a near-tie, so --dtype float32 (the default) is the check")
+
+
 def format_table(summaries: dict[str, Summary], max_positions: int = 8) -> str:
     width = min(max([len(s.acceptance) for s in summaries.values()], default=0), max_positions)
     head = f"{'method':<15}{'tau':>6}{'tok/s':>9}{'speed-up':>10}{'steps':>8}{'tokens':>8}{'= plain':>9}  " + "".join(

@@ -45,8 +45,8 @@ from eyas.evaluate.peagle import PEagle
 from eyas.evaluate.plot import plot_acceptance
 from eyas.evaluate.prompts import stratified
 from eyas.evaluate.proposers import Eagle3, PromptLookup, Proposer
-from eyas.evaluate.report import (RATE_DEFINITION, TAU_DEFINITION, differing, format_breakdown, format_table, summarize,
-                                  tau_by)
+from eyas.evaluate.report import (RATE_DEFINITION, TAU_DEFINITION, differing, format_breakdown, format_table,
+                                  low_precision_note, summarize, tau_by)
 from eyas.evaluate.static_target import StaticTargetSession
 from eyas.evaluate.target import TargetSession
 from eyas.export.exporter import speculative_tokens
@@ -394,7 +394,7 @@ def evaluate(cfg: EvalConfig) -> dict:
         print(f"(no speed-ups: {workers} worker processes shared the machine, so their timings are contended; "
               f"--workers 1 measures each method's speed-up in one process)")
     for line in differing(summaries):
-        print(f"eyas eval: warning: {line} (greedy decoding: a lossless method gives the same answers)",
-              file=sys.stderr, flush=True)
+        print(f"eyas eval: warning: {line} (greedy decoding: a lossless method gives the same answers"
+              f"{low_precision_note(cfg.dtype)})", file=sys.stderr, flush=True)
     print(f"\nwrote {out} and {plot}")
     return results

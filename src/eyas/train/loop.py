@@ -39,6 +39,7 @@ from eyas.lock import output_lock, reading_lock
 from eyas.models import load_tokenizer, model_identity, resolve_model
 from eyas.models.identity import text_config
 from eyas.models.target_head import TargetHead, load_target_head
+from eyas.options import AUTO_LAYERS, AUTO_LAYERS_DFLASH, AUTO_LAYERS_MEANS
 from eyas.paths import check_confined
 from eyas.store.format import first_nonfinite
 from eyas.train import budget
@@ -145,6 +146,7 @@ def setup(cfg: TrainConfig, d: distributed.Dist, device: torch.device, memory: I
                         f"({ckpt.CHECKPOINTS}/ is gone); choose another --out, or delete {out} to train anew.")
     source, folder = _open_source(cfg, device) if memory is None else (memory.source, None)
     _check_layer_ids(source)
+    _say_layers(cfg, source, d)
     cfg.check_target(source.identity.num_layers)
     if source.cropped:
         _log(d, f"{source.cropped} sample(s) longer than {cfg.crop} tokens are cropped (--max-len, --batch-tokens)")
@@ -362,6 +364,17 @@ def _causal_asked(cfg: TrainConfig, given: DraftConfig) -> str | None:
     if not asked."""
     layers = cfg.causal_layer_ids(given.num_hidden_layers, f"--init {cfg.init}")
     return None if layers is None else causal_text(layers, given.num_hidden_layers)
+
+
+def _say_layers(cfg: TrainConfig, source, d: distributed.Dist) -> None:
+    """An online run under `--layers auto` names the ids it read: auto is one rule for every kind,
+    so a DFlash run, whose peers read five layers, says why it reads three."""
+    if not cfg.online or cfg.layers != AUTO_LAYERS:
+        return
+    ids = ",".join(map(str, source.layer_ids[:-1]))
+    why = f"; {AUTO_LAYERS_DFLASH}" if cfg.drafter == "dflash" else ""
+    _log(d, f"--layers {AUTO_LAYERS}: the target's layer ids {ids} {AUTO_LAYERS_MEANS} and "
+            f"{source.layer_ids[-1]}, the label source{why}")
 
 
 def _check_layer_ids(source) -> None:
