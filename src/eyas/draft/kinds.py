@@ -21,6 +21,7 @@ from typing import Any, Callable
 from eyas.draft import vllm_config
 from eyas.draft.mla_config import GQA, MLA
 from eyas.errors import EyasError
+from eyas.options import AUTO_LAYERS_DFLASH
 
 # How a kind drafts during decoding, which decides eval's proposer (evaluate/run.py):
 STEPS = "steps"  # one forward pass per token, so a chain or a tree
@@ -66,6 +67,7 @@ class Kind:
     eagle_options: bool = True  # takes EAGLE 3.1's fc_norm / norm_output and norm_before_residual
     anchored: bool = False  # trained on blocks anchored at sampled rows (--block-size, --anchors)
     lm_head: str = "own"  # its `--lm-head` unless asked: what measured best for it (docs/train.md)
+    auto_layers: str = ""  # why `--layers auto` suits it too where its peers read other layers (an online run says it)
     formats: tuple[str, ...] = FORMATS  # the export layouts written for it
     vllm_method: dict[str, Any] = field(default_factory=lambda: {"method": "eagle3"})  # vLLM --speculative-config
     check: Callable[[Any], None] = _no_check  # its own rules on a DraftConfig beyond the fields above
@@ -175,8 +177,8 @@ register(Kind(
     name="dflash", title="DFlash", summary="a block of K in one pass of a few layers",
     module="eyas.draft.dflash:DFlashDrafter", vllm_config=vllm_config.dflash, drafting=BLOCK,
     attentions=(GQA,), deep=True, default_layers=default_num_layers, mask_token=True, eagle_options=False,
-    anchored=True, lm_head="frozen", formats=("vllm",), vllm_method={"method": "dflash"},
-    check_served=_dflash_served))
+    anchored=True, lm_head="frozen", auto_layers=AUTO_LAYERS_DFLASH, formats=("vllm",),
+    vllm_method={"method": "dflash"}, check_served=_dflash_served))
 register(Kind(
     name="peagle", title="P-EAGLE", summary="EAGLE-3 drafting its K in one pass (vLLM's parallel_drafting)",
     module="eyas.draft.peagle:PEagleDrafter", vllm_config=vllm_config.peagle, drafting=PARALLEL,

@@ -39,7 +39,7 @@ from eyas.lock import output_lock, reading_lock
 from eyas.models import load_tokenizer, model_identity, resolve_model
 from eyas.models.identity import text_config
 from eyas.models.target_head import TargetHead, load_target_head
-from eyas.options import AUTO_LAYERS, AUTO_LAYERS_DFLASH, AUTO_LAYERS_MEANS
+from eyas.options import AUTO_LAYERS, AUTO_LAYERS_MEANS
 from eyas.paths import check_confined
 from eyas.store.format import first_nonfinite
 from eyas.train import budget
@@ -368,11 +368,11 @@ def _causal_asked(cfg: TrainConfig, given: DraftConfig) -> str | None:
 
 def _say_layers(cfg: TrainConfig, source, d: distributed.Dist) -> None:
     """An online run under `--layers auto` names the ids it read: auto is one rule for every kind,
-    so a DFlash run, whose peers read five layers, says why it reads three."""
+    so a kind whose peers read other layers (DFlash: five) says why it reads these."""
     if not cfg.online or cfg.layers != AUTO_LAYERS:
         return
     ids = ",".join(map(str, source.layer_ids[:-1]))
-    why = f"; {AUTO_LAYERS_DFLASH}" if cfg.drafter == "dflash" else ""
+    why = f"; {note}" if (note := kinds.get(cfg.drafter).auto_layers) else ""
     _log(d, f"--layers {AUTO_LAYERS}: the target's layer ids {ids} {AUTO_LAYERS_MEANS} and "
             f"{source.layer_ids[-1]}, the label source{why}")
 
