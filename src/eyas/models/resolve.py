@@ -70,6 +70,27 @@ def _packaged_gguf(name: str) -> Path:
     return packaged_file(*PACKAGED[name])
 
 
+GGUF_SPECIAL = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "pad_token": "padding_token_id",
+                "unk_token": "unknown_token_id"}  # the tokenizer's attribute: its id's key under tokenizer.ggml.
+
+
+def _special_tokens_from_gguf(tokenizer, path: Path) -> None:
+    """Set the tokenizer's special tokens to the ids the GGUF itself names. transformers' reading of
+    them varies by version (5.17 reads SmolLM2's EOS as <|im_start|> and no pad token; 5.19 as the
+    file says, <|im_end|> for both), and the converted folder is the target's identity: artifacts
+    made under one version would be refused under the other, and 5.17's EOS is the wrong token."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+    for attribute, key in GGUF_SPECIAL.items():
+        field = fields.get(f"tokenizer.ggml.{key}")
+        if field is None:
+            continue
+        token = tokenizer.convert_ids_to_tokens(int(field.parts[field.data[0]][0]))
+        if token is not None and getattr(tokenizer, attribute) != token:
+            setattr(tokenizer, attribute, token)
+
+
 def _converted(gguf: Path) -> Path:
     """Dequantize a GGUF once into dense safetensors under the cache; later loads take seconds."""
     out = cache_dir() / "models" / f"{gguf.stem}-{sha256_file(gguf)[:16]}"
@@ -87,6 +108,7 @@ def _converted(gguf: Path) -> Path:
             gguf.parent, gguf_file=gguf.name, quantization_config=GgufConfig(dequantize=True)
         )
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _special_tokens_from_gguf(tokenizer, gguf)
     except Exception as e:  # gguf's and transformers' many errors on a cut-off or damaged file
         raise EyasError(f"{gguf} is damaged or cut off, or holds a model transformers cannot read "
                         f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}).") from None
