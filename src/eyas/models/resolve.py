@@ -70,6 +70,9 @@ def _packaged_gguf(name: str) -> Path:
     return packaged_file(*PACKAGED[name])
 
 
+# Named in the converted folder: raised when conversion writes something else, so that a folder
+# an older eyas wrote is converted again (c2: the GGUF's own special tokens).
+CONVERSION = "c2"
 GGUF_SPECIAL = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "pad_token": "padding_token_id",
                 "unk_token": "unknown_token_id"}  # the tokenizer's attribute: its id's key under tokenizer.ggml.
 
@@ -93,7 +96,7 @@ def _special_tokens_from_gguf(tokenizer, path: Path) -> None:
 
 def _converted(gguf: Path) -> Path:
     """Dequantize a GGUF once into dense safetensors under the cache; later loads take seconds."""
-    out = cache_dir() / "models" / f"{gguf.stem}-{sha256_file(gguf)[:16]}"
+    out = cache_dir() / "models" / f"{gguf.stem}-{sha256_file(gguf)[:16]}-{CONVERSION}"
     if (out / MODEL_CONFIG).is_file():
         return out
     if not HAS_GGUF:
