@@ -89,7 +89,8 @@ class Record:
     """The results JSON, rewritten atomically after every part; the issue's keys at the top."""
 
     KEYS = ("train_over_peer_8b", "train_over_peer_seed_shape", "peak_gib_eyas_8b", "peak_gib_peer_8b",
-            "tau_chain_eyas", "tau_chain_peer_best", "tau_tree_eyas", "tau_tree_peer_best", "identical_to_plain")
+            "budget_minutes", "tau_chain_eyas", "tau_chain_peer_best", "tau_tree_eyas", "tau_tree_peer_best",
+            "heldout_eyas", "heldout_peer_best", "gain_on_policy", "gain_lk", "identical_to_plain")
 
     def __init__(self, path: Path, minutes: float, meta: dict[str, Any]):
         self.path, self.budget = path, 60 * minutes
@@ -584,7 +585,10 @@ def add_quality_args(p) -> None:
                    help="eyas's arm with `eyas train` options changed, e.g. peer=batch_tokens=8192,block_size=16,"
                         "draft_layers=5,causal_layers=all,position_weights=dpace,loss=hard-ce,optimizer=muon,lr=0.01 "
                         "(options separated by ',' or ':'): the variants stage trains each on the store for "
-                        "--arm-minutes after its own warm-up, and the later stages score and decode it as eyas-NAME")
+                        "--arm-minutes after its own warm-up, and the later stages score and decode it as eyas-NAME. "
+                        "init=eyas starts it from eyas's arm (on_policy=init=eyas,position_weights=on-policy: the "
+                        "recipe's on-policy stage after it); the EAGLE-3 record's gain_lk and gain_on_policy are the "
+                        "chain tau of the variants named lk and on_policy over eyas's arm")
     q.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
                    help="eyas's (`eyas train --optimizer`); the matched peer uses the same")
     q.add_argument("--heldout-samples", type=int, default=24)
@@ -640,16 +644,38 @@ def part_quality(args, record: Record) -> None:
             record.data.pop(key, None)
         record.data = {**dflash_keys(record.data["parts"]), **record.data, "kind": "dflash"}
     elif decode.get("ok"):
-        taus = decode["tau"]
-        peers = [a for a in ARMS[1:] if f"{a}-chain" in taus]
-        record.data["tau_chain_eyas"] = taus.get("eyas-chain")
-        record.data["tau_tree_eyas"] = taus.get("eyas-tree")
-        record.data["tau_chain_peer_best"] = max((taus[f"{a}-chain"] for a in peers), default=None)
-        record.data["tau_tree_peer_best"] = max((taus[f"{a}-tree"] for a in peers), default=None)
-        record.data["identical_to_plain"] = decode["identical_to_plain"]
+        record.data.update(frontier_keys(args, record.data["parts"]))
     if not args.work:
         shutil.rmtree(work, ignore_errors=True)
     record.save()
+
+
+LEVERS = ("lk", "on_policy")  # --variant names whose chain tau over eyas's arm is issue 38's gain_NAME
+
+
+def frontier_keys(args, parts: dict[str, Any]) -> dict[str, Any]:
+    """Issue 38's keys from the parts that ran: eyas's best drafter (its arm or a --variant, by chain
+    tau over both prompt sets) against the peer's best, chain and tree; held-out accuracy per step of
+    that drafter and the peer's best at each step; each lever's chain tau over eyas's arm (a variant
+    named `lk` or `on_policy`); and every answer against plain decoding."""
+    taus = parts["decode"]["tau"]
+    held = (parts.get("heldout") or {}).get("drafters", {})
+    ours = [a for a in ("eyas", *(f"eyas-{n}" for n in _variant_names(args))) if f"{a}-chain" in taus]
+    peers = [a for a in ARMS[1:] if f"{a}-chain" in taus]
+    best = max(ours, key=lambda a: taus[f"{a}-chain"], default=None)
+    peer = max(peers, key=lambda a: taus[f"{a}-chain"], default=None)
+    return {"budget_minutes": args.arm_minutes, "eyas_best": best, "peer_best": peer,
+            "tau_chain_eyas": taus.get(f"{best}-chain"), "tau_tree_eyas": taus.get(f"{best}-tree"),
+            "tau_chain_peer_best": taus.get(f"{peer}-chain"), "tau_tree_peer_best": taus.get(f"{peer}-tree"),
+            "heldout_eyas": (held.get(best) or {}).get("acc_per_step"), "heldout_peer_best": _peer_best(held) or None,
+            **{f"gain_{lever}": (round(taus[f"eyas-{lever}-chain"] - taus["eyas-chain"], 4)
+                                 if f"eyas-{lever}-chain" in taus and "eyas-chain" in taus else None)
+               for lever in LEVERS},
+            "identical_to_plain": parts["decode"]["identical_to_plain"]}
+
+
+def _variant_names(args) -> list[str]:
+    return [v.partition("=")[0] for v in args.variant]
 
 
 def dflash_keys(parts: dict[str, Any]) -> dict[str, Any]:
@@ -776,8 +802,10 @@ def q_variants(args, ctx) -> dict[str, Any]:
         if ctx["left"]() < 60 * args.arm_minutes + 60:
             skipped.append(name)
             continue
-        runs[name] = {"given": text, **_train_eyas(args, ctx, folder.name, {**eyas_options(args),
-                                                                             **train_options(text)})}
+        options = {**eyas_options(args), **train_options(text)}
+        if options.get("init") == "eyas":  # starts from eyas's arm, as the recipe's on-policy stage does
+            options["init"] = str(ctx["eyas"])
+        runs[name] = {"given": text, **_train_eyas(args, ctx, folder.name, options)}
         ctx["variants"][name] = str(folder)
         save_ctx(ctx)
     return {"variants": runs, "skipped_for_time": skipped}
@@ -797,7 +825,8 @@ def _train_eyas(args, ctx, name: str, options: dict[str, Any]) -> dict[str, Any]
                      device=args.device, progress=False, save_every=10**6, eval_fraction=0.05, seed=0,
                      optimizer=args.optimizer), **options}
     t0 = time.monotonic()
-    train(TrainConfig(out=str(work / f"{name}-warmup"), steps=8, eval_every=10**6, log_every=8, **common))
+    train(TrainConfig(**{**common, "out": str(work / f"{name}-warmup"), "steps": 8, "eval_every": 10**6,
+                         "log_every": 8}))  # over a variant's own steps=
     warmup_s = time.monotonic() - t0
     shutil.rmtree(work / f"{name}-warmup")
     cuda = args.device.startswith("cuda")
