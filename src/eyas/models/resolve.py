@@ -19,7 +19,7 @@ from eyas.errors import EyasError
 from eyas.paths import cache_dir, packaged_file, sha256_file
 
 try:
-    import gguf  # noqa: F401  (transformers needs it to read GGUF)
+    import gguf  # transformers needs it to read GGUF; eyas reads the file's special token ids with it
     HAS_GGUF = True
 except ImportError:
     HAS_GGUF = False
@@ -82,9 +82,7 @@ def _special_tokens_from_gguf(tokenizer, path: Path) -> None:
     them varies by version (5.17 reads SmolLM2's EOS as <|im_start|> and no pad token; 5.19 as the
     file says, <|im_end|> for both), and the converted folder is the target's identity: artifacts
     made under one version would be refused under the other, and 5.17's EOS is the wrong token."""
-    from gguf import GGUFReader
-
-    fields = GGUFReader(path).fields
+    fields = gguf.GGUFReader(path).fields
     for attribute, key in GGUF_SPECIAL.items():
         field = fields.get(f"tokenizer.ggml.{key}")
         if field is None:
