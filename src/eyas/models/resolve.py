@@ -88,7 +88,7 @@ def _special_tokens_from_gguf(tokenizer, path: Path) -> None:
         if field is None:
             continue
         token = tokenizer.convert_ids_to_tokens(int(field.parts[field.data[0]][0]))
-        if token is not None and getattr(tokenizer, attribute) != token:
+        if token is not None:  # an id outside the vocabulary names nothing to set
             setattr(tokenizer, attribute, token)
 
 
