@@ -569,7 +569,8 @@ def add_quality_args(p) -> None:
     q.add_argument("--block-size", type=int, default=None,
                    help="dflash: eyas's block (default eyas train's), and the matched peer's")
     q.add_argument("--draft-layers", type=int, default=None,
-                   help="dflash: decoder layers, eyas's and the matched peer's (default: eyas's, a tenth of the target's)")
+                   help="decoder layers of eyas's drafter (eagle3: `eyas train --draft-layers`, default 1; dflash: "
+                        "eyas's and the matched peer's, default eyas's, a tenth of the target's)")
     q.add_argument("--anchors", default=None,
                    help="dflash: eyas's --anchors, N a sample or 1/S (default eyas train's, one per 16 tokens of a "
                         "sample); the matched peer gets as many per token")
@@ -770,13 +771,14 @@ def q_data(args, ctx) -> dict[str, Any]:
 
 
 def eyas_options(args) -> dict[str, Any]:
-    """eyas's arm: its EAGLE-3 recipe (+ --ttt-steps), or DFlash at eyas train's defaults but for
-    --position-weights and what --block-size, --anchors and --draft-layers give."""
+    """eyas's arm: its EAGLE-3 recipe (+ --ttt-steps and --draft-layers), or DFlash at eyas train's
+    defaults but for --position-weights and what --block-size, --anchors and --draft-layers give."""
     if args.kind == "dflash":
         given = {"block_size": args.block_size, "anchors": args.anchors, "draft_layers": args.draft_layers}
         return {"drafter": "dflash", "position_weights": args.position_weights,
                 **{k: v for k, v in given.items() if v is not None}}
-    return {**EYAS_RECIPE, "ttt_steps": args.ttt_steps}
+    layers = {} if args.draft_layers is None else {"draft_layers": args.draft_layers}
+    return {**EYAS_RECIPE, "ttt_steps": args.ttt_steps, **layers}
 
 
 def q_eyas(args, ctx) -> dict[str, Any]:
