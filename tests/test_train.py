@@ -260,10 +260,11 @@ def _budgeted_run(data: Path, out: Path, monkeypatch, seconds_per_step, minutes:
     return result, rows(out), now[0]
 
 
-def test_minutes_sizes_the_schedule_from_the_steady_state_rate(tiny_llama_data, tmp_path, monkeypatch):
+def test_minutes_sizes_the_schedule_from_the_steady_state_rate(tiny_llama_data, tmp_path, monkeypatch, capsys):
     """A slow first step (compilation: 10 s of a 30 s budget) does not shrink the plan: the
     schedule is sized from the steady-state rate, completes (learning rate at its end) before
-    the deadline, and twice the rate fits about twice the steps after the slow step."""
+    the deadline, and twice the rate fits about twice the steps after the slow step. The plan's
+    line says how many epochs of the training samples the steps it fits make."""
     for rate in (1.0, 0.5):
         result, log, end = _budgeted_run(tiny_llama_data[1], tmp_path / f"d{rate}", monkeypatch,
                                          lambda step: 10.0 if step == 1 else rate)
@@ -271,6 +272,10 @@ def test_minutes_sizes_the_schedule_from_the_steady_state_rate(tiny_llama_data, 
         assert result["step"] == log[-1]["total_steps"] == log[-1]["step"], log[-1]
         assert steady - 2 <= result["step"] <= steady + 2, (rate, result["step"], steady)
         assert end <= 30 and log[-1]["lr"] < 1e-6  # the cosine (peak 1e-4) reached its end
+        printed = capsys.readouterr().out
+        per_epoch = int(re.search(r"(\d+) batches of <= \d+ tokens per epoch", printed).group(1))
+        plans = re.findall(r"(\d+) steps fit --minutes \S+ \(([\d.]+) epochs of the training samples\)", printed)
+        assert plans and all(abs(float(e) - int(n) / per_epoch) <= 0.005 * int(n) / per_epoch for n, e in plans), plans
 
 
 def test_a_cold_start_costs_only_the_seconds_it_spent_compiling(tiny_llama_data, tmp_path, monkeypatch):
