@@ -590,6 +590,10 @@ def add_quality_args(p) -> None:
                         "init=eyas starts it from eyas's arm (on_policy=init=eyas,position_weights=on-policy: the "
                         "recipe's on-policy stage after it); the EAGLE-3 record's gain_lk and gain_on_policy are the "
                         "chain tau of the variants named lk and on_policy over eyas's arm")
+    q.add_argument("--peer-steps", type=int, default=None,
+                   help="the schedule of the peer at its defaults (--max-steps; default: as many tokens as eyas's arm "
+                        "trained). It has no --minutes: at 7.5 minutes it ran eyas's 3,275 steps in 230 s, where its "
+                        "rate fits ~6,400")
     q.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
                    help="eyas's (`eyas train --optimizer`); the matched peer uses the same")
     q.add_argument("--heldout-samples", type=int, default=24)
@@ -939,7 +943,7 @@ def peer_command(args, ctx, save: Path, matched: bool) -> list[str]:
             "--no-norm-before-residual", "--fc-norm", "--norm-output", "--full-attention-indices", "0"]
     else:
         per_step = 8192  # its --total-seq-len default
-    steps = max(1, tokens // per_step)
+    steps = args.peer_steps if args.peer_steps and not matched else max(1, tokens // per_step)
     epochs = max(1, -(-steps * per_step // max(train_tokens, 1)))
     return cmd + ["--max-steps", str(steps), "--epochs", str(epochs)]
 
