@@ -97,6 +97,11 @@ class Run:
     def group(self) -> int:
         return self.dp * self.cfg.grad_accum
 
+    @property
+    def steps_per_epoch(self) -> float:
+        """Optimizer steps one pass over the training batches takes."""
+        return len(self.train_stream) / self.group
+
 
 def data_parallel(cfg: TrainConfig, d: distributed.Dist) -> int:
     return 1 if cfg.context_parallel else d.world
@@ -789,7 +794,7 @@ def _replan(run: Run, plan: budget.Budget, eval_batches: int) -> None:
     if not plan.logged or abs(total - run.total_steps) > run.total_steps // 10:
         # The epochs say what the minutes buy on this data: 20 passes over 3.6 M tokens fit them at 0.92
         # (step 0) against 0.83 held out (bench/results/peers_quality_frontier_7p5_h100.json).
-        epochs = total * run.group / max(len(run.train_stream), 1)
+        epochs = total / run.steps_per_epoch
         _log(run.d, f"{step_s:.3g} s/step in the steady state: {total} steps fit --minutes {run.cfg.minutes}"
                     f" ({epochs:.3g} epochs of the training samples)"
                     + (f" (--steps/--epochs allow {run.cap})" if run.cap else ""))
@@ -801,8 +806,7 @@ def _apply_depth_rule(run: Run, plan: budget.Budget) -> bool:
     """The budget rule, once the steady state shows: keep the starting depth, or lower it for the
     rest of the run (returns whether it did). The steps so far trained the deeper unroll of the same
     weights; the rate is measured afresh at the new depth (its first steps compile) and replans the run."""
-    per_epoch = len(run.train_stream) / run.group
-    tokens_per_step = sum(run.source.lengths[p] for b in run.train_stream.batches for p in b) / per_epoch
+    tokens_per_step = sum(run.source.lengths[p] for b in run.train_stream.batches for p in b) / run.steps_per_epoch
     step_s = distributed.max_over_processes(plan.step_s, run.d, run.device)
     depth, why = budget.depth_choice(run.total_steps, tokens_per_step, run.draft.ttt_steps, step_s,
                                      run.cfg.minutes, run.cap is not None and run.total_steps >= run.cap)
